@@ -1,0 +1,257 @@
+"""The `regen` command line: profile a workload, solve a plan under a memory cap, show either file,
+and run the end-to-end demo.
+
+    regen profile --model mypkg.train:build --batch-size 8 -o run.profile.yaml
+    regen solve run.profile.yaml --memory-cap 60% -o run.plan.yaml
+    regen show run.plan.yaml
+
+Errors caused by input (see regen.errors) print one line, `error: ...`, and exit non-zero; the
+stages are imported lazily so `regen --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from regen import __version__
+from regen.errors import RegenError
+
+DEFAULT_REPEATS = 3
+DEFAULT_WARMUP_STEPS = 1
+DEFAULT_TIME_LIMIT_S = 60.0
+
+
+def _print_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- profile -----------------------------------------------------------------------------------
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from regen.formats import save_profile
+    from regen.profiler import profile_workload
+    from regen.workloads import build_workload, load_config
+
+    spec, wargs, batch_size = args.model, {}, args.batch_size
+    if args.config:
+        config = load_config(args.config)
+        spec = spec or config["workload"]
+        wargs = config["args"]
+        batch_size = batch_size if batch_size is not None else config["batch_size"]
+    if not spec:
+        raise RegenError("give a workload: --model NAME|module:function, or --config configs/X.yaml")
+    for item in args.arg or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RegenError(f"--arg expects KEY=VALUE, got '{item}'")
+        import yaml
+
+        wargs[key] = yaml.safe_load(value)
+    device = _check_device(args.device)
+    _print_progress(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
+    workload = build_workload(spec, batch_size=batch_size, args=wargs, device=device)
+    profile = profile_workload(workload, device=device, repeats=args.repeats, warmup_steps=args.warmup,
+                               progress=None if args.quiet else _print_progress)
+    save_profile(profile, args.output)
+    _print_progress(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
+                    f"unplanned peak {format_bytes(profile.peak_bytes)}")
+    return 0
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            from regen.errors import DeviceError
+
+            raise DeviceError(f"--device {device}: no CUDA device is available here "
+                              f"(torch {torch.__version__}, cuda build: {torch.version.cuda or 'no'})")
+    elif device != "cpu":
+        raise RegenError(f"--device {device}: expected cpu or cuda[:N]")
+    return device
+
+
+# ---- solve -------------------------------------------------------------------------------------
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from regen.formats import save_plan
+    from regen.planner import load_solver_input, parse_memory_cap, solve
+
+    profile = load_solver_input(args.input, bandwidth_gb_s=args.bandwidth)
+    cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
+    plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
+                 bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
+    plan.profile_path = str(args.input)
+    save_plan(plan, args.output)
+    counts = plan.action_counts()
+    _print_progress(
+        f"wrote {args.output}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
+        f"peak {format_bytes(plan.simulated.peak_bytes)} under cap {format_bytes(plan.memory_cap_bytes)} "
+        f"(unplanned {format_bytes(plan.baseline.peak_bytes)}); step time "
+        f"{plan.simulated.step_time_s * 1e3:.2f} ms vs {plan.baseline.step_time_s * 1e3:.2f} ms unplanned")
+    return 0
+
+
+# ---- show --------------------------------------------------------------------------------------
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from regen.formats.yamlio import load_document
+    from regen.errors import FormatError
+
+    path = Path(args.file)
+    kind = _file_kind(path)
+    if kind == "profile":
+        from regen.formats import load_profile
+        from regen.profiler import profile_summary, profile_summary_json
+
+        profile = load_profile(path)
+        if args.plot:
+            raise RegenError("--plot draws a plan's timelines; give it a plan file")
+        print(json.dumps(profile_summary_json(profile)) if args.json else profile_summary(profile))
+        return 0
+    if kind == "plan":
+        from regen.formats import load_plan
+        from regen.planner import plan_summary, plan_summary_json, plot_timeline
+
+        plan = load_plan(path)
+        if args.plot:
+            plot_timeline(plan, args.plot)
+            _print_progress(f"wrote {args.plot}")
+        print(json.dumps(plan_summary_json(plan)) if args.json else plan_summary(plan))
+        return 0
+    load_document(path, "profile", (1,))  # raises a FormatError that names what was found
+    raise FormatError(f"{path}: neither a regen profile nor a regen plan")
+
+
+def _file_kind(path: Path) -> str | None:
+    """'profile' or 'plan' from the file's format line, read without parsing the whole file."""
+    from regen.errors import FormatError
+
+    if not path.exists():
+        raise FormatError(f"{path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096)
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: not a text file") from None
+    for line in head.splitlines():
+        if line.startswith("format:"):
+            value = line.split(":", 1)[1].strip().strip("'\"")
+            if value.startswith("regen-profile/"):
+                return "profile"
+            if value.startswith("regen-plan/"):
+                return "plan"
+    return None
+
+
+# ---- demo --------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from regen.demo import run_demo
+
+    return run_demo(output_dir=Path(args.output_dir), config=args.config, progress=_print_progress)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="regen",
+        description="Train PyTorch models under a memory cap: profile one step, solve a MILP that keeps, "
+                    "swaps or recomputes every saved activation, and replay the plan in your training loop.",
+        epilog="Typical use:\n"
+               "  regen profile --model mypkg.train:build --batch-size 8 -o run.profile.yaml\n"
+               "  regen solve run.profile.yaml --memory-cap 60% -o run.plan.yaml\n"
+               "  # train.py: with regen.apply(model, regen.load_plan('run.plan.yaml')): ...\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"regen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("profile", help="record one real training step of a workload",
+                       description="Run warm-up steps, then record one forward+backward step op by op "
+                                   "(times, saved tensors, memory timeline) and write a profile.")
+    p.add_argument("--model", help="built-in workload (mlp, cnn, gpt, hf-gpt2, hf-bert) or module:function "
+                                   "returning (model, batch[, loss_fn])")
+    p.add_argument("--config", help="a workload config (configs/*.yaml): workload, args, batch_size")
+    p.add_argument("--batch-size", type=int, help="passed to the workload factory when it accepts one")
+    p.add_argument("--arg", action="append", metavar="KEY=VALUE",
+                   help="extra keyword argument for the factory (repeatable), e.g. --arg n_layer=4")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"recorded steps; op times are their median (default {DEFAULT_REPEATS})")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS,
+                   help=f"unrecorded warm-up steps (default {DEFAULT_WARMUP_STEPS})")
+    p.add_argument("-o", "--output", required=True, help="where to write the profile (YAML)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    p.set_defaults(func=cmd_profile)
+
+    s = sub.add_parser("solve", help="choose keep, swap or recompute for every saved tensor under a cap",
+                       description="Solve the MILP over a profile (or a node-link JSON graph) and write a plan "
+                                   "checked by the simulator.")
+    s.add_argument("input", help="a profile (YAML) or a computation graph in networkx node-link JSON")
+    s.add_argument("--memory-cap", required=True,
+                   help="device memory cap: bytes with a unit (6GiB, 512MB) or a percentage of the unplanned peak (60%%)")
+    s.add_argument("--strategy", default="hybrid",
+                   choices=["hybrid", "recompute", "swap", "str", "keep-all", "chen"],
+                   help="hybrid (default): MILP over keep/swap/recompute; recompute or swap only; str: STR's "
+                        "formulation (small graphs); keep-all and chen (sqrt(n) checkpointing) heuristics")
+    s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+                   help=f"solver time limit in seconds; the best plan found is kept (default {DEFAULT_TIME_LIMIT_S:g})")
+    s.add_argument("--bandwidth", type=float, metavar="GB/s",
+                   help="host<->device copy bandwidth in GB/s (overrides the profile's measurement)")
+    s.add_argument("-o", "--output", required=True, help="where to write the plan (YAML)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    s.set_defaults(func=cmd_solve)
+
+    sh = sub.add_parser("show", help="summarise a profile or a plan",
+                        description="Print a readable summary of a profile or plan file, or one JSON object.")
+    sh.add_argument("file", help="a profile or plan file")
+    sh.add_argument("--json", action="store_true", help="print one JSON object instead")
+    sh.add_argument("--plot", metavar="PNG", help="(plans) draw unplanned and planned memory timelines against the cap")
+    sh.set_defaults(func=cmd_show)
+
+    d = sub.add_parser("demo", help="profile, solve at 50%% and train a built-in GPT, printing what it saved",
+                       description="The main job end to end on a built-in GPT: profile, solve at 50% of the "
+                                   "unplanned peak, train with and without the plan, and compare.")
+    d.add_argument("--output-dir", default="demo-output", help="where the profile, plan and plot go")
+    d.add_argument("--config", default=None, help="workload config (default: the built-in demo GPT)")
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except RegenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

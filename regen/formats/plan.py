@@ -1,0 +1,163 @@
+"""The plan: what to do with every saved tensor of a profiled step (`format: regen-plan/1`).
+
+Written by `regen solve` (regen.planner), read by `regen.apply` (regen.runtime) and `regen show`.
+
+Each `Decision` names a candidate the way the runtime sees it: the index of the forward op that
+produced its storage (`producer_op`) and the output slot, with shape and dtype as a check. Actions:
+
+* `keep`: autograd keeps the tensor on the device (the unplanned behaviour).
+* `swap`: the storage is copied to the host pool after `swap_out_after_op` (the runtime starts the
+  copy when autograd packs it, which is right after that op) and copied back starting before
+  backward op `swap_in_before_op`. The runtime has no op counter in backward; it issues the copy-in
+  when the step's unpack sequence reaches position `swap_in_at_unpack` (derived from the profile's
+  saved entries, so it lands at or before `swap_in_before_op`).
+* `recompute`: the device copy is dropped; before backward op `recompute_before_op` (the first
+  backward use) the runtime replays the forward ops `recipe` (indices, execution order). The recipe's
+  inputs are parameters, the batch, outputs of its own earlier ops, or the candidates listed in
+  `recipe_inputs`, which the plan guarantees are resident at that point.
+
+`recipe_ops` describes every op that appears in some recipe (name, randomness) so the runtime can
+check that the op it captured at that index is the op the plan expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from regen.errors import FormatError
+from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
+
+PLAN_FORMAT = "regen-plan/1"
+PLAN_VERSIONS = (1,)
+
+ACTION_KEEP = "keep"
+ACTION_SWAP = "swap"
+ACTION_RECOMPUTE = "recompute"
+ACTIONS = (ACTION_KEEP, ACTION_SWAP, ACTION_RECOMPUTE)
+
+
+@dataclass
+class Decision:
+    saved_tensor: int  # SavedTensor.id in the profile
+    producer_op: int
+    output_slot: int
+    shape: list[int]
+    dtype: str
+    bytes: int
+    action: str  # keep | swap | recompute
+    swap_out_after_op: int | None = None
+    swap_in_before_op: int | None = None
+    swap_in_at_unpack: int | None = None
+    recompute_before_op: int | None = None
+    recipe: list[int] = field(default_factory=list)
+    recipe_inputs: list[int] = field(default_factory=list)  # SavedTensor ids that must be resident
+
+
+@dataclass
+class RecipeOp:
+    index: int
+    name: str
+    is_random: bool = False
+
+
+@dataclass
+class PlanFigures:
+    peak_bytes: int
+    step_time_s: float
+
+
+@dataclass
+class SolverReport:
+    name: str  # "highs", "cbc", or "heuristic"
+    status: str  # optimal | time_limit | heuristic
+    objective_s: float | None
+    bound_s: float | None  # LP bound on the objective, when the solver gives one
+    gap: float | None  # relative optimality gap, 0.0 when proven optimal
+    solve_time_s: float
+    time_limit_s: float | None = None
+
+
+@dataclass
+class Plan:
+    fingerprint: str  # the profile's (forward op names and shapes)
+    workload: dict[str, Any]
+    strategy: str
+    memory_cap_bytes: int
+    baseline: PlanFigures  # the unplanned step, from the profile
+    predicted: PlanFigures  # the MILP's (or heuristic's) own prediction
+    simulated: PlanFigures  # the simulator's replay of the decisions
+    solver: SolverReport
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    host_pool_bytes: int  # pinned host memory the runtime allocates once
+    num_forward_ops: int
+    decisions: list[Decision]
+    recipe_ops: list[RecipeOp] = field(default_factory=list)
+    baseline_timeline_bytes: list[int] = field(default_factory=list)  # unplanned, after each op
+    planned_timeline_bytes: list[int] = field(default_factory=list)  # simulator's, after each op
+    format: str = PLAN_FORMAT
+    profile_path: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def action_counts(self) -> dict[str, int]:
+        counts = {a: 0 for a in ACTIONS}
+        for d in self.decisions:
+            counts[d.action] += 1
+        return counts
+
+    def action_bytes(self) -> dict[str, int]:
+        totals = {a: 0 for a in ACTIONS}
+        for d in self.decisions:
+            totals[d.action] += d.bytes
+        return totals
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        out = {"format": d.pop("format")}
+        out.update(d)
+        return out
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    dump_document(plan.to_dict(), path)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file; malformed files and unknown versions raise FormatError."""
+    doc = load_document(path, "plan", PLAN_VERSIONS)
+    where = str(path)
+    try:
+        decisions = [build_dataclass(Decision, d, f"{where}: decisions[{i}]")
+                     for i, d in enumerate(require(doc, "decisions", where))]
+        recipe_ops = [build_dataclass(RecipeOp, r, f"{where}: recipe_ops[{i}]")
+                      for i, r in enumerate(doc.get("recipe_ops") or [])]
+        plan = Plan(
+            fingerprint=str(require(doc, "fingerprint", where)),
+            workload=require(doc, "workload", where),
+            strategy=str(require(doc, "strategy", where)),
+            memory_cap_bytes=int(require(doc, "memory_cap_bytes", where)),
+            baseline=build_dataclass(PlanFigures, require(doc, "baseline", where), f"{where}: baseline"),
+            predicted=build_dataclass(PlanFigures, require(doc, "predicted", where), f"{where}: predicted"),
+            simulated=build_dataclass(PlanFigures, require(doc, "simulated", where), f"{where}: simulated"),
+            solver=build_dataclass(SolverReport, require(doc, "solver", where), f"{where}: solver"),
+            d2h_bytes_per_s=float(require(doc, "d2h_bytes_per_s", where)),
+            h2d_bytes_per_s=float(require(doc, "h2d_bytes_per_s", where)),
+            host_pool_bytes=int(require(doc, "host_pool_bytes", where)),
+            num_forward_ops=int(require(doc, "num_forward_ops", where)),
+            decisions=decisions, recipe_ops=recipe_ops, format=str(doc["format"]),
+            profile_path=doc.get("profile_path"), notes=list(doc.get("notes") or []),
+            baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
+            planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []),
+        )
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: malformed plan ({exc})") from None
+    for i, d in enumerate(plan.decisions):
+        if d.action not in ACTIONS:
+            raise FormatError(f"{where}: decisions[{i}] has action '{d.action}', expected one of {', '.join(ACTIONS)}")
+        if d.action == ACTION_SWAP and (d.swap_out_after_op is None or d.swap_in_before_op is None):
+            raise FormatError(f"{where}: decisions[{i}] is a swap without swap_out_after_op/swap_in_before_op")
+        if d.action == ACTION_RECOMPUTE and (d.recompute_before_op is None or not d.recipe):
+            raise FormatError(f"{where}: decisions[{i}] is a recompute without recompute_before_op/recipe")
+    return plan

@@ -1,0 +1,263 @@
+"""The profile: what one real training step of a workload did, op by op (`format: regen-profile/1`).
+
+Written by `regen profile` (regen.profiler), read by `regen solve` (regen.planner) and `regen show`.
+
+Indices and ids
+---------------
+* Ops are numbered in execution order over the whole step: forward ops (everything dispatched from
+  the model's forward call through the loss) come first, then backward ops. `OpRecord.index` is the
+  position in `Profile.ops`.
+* Every tensor an op reads or writes has an integer id (`TensorRecord.id`). Tensors that no op of the
+  step produced (parameters, buffers, the batch) have `producer_op = None` and a `kind` saying what
+  they are.
+* A *saved entry* is one tensor handed to autograd's pack hook, in pack order (`SavedEntry.index`).
+  Several entries can share one storage (a tensor and its views): they belong to one *saved tensor*
+  (`SavedTensor`), the planner's candidate, whose bytes are the storage's and are counted once.
+  Entries that are parameters, views of parameters, buffers or the batch belong to no candidate.
+
+Memory
+------
+`OpRecord.memory_after_bytes` is device memory allocated after the op in the unplanned step and
+`memory_peak_bytes` the peak while it ran; both are absolute (they include parameters, gradients,
+optimizer state and the batch, i.e. `memory_at_start_bytes`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from regen.errors import FormatError
+from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
+
+PROFILE_FORMAT = "regen-profile/1"
+PROFILE_VERSIONS = (1,)
+
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+
+# TensorRecord.kind / SavedEntry.excluded_reason values
+KIND_ACTIVATION = "activation"  # produced by an op of the step
+KIND_PARAMETER = "parameter"  # a parameter or a view of one (compared by storage)
+KIND_BUFFER = "buffer"  # a module buffer (e.g. batch-norm running stats)
+KIND_INPUT = "input"  # the batch, or another tensor from outside the step
+
+
+@dataclass
+class OpRecord:
+    index: int
+    name: str  # e.g. "aten.addmm.default"
+    phase: str  # "forward" | "backward"
+    time_s: float  # median over repeats
+    inputs: list[int]  # tensor ids, in argument order
+    outputs: list[int]  # tensor ids, in output order (slot = position)
+    memory_after_bytes: int
+    memory_peak_bytes: int
+    is_random: bool = False  # draws from the RNG (dropout, rand*)
+    is_inplace: bool = False  # writes into one of its inputs
+    is_view: bool = False  # outputs alias an input's storage
+
+
+@dataclass
+class TensorRecord:
+    id: int
+    shape: list[int]
+    dtype: str  # e.g. "torch.float32"
+    bytes: int  # bytes of this tensor's elements (numel * element size)
+    storage: int  # storage id; tensors sharing one storage share it
+    storage_bytes: int
+    kind: str  # activation | parameter | buffer | input
+    producer_op: int | None = None
+    output_slot: int | None = None
+
+
+@dataclass
+class SavedEntry:
+    index: int  # pack order
+    tensor: int  # tensor id of what was packed
+    saved_tensor: int | None  # candidate id, None when excluded
+    excluded_reason: str | None  # parameter | buffer | input | None
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+    dtype: str
+    pack_after_op: int  # index of the last op dispatched before the pack
+    unpack_order: int | None = None  # position in the step's unpack sequence, None if never unpacked
+    unpack_before_op: int | None = None  # index of the first op dispatched after the unpack
+
+
+@dataclass
+class SavedTensor:
+    """A planning candidate: one storage that autograd keeps for backward."""
+
+    id: int
+    tensor: int  # tensor id of the storage's producing output
+    storage: int
+    producer_op: int  # last op that wrote the storage before it was saved
+    output_slot: int
+    bytes: int  # storage bytes, counted once however many entries share it
+    shape: list[int]  # of the producing output
+    dtype: str
+    last_forward_use: int  # last forward op that reads it (>= producer_op)
+    backward_uses: list[int]  # sorted backward op indices that read it
+    entries: list[int]  # SavedEntry indices
+    is_random: bool = False  # producer draws from the RNG
+    is_inplace: bool = False  # producer wrote into an existing storage
+
+    @property
+    def first_backward_use(self) -> int | None:
+        return self.backward_uses[0] if self.backward_uses else None
+
+    @property
+    def last_backward_use(self) -> int | None:
+        return self.backward_uses[-1] if self.backward_uses else None
+
+
+@dataclass
+class DeviceInfo:
+    type: str  # "cpu" | "cuda"
+    name: str
+    total_memory_bytes: int
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    bandwidth_method: str  # e.g. "pinned cudaMemcpyAsync" or "host memcpy (CPU device: no real transfer)"
+
+
+@dataclass
+class StaticMemory:
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+
+
+@dataclass
+class Profile:
+    workload: dict[str, Any]  # {"name": ..., "args": {...}, "batch_size": ...}
+    device: DeviceInfo
+    static_memory: StaticMemory
+    versions: dict[str, str]
+    repeats: int
+    step_time_s: float  # forward + backward, median over repeats
+    optimizer_step_time_s: float
+    memory_at_start_bytes: int
+    peak_bytes: int
+    fingerprint: str
+    ops: list[OpRecord]
+    tensors: list[TensorRecord]
+    saved_entries: list[SavedEntry]
+    saved_tensors: list[SavedTensor]
+    format: str = PROFILE_FORMAT
+    notes: list[str] = field(default_factory=list)
+
+    # ---- convenience -------------------------------------------------------------------------
+    @property
+    def num_forward_ops(self) -> int:
+        return sum(1 for op in self.ops if op.phase == PHASE_FORWARD)
+
+    @property
+    def candidate_bytes(self) -> int:
+        return sum(t.bytes for t in self.saved_tensors)
+
+    def peak_op(self) -> OpRecord | None:
+        return max(self.ops, key=lambda op: op.memory_peak_bytes, default=None)
+
+    def tensor_by_id(self) -> dict[int, TensorRecord]:
+        return {t.id: t for t in self.tensors}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        out = {"format": d.pop("format")}
+        out.update(d)
+        return out
+
+
+# ---- fingerprint -------------------------------------------------------------------------------
+
+
+class OpFingerprint:
+    """Hash of the forward op sequence: op names and output shapes/dtypes, in order.
+
+    The profiler and the runtime feed it the same way (`add` once per forward op), so a plan made
+    for one model and batch shape can be told apart from another at the first step.
+    """
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self.count = 0
+
+    def add(self, name: str, outputs: Iterable[tuple[tuple[int, ...], str]]) -> None:
+        sig = ";".join(f"{'x'.join(map(str, shape))}:{dtype}" for shape, dtype in outputs)
+        self._hash.update(f"{name}({sig})\n".encode())
+        self.count += 1
+
+    def hexdigest(self) -> str:
+        return f"{self.count}:{self._hash.hexdigest()[:32]}"
+
+
+def op_fingerprint(ops: list[OpRecord], tensors: list[TensorRecord]) -> str:
+    """The fingerprint of a profile's forward ops (see OpFingerprint)."""
+    by_id = {t.id: t for t in tensors}
+    fp = OpFingerprint()
+    for op in ops:
+        if op.phase != PHASE_FORWARD:
+            continue
+        fp.add(op.name, [(tuple(by_id[o].shape), by_id[o].dtype) for o in op.outputs])
+    return fp.hexdigest()
+
+
+# ---- io ----------------------------------------------------------------------------------------
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    dump_document(profile.to_dict(), path)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file; malformed files and unknown versions raise FormatError."""
+    doc = load_document(path, "profile", PROFILE_VERSIONS)
+    where = str(path)
+    try:
+        ops = [build_dataclass(OpRecord, o, f"{where}: ops[{i}]") for i, o in enumerate(require(doc, "ops", where))]
+        tensors = [build_dataclass(TensorRecord, t, f"{where}: tensors[{i}]")
+                   for i, t in enumerate(require(doc, "tensors", where))]
+        entries = [build_dataclass(SavedEntry, e, f"{where}: saved_entries[{i}]")
+                   for i, e in enumerate(require(doc, "saved_entries", where))]
+        saved = [build_dataclass(SavedTensor, s, f"{where}: saved_tensors[{i}]")
+                 for i, s in enumerate(require(doc, "saved_tensors", where))]
+        profile = Profile(
+            workload=require(doc, "workload", where),
+            device=build_dataclass(DeviceInfo, require(doc, "device", where), f"{where}: device"),
+            static_memory=build_dataclass(StaticMemory, require(doc, "static_memory", where), f"{where}: static_memory"),
+            versions=require(doc, "versions", where),
+            repeats=int(require(doc, "repeats", where)),
+            step_time_s=float(require(doc, "step_time_s", where)),
+            optimizer_step_time_s=float(require(doc, "optimizer_step_time_s", where)),
+            memory_at_start_bytes=int(require(doc, "memory_at_start_bytes", where)),
+            peak_bytes=int(require(doc, "peak_bytes", where)),
+            fingerprint=str(require(doc, "fingerprint", where)),
+            ops=ops, tensors=tensors, saved_entries=entries, saved_tensors=saved,
+            format=str(doc["format"]), notes=list(doc.get("notes") or []),
+        )
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: malformed profile ({exc})") from None
+    _check_consistency(profile, where)
+    return profile
+
+
+def _check_consistency(profile: Profile, where: str) -> None:
+    """Cheap structural checks so a hand-edited or truncated file fails here, not in the solver."""
+    n = len(profile.ops)
+    for i, op in enumerate(profile.ops):
+        if op.index != i:
+            raise FormatError(f"{where}: ops[{i}] has index {op.index}; ops must be numbered 0..{n - 1} in order")
+        if op.phase not in (PHASE_FORWARD, PHASE_BACKWARD):
+            raise FormatError(f"{where}: ops[{i}] has phase '{op.phase}', expected forward or backward")
+    for s in profile.saved_tensors:
+        if not (0 <= s.producer_op < n) or not (0 <= s.last_forward_use < n):
+            raise FormatError(f"{where}: saved tensor {s.id} refers to an op outside 0..{n - 1}")
+        if any(not (0 <= u < n) for u in s.backward_uses):
+            raise FormatError(f"{where}: saved tensor {s.id} has a backward use outside 0..{n - 1}")
+        if s.bytes < 0:
+            raise FormatError(f"{where}: saved tensor {s.id} has negative bytes")

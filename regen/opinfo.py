@@ -1,0 +1,45 @@
+"""Facts about aten ops that the profiler and the runtime must agree on.
+
+Both stages number forward ops the same way and identify a saved tensor by the op that last wrote
+its storage; the rules for "random", "in-place" and "view" live here once so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NONDETERMINISTIC_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def op_name(func) -> str:
+    """`aten.addmm.default` for an OpOverload."""
+    return f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}"
+
+
+def is_random(func) -> bool:
+    """The op draws from the RNG (dropout, bernoulli, rand*, normal_...)."""
+    return _NONDETERMINISTIC_SEEDED in func.tags
+
+
+def is_inplace(func) -> bool:
+    """The op writes into one of its arguments (add_, copy_, out= variants)."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def is_view(func) -> bool:
+    """The op's outputs alias an input without writing it (view, t, transpose, slice...)."""
+    return bool(getattr(func, "is_view", False))
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for a tensor's storage, equal for a tensor and all its views while it lives."""
+    return t.untyped_storage().data_ptr()
+
+
+def tensor_outputs(out) -> list:
+    """Flatten an op's return value into its list of outputs (slot order); non-tensors become None."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o if isinstance(o, torch.Tensor) else None for o in out]
+    return []

@@ -1,0 +1,187 @@
+"""The workload protocol: how regen builds a model and a batch and computes the loss.
+
+A workload is a callable named `module:function` (the module importable from the current directory
+or the Python path) or a built-in name (see regen.models). It returns `(model, batch)` or
+`(model, batch, loss_fn)`:
+
+* `batch` is a dict of keyword arguments (`model(**batch)`) or a tuple of positional ones
+  (`model(*batch)`); a single tensor is treated as a one-element tuple.
+* the loss is `loss_fn(output, batch)` when a loss_fn is given, else `output.loss` (Hugging Face
+  models given labels), else the output itself when it is a scalar tensor.
+
+`batch_size` is passed to the factory when its signature accepts it (or `**kwargs`).
+Every way of breaking the protocol raises WorkloadError with a message that says what was expected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from regen.errors import WorkloadError
+
+Batch = dict[str, Any] | tuple
+
+
+@dataclass
+class Workload:
+    name: str  # the spec it was built from: a built-in name or "module:function"
+    model: nn.Module
+    batch: Batch
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None
+    args: dict[str, Any] = field(default_factory=dict)
+    batch_size: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "args": dict(self.args), "batch_size": self.batch_size}
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """The factory callable for a built-in name or `module:function`."""
+    from regen.models import BUILTIN_WORKLOADS
+
+    if spec in BUILTIN_WORKLOADS:
+        return BUILTIN_WORKLOADS[spec]
+    if ":" not in spec:
+        names = ", ".join(sorted(BUILTIN_WORKLOADS))
+        raise WorkloadError(f"unknown workload '{spec}': use a built-in name ({names}) or module:function")
+    module_name, _, func_name = spec.partition(":")
+    if not module_name or not func_name:
+        raise WorkloadError(f"workload '{spec}': expected module:function, e.g. mypkg.train:build")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise WorkloadError(f"workload '{spec}': cannot import module '{module_name}' ({exc})") from None
+    except Exception as exc:  # the user's module raised while importing
+        raise WorkloadError(f"workload '{spec}': importing '{module_name}' raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, func_name, None)
+    if factory is None:
+        raise WorkloadError(f"workload '{spec}': module '{module_name}' has no attribute '{func_name}'")
+    if not callable(factory):
+        raise WorkloadError(f"workload '{spec}': '{func_name}' is not callable")
+    return factory
+
+
+def _accepts(factory: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def build_workload(spec: str, batch_size: int | None = None, args: dict[str, Any] | None = None,
+                   device: str | torch.device = "cpu") -> Workload:
+    """Call the factory and check what it returned; model and batch are moved to `device`."""
+    factory = resolve_factory(spec)
+    kwargs = dict(args or {})
+    if batch_size is not None:
+        if _accepts(factory, "batch_size"):
+            kwargs["batch_size"] = batch_size
+        else:
+            raise WorkloadError(f"workload '{spec}' does not take a batch_size argument; drop --batch-size")
+    try:
+        result = factory(**kwargs)
+    except WorkloadError:
+        raise
+    except TypeError as exc:
+        raise WorkloadError(f"workload '{spec}': calling it with {kwargs} failed: {exc}") from exc
+    except Exception as exc:
+        raise WorkloadError(f"workload '{spec}' raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise WorkloadError(f"workload '{spec}' must return (model, batch) or (model, batch, loss_fn), "
+                            f"got {type(result).__name__}")
+    model, batch = result[0], result[1]
+    loss_fn = result[2] if len(result) == 3 else None
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"workload '{spec}': the model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    elif isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, (dict, tuple)):
+        raise WorkloadError(f"workload '{spec}': the batch must be a dict of keyword arguments or a tuple "
+                            f"of positional ones, got {type(batch).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise WorkloadError(f"workload '{spec}': loss_fn must be callable, got {type(loss_fn).__name__}")
+    model = model.to(device)
+    model.train()
+    return Workload(name=spec, model=model, batch=move_batch(batch, device), loss_fn=loss_fn,
+                    args=dict(args or {}), batch_size=batch_size)
+
+
+def move_batch(batch: Batch, device: str | torch.device) -> Batch:
+    def move(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    if isinstance(batch, dict):
+        return {k: move(v) for k, v in batch.items()}
+    return tuple(move(x) for x in batch)
+
+
+def call_model(model: nn.Module, batch: Batch):
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+def compute_loss(workload_name: str, output: Any, batch: Batch,
+                 loss_fn: Callable[[Any, Batch], torch.Tensor] | None) -> torch.Tensor:
+    """The protocol's loss: loss_fn(output, batch), else output.loss, else a scalar output."""
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    elif isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    else:
+        raise WorkloadError(
+            f"workload '{workload_name}': cannot find the loss; return (model, batch, loss_fn), or make "
+            f"the model return an object with .loss or a scalar tensor")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise WorkloadError(f"workload '{workload_name}': the loss must be a scalar tensor")
+    if not loss.requires_grad:
+        raise WorkloadError(f"workload '{workload_name}': the loss does not require grad "
+                            f"(is the model in no_grad, or are all parameters frozen?)")
+    return loss
+
+
+def forward_loss(workload: Workload) -> torch.Tensor:
+    """One forward pass and its loss, with the user's exceptions wrapped in a WorkloadError."""
+    try:
+        output = call_model(workload.model, workload.batch)
+    except WorkloadError:
+        raise
+    except Exception as exc:
+        raise WorkloadError(f"workload '{workload.name}': the forward raised {type(exc).__name__}: {exc}") from exc
+    return compute_loss(workload.name, output, workload.batch, workload.loss_fn)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """A workload config: {workload: NAME, args: {...}, batch_size: N} (configs/*.yaml)."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise WorkloadError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise WorkloadError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict) or "workload" not in data:
+        raise WorkloadError(f"{path}: a config needs a 'workload' key (a built-in name or module:function)")
+    args = data.get("args") or {}
+    if not isinstance(args, dict):
+        raise WorkloadError(f"{path}: 'args' must be a mapping of keyword arguments")
+    return {"workload": str(data["workload"]), "args": args, "batch_size": data.get("batch_size"),
+            **{k: v for k, v in data.items() if k not in ("workload", "args", "batch_size")}}

@@ -1,0 +1,72 @@
+"""Profile and plan files: round trips, and clear errors for malformed files and unknown versions."""
+
+import pytest
+
+from regen.errors import FormatError
+from regen.formats import (DeviceInfo, Decision, OpRecord, Plan, PlanFigures, Profile, SavedTensor,
+                           SolverReport, StaticMemory, TensorRecord, load_plan, load_profile, save_plan,
+                           save_profile)
+
+
+def tiny_profile() -> Profile:
+    ops = [OpRecord(index=0, name="aten.relu.default", phase="forward", time_s=1e-3, inputs=[0], outputs=[1],
+                    memory_after_bytes=200, memory_peak_bytes=200),
+           OpRecord(index=1, name="aten.threshold_backward.default", phase="backward", time_s=1e-3,
+                    inputs=[2, 1], outputs=[3], memory_after_bytes=300, memory_peak_bytes=300)]
+    tensors = [TensorRecord(id=i, shape=[10], dtype="torch.float32", bytes=40, storage=i, storage_bytes=40,
+                            kind="input" if i == 0 else "activation", producer_op=None if i == 0 else 0,
+                            output_slot=None if i == 0 else 0) for i in range(4)]
+    saved = [SavedTensor(id=0, tensor=1, storage=1, producer_op=0, output_slot=0, bytes=40, shape=[10],
+                         dtype="torch.float32", last_forward_use=0, backward_uses=[1], entries=[])]
+    return Profile(workload={"name": "t"}, device=DeviceInfo("cpu", "cpu", 1 << 30, 1e9, 1e9, "memcpy"),
+                   static_memory=StaticMemory(0, 0, 0), versions={"torch": "x"}, repeats=1, step_time_s=2e-3,
+                   optimizer_step_time_s=0.0, memory_at_start_bytes=100, peak_bytes=300, fingerprint="1:ab",
+                   ops=ops, tensors=tensors, saved_entries=[], saved_tensors=saved)
+
+
+def tiny_plan() -> Plan:
+    fig = PlanFigures(peak_bytes=300, step_time_s=2e-3)
+    return Plan(fingerprint="1:ab", workload={"name": "t"}, strategy="hybrid", memory_cap_bytes=300,
+                baseline=fig, predicted=fig, simulated=fig,
+                solver=SolverReport("highs", "optimal", 2e-3, 2e-3, 0.0, 0.1), d2h_bytes_per_s=1e9,
+                h2d_bytes_per_s=1e9, host_pool_bytes=0, num_forward_ops=1,
+                decisions=[Decision(saved_tensor=0, producer_op=0, output_slot=0, shape=[10],
+                                    dtype="torch.float32", bytes=40, action="keep")])
+
+
+def test_profile_round_trip(tmp_path):
+    p = tiny_profile()
+    save_profile(p, tmp_path / "p.yaml")
+    q = load_profile(tmp_path / "p.yaml")
+    assert q == p
+    assert q.saved_tensors[0].first_backward_use == 1
+
+
+def test_plan_round_trip(tmp_path):
+    p = tiny_plan()
+    save_plan(p, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml") == p
+
+
+@pytest.mark.parametrize("text,match", [
+    ("format: regen-profile/99\n", "not supported by this regen"),
+    ("format: regen-plan/1\n", "expected a regen profile"),
+    ("just a string\n", "no 'format' key"),
+    ("format: regen-profile/1\nops: [\n", "not valid YAML"),
+    ("format: regen-profile/1\nops: []\n", "missing field 'tensors'"),
+])
+def test_malformed_profiles_are_clear_errors(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(FormatError, match=match):
+        load_profile(path)
+
+
+def test_plan_with_unknown_action_is_refused(tmp_path):
+    plan = tiny_plan()
+    plan.decisions[0].action = "teleport"
+    save_plan(plan, tmp_path / "plan.yaml")
+    with pytest.raises(FormatError, match="action 'teleport'"):
+        load_plan(tmp_path / "plan.yaml")
+    with pytest.raises(FormatError, match="no such file"):
+        load_plan(tmp_path / "missing.yaml")
