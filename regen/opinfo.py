@@ -43,3 +43,38 @@ def tensor_outputs(out) -> list:
     if isinstance(out, (tuple, list)):
         return [o if isinstance(o, torch.Tensor) else None for o in out]
     return []
+
+
+def input_storage_keys(args, kwargs) -> set[int]:
+    """Storage keys of every tensor among an op's (flat) arguments."""
+    keys = set()
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            keys.add(storage_key(a))
+        elif isinstance(a, (list, tuple)):
+            keys.update(storage_key(x) for x in a if isinstance(x, torch.Tensor))
+    return keys
+
+
+def written_outputs(func, args, kwargs, outputs: list) -> list[tuple[int, int]]:
+    """(output slot, storage key) for every output whose storage this op *wrote*.
+
+    The rule the profiler and the runtime share to name a saved tensor by "the last forward op that
+    wrote its storage": a view op writes nothing; an in-place or out= op writes the storages of the
+    outputs it returns; any other op writes its outputs' storages unless an output aliases an input
+    (ops such as `_unsafe_view` return an alias without declaring it). Zero-byte storages are skipped.
+    """
+    if is_view(func):
+        return []
+    inplace = is_inplace(func)
+    in_keys = None if inplace else input_storage_keys(args, kwargs)
+    written = []
+    for slot, out in enumerate(outputs):
+        if out is None:
+            continue
+        key = storage_key(out)
+        if key == 0:
+            continue
+        if inplace or key not in in_keys:
+            written.append((slot, key))
+    return written
