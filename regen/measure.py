@@ -1,0 +1,63 @@
+"""Measuring memory honestly: peak bytes as the allocator saw them, not as regen's bookkeeping says.
+
+* CUDA: `torch.cuda.reset_peak_memory_stats()` then `torch.cuda.max_memory_allocated()`.
+* CPU: torch.profiler's allocator timeline (`profile_memory=True`), the same data behind
+  `export_memory_timeline`: every allocation and free the CPU allocator made while the step ran,
+  categorised, summed over time.
+
+Tests and benchmarks use this to check profiles and plans; the profiler and runtime never use it
+for their own decisions. On CPU the timeline only knows tensors that appear during the measured
+region, so compare the *increase* over the start (`peak_bytes - start_bytes`) unless you know that
+everything of interest was allocated inside it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class MemoryMeasurement:
+    peak_bytes: int  # highest bytes allocated at any moment of the step
+    start_bytes: int  # bytes allocated when the measurement began
+    end_bytes: int
+    timeline_bytes: list[int]  # allocated bytes at each allocator event (CPU) or [start, peak, end] (CUDA)
+
+    @property
+    def peak_increase_bytes(self) -> int:
+        return self.peak_bytes - self.start_bytes
+
+
+def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu") -> MemoryMeasurement:
+    """Run `step()` once and measure the device memory it allocated, from the allocator itself."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        end = torch.cuda.memory_allocated(device)
+        return MemoryMeasurement(peak, start, end, [start, peak, end])
+    return _measure_cpu(step)
+
+
+def _measure_cpu(step: Callable[[], object]) -> MemoryMeasurement:
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            step()
+        timeline = MemoryProfileTimeline(prof._memory_profile())
+        _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
+    totals = [int(sum(row)) for row in sizes] or [0]
+    return MemoryMeasurement(peak_bytes=max(totals), start_bytes=totals[0], end_bytes=totals[-1],
+                             timeline_bytes=totals)
