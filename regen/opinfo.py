@@ -16,6 +16,16 @@ def op_name(func) -> str:
     return f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}"
 
 
+# ops that compute nothing and are not numbered: record_function regions (DistributedDataParallel.forward
+# opens one, so a model wrapped in DDP would otherwise count one op more than the profiled plain model)
+NOT_COUNTED_NAMESPACES = frozenset({"profiler"})
+
+
+def is_counted(func) -> bool:
+    """Whether the op gets an index (docs/internals.md "Op numbering"); profiler::* ops do not."""
+    return func.namespace not in NOT_COUNTED_NAMESPACES
+
+
 def is_random(func) -> bool:
     """The op draws from the RNG (dropout, bernoulli, rand*, normal_...)."""
     return _NONDETERMINISTIC_SEEDED in func.tags

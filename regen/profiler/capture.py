@@ -1,0 +1,439 @@
+"""Capture of one training step at aten-op granularity: ops, tensors, saved tensors and memory.
+
+A `StepRecorder` is driven by two hooks that are active together for the whole step:
+
+* `CaptureMode`, a `TorchDispatchMode` (below autograd, after CompositeImplicit decompositions), numbers
+  every dispatched op that `opinfo.is_counted` admits (not `profiler::*` record_function regions), gives
+  every op output a fresh tensor id, updates the writer map with `regen.opinfo.written_outputs` after
+  every forward op, records which ops read each storage, and samples memory around each op;
+* `saved_tensors_hooks(recorder.pack, recorder.unpack)`, which records every tensor autograd saves
+  (`SavedEntry`: geometry, `pack_after_op`, `unpack_order`, `unpack_before_op`) and names its candidate
+  `writer[storage_key(x)]`, exactly as docs/internals.md says the runtime will.
+
+The op sequence depends on whether saved-tensor hooks are installed (without hooks, saving an op's output
+dispatches an extra `aten.detach`), so every instrumented step of the profiler runs with hooks, as the
+runtime's planned steps do.
+
+Storages are identified per lifetime: a data pointer is reused once its storage is freed, so a storage id
+is handed out whenever a pointer is seen whose previous storage has expired (`StorageWeakRef`).
+Nothing here keeps a tensor alive except the pack handles, which hold exactly what autograd would hold.
+
+`OpRecord.outputs` lists an op's tensor outputs; undefined (None) outputs, which only backward ops return
+here, are left out, so `TensorRecord.output_slot` (the position in the op's return value) is what names a
+slot, and the fingerprint is fed the defined outputs, as the runtime does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from regen import opinfo
+from regen.formats.profile import (
+    KIND_ACTIVATION,
+    KIND_BUFFER,
+    KIND_INPUT,
+    KIND_PARAMETER,
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    OpRecord,
+    SavedEntry,
+    SavedTensor,
+    TensorRecord,
+)
+from regen.profiler.memory import MemoryTracker
+
+NO_OP = -1  # pack_after_op of a pack that happened before any op of the step
+
+
+
+def _tensors_in(args, kwargs) -> list[torch.Tensor]:
+    """Tensor arguments in flattened argument order (lists of tensors, e.g. aten.cat's, included)."""
+    return [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+
+
+@dataclass
+class StorageInfo:
+    """One storage over its lifetime."""
+
+    id: int
+    key: int  # data pointer (opinfo.storage_key); 0 for empty storages
+    nbytes: int
+    kind: str  # activation (a new storage allocated by an op of the step) | parameter | buffer | input
+    ref: StorageWeakRef | None  # None for empty storages (nothing to track)
+    permanent: bool = False  # held by the model or optimizer for the whole step (never freed during it)
+
+
+@dataclass
+class _RawEntry:
+    index: int
+    tensor: int
+    storage: int
+    kind: str
+    writer: tuple[int, int] | None
+    random_contents: bool
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+    dtype: str
+    pack_after_op: int
+    unpack_order: int | None = None
+    unpack_before_op: int | None = None
+
+
+@dataclass
+class _RawOp:
+    name: str
+    phase: str
+    inputs: list[int]
+    outputs: list[int]
+    memory_peak_rel_bytes: int
+    memory_before_rel_bytes: int
+    new_bytes: int  # bytes of the new storages among its outputs
+    memory_after_rel_bytes: int = 0
+    is_random: bool = False
+    is_inplace: bool = False
+    is_view: bool = False
+
+
+@dataclass
+class Capture:
+    """What one recorded step produced, ready to go into a Profile (memory already absolute)."""
+
+    ops: list[OpRecord]
+    tensors: list[TensorRecord]
+    saved_entries: list[SavedEntry]
+    saved_tensors: list[SavedTensor]
+    memory_at_start_bytes: int
+    memory_at_end_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def op_names(self) -> list[str]:
+        return [op.name for op in self.ops]
+
+
+def _storage_bytes_of(t: torch.Tensor) -> tuple[int, int] | None:
+    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...)."""
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return st.data_ptr(), st.nbytes()
+
+
+class StepRecorder:
+    """Bookkeeping of one recorded step; see the module docstring."""
+
+    def __init__(self, tracker: MemoryTracker, parameters: list[torch.Tensor], buffers: list[torch.Tensor],
+                 known_inputs: list[torch.Tensor], held: list[torch.Tensor] = ()):
+        self.tracker = tracker
+        self.phase = PHASE_FORWARD
+        self._ids = WeakTensorKeyDictionary()
+        self.tensors: list[TensorRecord] = []
+        self._storage_by_key: dict[int, StorageInfo] = {}
+        self._num_storages = 0
+        self.writer: dict[int, tuple[int, int]] = {}
+        # storage key -> whether a random op wrote its current contents (dropout on CPU is bernoulli_ on an
+        # empty tensor then div_: the writer is div_, but the mask is random)
+        self.random_contents: dict[int, bool] = {}
+        self.ops: list[_RawOp] = []
+        self.reads: dict[int, list[int]] = {}  # storage id -> op indices that read it (ascending)
+        self.entries: list[_RawEntry] = []
+        self.unpack_count = 0
+        self._pending_unpacks: list[_RawEntry] = []
+        self._level_before_op = 0
+        self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
+        self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
+        # Storages that exist before the step: their bytes are the memory at start (CPU bookkeeping).
+        for kind, tensors, permanent in ((KIND_PARAMETER, parameters, True), (KIND_BUFFER, buffers, True),
+                                         (KIND_INPUT, held, True), (KIND_INPUT, known_inputs, False)):
+            for t in tensors:
+                self._register_external(t, kind, permanent)
+
+    # ---- storages and ids ---------------------------------------------------------------------
+    def _new_storage(self, key: int, nbytes: int, kind: str, storage) -> StorageInfo:
+        info = StorageInfo(self._num_storages, key, nbytes, kind, StorageWeakRef(storage) if key else None)
+        self._num_storages += 1
+        if key:
+            self._storage_by_key[key] = info
+        return info
+
+    def _live_storage(self, key: int) -> StorageInfo | None:
+        info = self._storage_by_key.get(key)
+        if info is None or info.ref is None or info.ref.expired():
+            return None
+        return info
+
+    def _register_external(self, t: torch.Tensor, kind: str, permanent: bool = False) -> StorageInfo | None:
+        kb = _storage_bytes_of(t)
+        if kb is None or kb[0] == 0:
+            return None
+        key, nbytes = kb
+        info = self._live_storage(key)
+        if info is None:
+            info = self._new_storage(key, nbytes, kind, t.untyped_storage())
+            info.permanent = permanent
+            self.tracker.add_external(info)
+        return info
+
+    def storage_of(self, t: torch.Tensor) -> StorageInfo:
+        """The storage of a tensor seen as an input: known, or external (alive before the step)."""
+        kb = _storage_bytes_of(t)
+        if kb is None or kb[0] == 0:
+            return self._new_storage(0, 0 if kb is None else kb[1], KIND_INPUT, None)
+        info = self._live_storage(kb[0])
+        if info is None:
+            info = self._register_external(t, KIND_INPUT)
+        return info
+
+    def _record_tensor(self, t: torch.Tensor, info: StorageInfo, producer: int | None, slot: int | None) -> int:
+        tid = len(self.tensors)
+        self.tensors.append(TensorRecord(
+            id=tid, shape=list(t.shape), dtype=str(t.dtype), bytes=t.numel() * t.element_size(),
+            storage=info.id, storage_bytes=info.nbytes, kind=info.kind, producer_op=producer, output_slot=slot))
+        self._ids[t] = tid
+        return tid
+
+    def id_of_input(self, t: torch.Tensor) -> tuple[int, StorageInfo]:
+        tid = self._ids.get(t)
+        if tid is not None:
+            rec = self.tensors[tid]
+            info = self._live_storage(_storage_bytes_of(t)[0]) if rec.storage_bytes else None
+            if info is not None and info.id == rec.storage:
+                return tid, info
+        # A tensor object never seen as an op output: a parameter, buffer or batch tensor, or (rarely) an
+        # activation whose Python wrapper was re-created by C++; the storage says which.
+        info = self.storage_of(t)
+        producer = slot = None
+        if info.kind == KIND_ACTIVATION:
+            self.unmatched_activation_inputs += 1
+            producer, slot = self.writer.get(info.key, (None, None))
+        return self._record_tensor(t, info, producer, slot), info
+
+    # ---- the dispatch side ----------------------------------------------------------------------
+    def before_op(self) -> int:
+        index = len(self.ops)
+        for entry in self._pending_unpacks:
+            entry.unpack_before_op = index
+        self._pending_unpacks.clear()
+        level = self.tracker.before_op()
+        if self.ops:
+            self.ops[-1].memory_after_rel_bytes = level
+        self._level_before_op = level
+        return index
+
+    def after_op(self, index: int, func, args, kwargs, out) -> None:
+        inputs = _tensors_in(args, kwargs)
+        input_ids = []
+        read_storages = set()
+        for t in inputs:
+            tid, info = self.id_of_input(t)
+            input_ids.append(tid)
+            if info is not None and info.nbytes:
+                read_storages.add(info.id)
+        for sid in read_storages:
+            self.reads.setdefault(sid, []).append(index)
+        outputs = opinfo.tensor_outputs(out)
+        output_ids = []
+        new_storages = []
+        for slot, t in enumerate(outputs):
+            if t is None:
+                continue
+            kb = _storage_bytes_of(t)
+            if kb is None or kb[0] == 0:
+                info = self._new_storage(0, 0 if kb is None else kb[1], KIND_ACTIVATION, None)
+            else:
+                info = self._live_storage(kb[0])
+                if info is None:
+                    info = self._new_storage(kb[0], kb[1], KIND_ACTIVATION, t.untyped_storage())
+                    new_storages.append(info)
+                elif kb[1] != info.nbytes:  # resized in place (out= ops may resize)
+                    self.tracker.resized(info, kb[1])
+                    info.nbytes = kb[1]
+            output_ids.append(self._record_tensor(t, info, index, slot))
+        random, inplace = opinfo.is_random(func), opinfo.is_inplace(func)
+        if self.phase == PHASE_FORWARD:
+            for slot, key in opinfo.written_outputs(func, args, kwargs, outputs):
+                self.writer[key] = (index, slot)
+                self.random_contents[key] = random or (inplace and self.random_contents.get(key, False))
+        peak = self.tracker.after_op(new_storages)
+        self.ops.append(_RawOp(
+            name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
+            memory_peak_rel_bytes=peak, memory_before_rel_bytes=self._level_before_op,
+            new_bytes=sum(info.nbytes for info in new_storages), is_random=random, is_inplace=inplace,
+            is_view=opinfo.is_view(func)))
+
+    # ---- the autograd side ----------------------------------------------------------------------
+    def pack(self, x: torch.Tensor) -> Any:
+        try:
+            return self._pack(x)
+        except Exception as exc:
+            self.internal_error = exc
+            raise
+
+    def _pack(self, x: torch.Tensor) -> Any:
+        index = len(self.entries)
+        tid, info = self.id_of_input(x)
+        writer = None
+        if info is not None and info.kind == KIND_ACTIVATION and info.key:
+            writer = self.writer.get(info.key)
+        self.entries.append(_RawEntry(
+            index=index, tensor=tid, storage=info.id if info is not None else -1,
+            kind=info.kind if info is not None else KIND_INPUT, writer=writer,
+            random_contents=writer is not None and self.random_contents.get(info.key, False), shape=list(x.shape),
+            stride=list(x.stride()), storage_offset=x.storage_offset(), dtype=str(x.dtype),
+            pack_after_op=len(self.ops) - 1 if self.ops else NO_OP))
+        return index, x
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        index, x = handle
+        entry = self.entries[index]
+        if entry.unpack_order is None:
+            entry.unpack_order = self.unpack_count
+            self._pending_unpacks.append(entry)
+        self.unpack_count += 1
+        return x
+
+    # ---- the result -----------------------------------------------------------------------------
+    def finish(self, in_op_peaks: dict[int, int] | None = None) -> Capture:
+        """Close the step (memory after the last op) and build the profile's records.
+
+        `in_op_peaks` (CPU): op index -> the allocator's peak during the op above its starting level, which
+        includes kernel-internal temporaries the dispatch mode cannot see.
+        """
+        level = self.tracker.before_op()
+        if self.ops:
+            self.ops[-1].memory_after_rel_bytes = level
+        start = self.tracker.start_bytes()
+        in_op_peaks = in_op_peaks or {}
+        ops = []
+        for i, raw in enumerate(self.ops):
+            after = start + raw.memory_after_rel_bytes
+            peak = start + raw.memory_peak_rel_bytes
+            if i in in_op_peaks:
+                peak = max(peak, start + raw.memory_before_rel_bytes + max(raw.new_bytes, in_op_peaks[i]))
+            peak = max(peak, after)
+            ops.append(OpRecord(index=i, name=raw.name, phase=raw.phase, time_s=0.0, inputs=raw.inputs,
+                                outputs=raw.outputs, memory_after_bytes=after, memory_peak_bytes=peak,
+                                is_random=raw.is_random, is_inplace=raw.is_inplace, is_view=raw.is_view))
+        num_forward = sum(1 for op in ops if op.phase == PHASE_FORWARD)
+        notes = []
+        entries: list[SavedEntry] = []
+        groups: dict[int, list[_RawEntry]] = {}
+        for raw in self.entries:
+            excluded = None
+            if raw.kind != KIND_ACTIVATION:
+                excluded = raw.kind
+            elif raw.writer is None:
+                excluded = KIND_INPUT  # an activation storage no forward op wrote (made in backward)
+            else:
+                groups.setdefault(raw.storage, []).append(raw)
+            entries.append(SavedEntry(
+                index=raw.index, tensor=raw.tensor, saved_tensor=None, excluded_reason=excluded,
+                shape=raw.shape, stride=raw.stride, storage_offset=raw.storage_offset, dtype=raw.dtype,
+                pack_after_op=raw.pack_after_op, unpack_order=raw.unpack_order,
+                unpack_before_op=raw.unpack_before_op))
+        saved: list[SavedTensor] = []
+        for storage_id, group in groups.items():  # dicts keep insertion order: first pack first
+            producer, slot = group[0].writer
+            if any(e.writer != group[0].writer for e in group):
+                notes.append(f"storage {storage_id} was packed with different writers "
+                             f"{sorted({e.writer for e in group})}; named by the first")
+            # OpRecord.outputs omits undefined (None) outputs, so find the slot by the records' output_slot
+            out_tid = next(t for t in ops[producer].outputs if self.tensors[t].output_slot == slot)
+            out = self.tensors[out_tid]
+            reads = self.reads.get(storage_id, [])
+            forward_reads = [r for r in reads if r < num_forward]
+            sid = len(saved)
+            for e in group:
+                entries[e.index].saved_tensor = sid
+            saved.append(SavedTensor(
+                id=sid, tensor=out_tid, storage=storage_id, producer_op=producer, output_slot=slot,
+                bytes=out.storage_bytes, shape=list(out.shape), dtype=out.dtype,
+                last_forward_use=max([producer] + forward_reads),
+                backward_uses=[r for r in reads if r >= num_forward],
+                entries=[e.index for e in group], is_random=any(e.random_contents for e in group),
+                is_inplace=ops[producer].is_inplace))
+        if self.unmatched_activation_inputs:
+            notes.append(f"{self.unmatched_activation_inputs} activation tensors were met through a new Python "
+                         f"object (named by their storage's writer)")
+        return Capture(ops=ops, tensors=self.tensors, saved_entries=entries, saved_tensors=saved,
+                       memory_at_start_bytes=start, memory_at_end_bytes=start + level, notes=notes)
+
+
+class CaptureMode(TorchDispatchMode):
+    """Feeds every dispatched op to a StepRecorder (ops run unchanged)."""
+
+    def __init__(self, recorder: StepRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not opinfo.is_counted(func):  # profiler::* (record_function regions): not numbered
+            return func(*args, **kwargs)
+        recorder = self.recorder
+        try:
+            index = recorder.before_op()
+        except Exception as exc:
+            recorder.internal_error = exc
+            raise
+        with recorder.tracker.op_scope(index):
+            out = func(*args, **kwargs)
+        try:
+            recorder.after_op(index, func, args, kwargs, out)
+        except Exception as exc:
+            recorder.internal_error = exc
+            raise
+        return out
+
+
+class TimingMode(TorchDispatchMode):
+    """Times every dispatched op: perf_counter on CPU, a pair of CUDA events around each op on CUDA."""
+
+    def __init__(self, cuda: bool):
+        super().__init__()
+        self.cuda = cuda
+        self.names: list[str] = []
+        self._cpu_times: list[float] = []
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not opinfo.is_counted(func):
+            return func(*args, **kwargs)
+        self.names.append(opinfo.op_name(func))
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = func(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self._cpu_times.append(time.perf_counter() - t0)
+        return out
+
+    def times_s(self) -> list[float]:
+        """Per-op times of the step (synchronises the device on CUDA)."""
+        if not self.cuda:
+            return list(self._cpu_times)
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self._events]  # elapsed_time is in ms
+
+
+def pass_through_pack(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def pass_through_unpack(x: torch.Tensor) -> torch.Tensor:
+    return x

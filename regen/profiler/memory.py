@@ -1,0 +1,200 @@
+"""Memory of the unplanned step, sampled around every op while the step is recorded.
+
+Two trackers with one interface (levels are relative to the start of the step; `start_bytes()` says what
+the start was):
+
+* `CudaMemoryTracker`: the CUDA caching allocator's own counters. Before an op: `memory_allocated()` and
+  `reset_peak_memory_stats()`; after it: `max_memory_allocated()`, the peak while the op ran (kernel
+  workspaces included). Absolute, so the start is everything allocated on the device.
+* `LiveStorageTracker` (CPU): the CPU allocator keeps no counter, so the recorder reports every storage it
+  sees appear (new op outputs) and the tracker polls weak references (`StorageWeakRef.expired()`) before
+  every op to see which were freed. Temporaries that a kernel allocates and frees inside itself (oneDNN
+  reorders in convolution backward, say) are not tensors the dispatch mode sees, so while the step is
+  recorded torch.profiler reports the CPU allocator's events (`profile_memory=True`) and every op runs
+  inside a marker; the peak within op i is then the level before it plus the larger of the storages it
+  returned and the allocator's own peak above its starting level during the marker. The start is the
+  bytes of the storages that existed before the step and belong to it: parameters, buffers, optimizer
+  state, gradients, the batch, and any other pre-existing tensor an op reads.
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left, bisect_right
+from contextlib import contextmanager, nullcontext
+from itertools import accumulate
+from typing import ContextManager, Protocol
+
+import torch
+
+
+class MemoryTracker(Protocol):
+    def add_external(self, info) -> None:
+        """A storage that existed before the step (its bytes belong to the start)."""
+
+    def op_scope(self, index: int) -> ContextManager:
+        """Entered around the op's own call."""
+
+    def before_op(self) -> int:
+        """Bytes allocated now, relative to the start."""
+
+    def after_op(self, new_storages: list) -> int:
+        """Peak bytes while the op ran, relative to the start; `new_storages` are the op's new outputs."""
+
+    def resized(self, info, nbytes: int) -> None:
+        """A known storage changed size."""
+
+    def start_bytes(self) -> int:
+        """Absolute bytes allocated at the start of the step."""
+
+
+_storage_expired = torch.Storage._expired
+
+
+class LiveStorageTracker:
+    """CPU: live bytes from the storages the recorder reports, polled for frees before every op."""
+
+    def __init__(self, allocator_events: "CpuAllocatorEvents | None" = None) -> None:
+        self._start = 0
+        self._level = 0
+        # storage id -> (StorageWeakRef, its handle, nbytes); the ref object keeps the handle valid
+        self._live: dict[int, tuple[object, int, int]] = {}
+        self.allocator_events = allocator_events
+
+    def op_scope(self, index: int) -> ContextManager:
+        return self.allocator_events.op_scope(index) if self.allocator_events else nullcontext()
+
+    def add_external(self, info) -> None:
+        if info.ref is None:
+            return
+        self._start += info.nbytes
+        if not info.permanent:  # the batch and the like can be dropped mid-step: watch them
+            self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
+
+    def before_op(self) -> int:
+        # torch.Storage._expired on the weak reference's handle is what StorageWeakRef.expired() calls; calling
+        # it directly halves the cost of this loop, which runs over every live storage before every op
+        expired = _storage_expired
+        dead = [sid for sid, (_, cdata, _) in self._live.items() if expired(cdata)]
+        for sid in dead:
+            self._level -= self._live.pop(sid)[2]
+        return self._level
+
+    def after_op(self, new_storages: list) -> int:
+        for info in new_storages:
+            self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
+            self._level += info.nbytes
+        return self._level
+
+    def resized(self, info, nbytes: int) -> None:
+        if info.id in self._live:
+            ref, cdata, old = self._live[info.id]
+            self._level += nbytes - old
+            self._live[info.id] = (ref, cdata, nbytes)
+
+    def start_bytes(self) -> int:
+        return self._start
+
+
+class CudaMemoryTracker:
+    """CUDA: the caching allocator's allocated-bytes counters around every op."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda.synchronize(device)
+        self._start = torch.cuda.memory_allocated(device)
+
+    def add_external(self, info) -> None:
+        pass  # the allocator already counts it in memory_allocated()
+
+    def op_scope(self, index: int) -> ContextManager:
+        return nullcontext()
+
+    def before_op(self) -> int:
+        level = torch.cuda.memory_allocated(self.device) - self._start
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return level
+
+    def after_op(self, new_storages: list) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self._start
+
+    def resized(self, info, nbytes: int) -> None:
+        pass
+
+    def start_bytes(self) -> int:
+        return self._start
+
+
+OP_MARKER_PREFIX = "regen-op#"
+
+
+@contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (kineto prints a line on every profiler start and stop)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class CpuAllocatorEvents:
+    """The CPU allocator's allocations and frees during the recorded step, as torch.profiler reports them.
+
+    Used only to see what kernels allocate inside themselves; the level itself comes from the live
+    storages. Unavailable (every op then gets 0 extra) when another profiler is already running.
+    """
+
+    def __init__(self) -> None:
+        self.available = not torch._C._autograd._profiler_enabled()
+        self._prof = None
+
+    def __enter__(self) -> "CpuAllocatorEvents":
+        if self.available:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _quiet_stderr():
+                self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._prof is not None:
+            with _quiet_stderr():
+                self._prof.__exit__(*exc)
+
+    def op_scope(self, index: int) -> ContextManager:
+        if self._prof is None:
+            return nullcontext()
+        return torch._C._profiler._RecordFunctionFast(f"{OP_MARKER_PREFIX}{index}")
+
+    def in_op_peaks(self) -> dict[int, int]:
+        """op index -> highest bytes the allocator held during the op above its level when the op began."""
+        if self._prof is None:
+            return {}
+        cpu = torch._C._autograd.DeviceType.CPU
+        markers, memory = [], []
+        for e in self._prof.profiler.kineto_results.events():
+            name = e.name()
+            if name == "[memory]":
+                if e.device_type() == cpu:
+                    memory.append((e.start_ns(), e.nbytes()))
+            elif name.startswith(OP_MARKER_PREFIX):
+                markers.append((int(name[len(OP_MARKER_PREFIX):]), e.start_ns(), e.end_ns()))
+        memory.sort()
+        times = [t for t, _ in memory]
+        levels = list(accumulate(n for _, n in memory))
+        peaks = {}
+        for index, start, end in markers:
+            lo, hi = bisect_left(times, start), bisect_right(times, end)
+            if lo < hi:
+                before = levels[lo - 1] if lo else 0
+                peaks[index] = max(0, max(levels[lo:hi]) - before)
+        return peaks
