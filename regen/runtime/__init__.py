@@ -1,7 +1,11 @@
-"""regen.runtime: replay a plan in a training loop (not yet implemented)."""
+"""regen.runtime: replay a plan in an unmodified training loop (`regen.apply(model, plan)`).
 
-from regen.errors import RegenError
+* apply.py: the handle (context manager / `.remove()`), step boundaries, pack and unpack hooks;
+* matching.py: the plan's lookup tables and the dispatch mode that numbers forward ops;
+* swap.py: the host pool and the copies (CUDA streams and events, synchronous on CPU);
+* recompute.py: capture of recipe ops in forward and their replay in backward.
+"""
 
+from regen.runtime.apply import PlanMismatchWarning, RegenHandle, RuntimeStats, apply
 
-def apply(model, plan, **kwargs):
-    raise RegenError("regen.apply: not yet implemented")
+__all__ = ["PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]

@@ -1,0 +1,172 @@
+"""Recompute: capture the ops of the plan's recipes in forward, replay them in backward.
+
+In forward, every op whose index is in `Plan.recipe_ops` is captured as `(func, args, kwargs)` with
+each tensor argument that an op of this step wrote replaced by a `Ref` (the op and output slot that
+wrote its storage, plus the argument's own view geometry), so a capture holds no activation alive.
+Tensors no op of the step wrote (parameters, buffers, the batch) are held by reference, with their
+version counter so an in-place change before the replay is caught. Random ops also save the RNG
+state they ran with (CPU, and the CUDA device's when they ran there).
+
+In backward, `replay_recipe` runs a decision's recipe in order with grad off, resolving each `Ref`
+from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
+dropping each intermediate right after its last use, and restoring the ambient RNG state after each
+random op. Anything that does not resolve, or an output that does not match the plan, raises
+`PlanMismatchError`: a recipe is never replayed approximately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from regen.errors import PlanMismatchError
+from regen.opinfo import op_name, storage_key, tensor_outputs, written_outputs
+from regen.runtime.swap import Geometry, view_of
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor argument that an op of the step produced: its storage's writer and its own view."""
+
+    op: int
+    slot: int
+    geometry: Geometry
+
+
+@dataclass(frozen=True)
+class External:
+    """A tensor argument no op of the step wrote (parameter, buffer, batch), held by reference."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+@dataclass
+class Capture:
+    index: int
+    func: Any  # an OpOverload
+    args: tuple
+    kwargs: dict
+    refs: tuple[tuple[int, int], ...]  # (op, slot) of every Ref, for early freeing
+    cpu_rng_state: torch.Tensor | None = None
+    cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
+
+
+def _op_device(args, kwargs) -> torch.device:
+    flat, _ = tree_flatten((args, kwargs))
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    dev = kwargs.get("device")
+    return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Capture:
+    """Record an op for later replay; call it before the op runs (the RNG state is the one it will use)."""
+    refs: list[tuple[int, int]] = []
+
+    def template(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        key = storage_key(a)
+        w = writer.get(key) if key else None
+        if w is None:
+            return External(a, a._version)
+        refs.append((w[0], w[1]))
+        return Ref(w[0], w[1], Geometry.of(a))
+
+    cap = Capture(index=index, func=func, args=tree_map(template, tuple(args)),
+                  kwargs=tree_map(template, dict(kwargs)), refs=tuple(refs))
+    if random:
+        cap.cpu_rng_state = torch.get_rng_state()
+        device = _op_device(args, kwargs)
+        if device.type == "cuda":
+            cap.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
+    return cap
+
+
+def _run_with_rng(cap: Capture, args, kwargs):
+    if cap.cpu_rng_state is None:
+        return cap.func(*args, **kwargs)
+    ambient_cpu = torch.get_rng_state()
+    ambient_cuda = None
+    if cap.cuda_rng_state is not None:
+        device, state = cap.cuda_rng_state
+        ambient_cuda = torch.cuda.get_rng_state(device)
+        torch.cuda.set_rng_state(state, device)
+    torch.set_rng_state(cap.cpu_rng_state)
+    try:
+        return cap.func(*args, **kwargs)
+    finally:
+        torch.set_rng_state(ambient_cpu)
+        if ambient_cuda is not None:
+            torch.cuda.set_rng_state(ambient_cuda, cap.cuda_rng_state[0])
+
+
+def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[int, Capture],
+                  anchor: Callable[[tuple[int, int]], torch.Tensor],
+                  expect_shape: torch.Size, expect_dtype: torch.dtype) -> torch.Tensor:
+    """Run `recipe` and return a tensor over the rebuilt storage of `candidate` (op, slot).
+
+    `anchor(key)` returns a tensor over the storage of a resident candidate the recipe may read
+    (the decision's recipe_inputs), or raises PlanMismatchError when `key` is not one of them.
+    """
+    caps = []
+    for r in recipe:
+        cap = captures.get(r)
+        if cap is None:
+            raise PlanMismatchError(f"recipe of op {candidate[0]} needs op {r}, which this step's forward "
+                                    f"did not run; the plan does not fit this model")
+        caps.append(cap)
+    last_use: dict[tuple[int, int], int] = {}
+    for pos, cap in enumerate(caps):
+        for key in cap.refs:
+            last_use[key] = pos
+    table: dict[tuple[int, int], torch.Tensor] = {}
+
+    def resolve(a):
+        if isinstance(a, Ref):
+            key = (a.op, a.slot)
+            base = table.get(key)
+            if base is None:
+                base = anchor(key)
+            return view_of(base, a.geometry)
+        if isinstance(a, External):
+            if a.tensor._version != a.version:
+                raise PlanMismatchError(
+                    f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
+                    f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
+            return a.tensor
+        return a
+
+    with torch.no_grad():
+        for pos, cap in enumerate(caps):
+            args = tree_map(resolve, cap.args)
+            kwargs = tree_map(resolve, cap.kwargs)
+            out = _run_with_rng(cap, args, kwargs)
+            outs = tensor_outputs(out)
+            for slot, _ in written_outputs(cap.func, args, kwargs, outs):
+                table[(cap.index, slot)] = outs[slot]
+            del args, kwargs, out, outs
+            for key in [k for k in table if k != candidate and last_use.get(k, -1) <= pos]:
+                del table[key]  # free intermediates right after their last use
+    result = table.get(candidate)
+    if result is None:
+        raise PlanMismatchError(f"the recipe {recipe} did not rebuild op {candidate[0]} output {candidate[1]}; "
+                                f"the plan does not fit this model")
+    if result.shape != expect_shape or result.dtype != expect_dtype:
+        raise PlanMismatchError(
+            f"recomputing op {candidate[0]} gave {tuple(result.shape)} {result.dtype}, the plan expects "
+            f"{tuple(expect_shape)} {expect_dtype}")
+    return result
+
+
+def check_captured_name(index: int, func, expected_name: str) -> str | None:
+    """A mismatch message when the op run at a recipe index is not the one the plan names."""
+    name = op_name(func)
+    if name != expected_name:
+        return f"forward op {index} is {name}, the plan's recipe expects {expected_name}"
+    return None

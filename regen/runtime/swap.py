@@ -1,0 +1,238 @@
+"""Swap: copy a saved tensor's storage to host memory in forward and back to the device in backward.
+
+* `HostPool`: host memory allocated once (pinned on CUDA: allocating pinned memory per tensor forces a
+  device sync) and handed out as byte ranges, first fit; it grows by whole chunks when a step needs
+  more than it holds, and every range goes back to it when its step is done, so later steps reuse it.
+* `SwapEngine`: the copies. On CUDA a device-to-host stream and a host-to-device stream: a copy-out
+  waits on an event recorded on the compute stream and records its own completion event; the device
+  storage is kept alive by the caller until the compute stream has waited on that event (no
+  `record_stream`). A copy-in allocates its buffer on the compute stream, runs on the host-to-device
+  stream after an event from the compute stream, and records an event the consumer waits on. On CPU
+  the same calls run synchronously (`copy_` between two host tensors) and return no events.
+
+Copies are storage-level: the whole storage of the packed tensor moves once, however many saved entries
+view it; each entry is rebuilt over the restored bytes with its own geometry (see `view_of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+HOST_ALIGN_BYTES = 512  # alignment of each host range (DMA-friendly, and a multiple of every dtype)
+MIN_CHUNK_BYTES = 1 << 20  # a pool never grows by less than this
+
+
+def _align(n: int) -> int:
+    return (n + HOST_ALIGN_BYTES - 1) // HOST_ALIGN_BYTES * HOST_ALIGN_BYTES
+
+
+def storage_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of `t` (all its views' bytes)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def view_of(base: torch.Tensor, geometry: "Geometry") -> torch.Tensor:
+    """The tensor with `geometry` over the storage of `base` (dtype may differ from base's)."""
+    return torch.empty(0, dtype=geometry.dtype, device=base.device).set_(
+        base.untyped_storage(), geometry.storage_offset, geometry.size, geometry.stride)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a saved entry views its storage."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Geometry":
+        return Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+@dataclass
+class _Chunk:
+    tensor: torch.Tensor  # uint8 host memory
+    free: list[list[int]]  # sorted [start, end) free ranges
+
+
+@dataclass
+class HostSlot:
+    """A byte range of the host pool holding one swapped storage."""
+
+    chunk: _Chunk
+    start: int
+    nbytes: int
+    reserved_bytes: int
+    tensor: torch.Tensor  # uint8 view of the range
+    # CUDA: the last copy reading this range (a copy-in); whoever writes the range next waits on it
+    last_read_event: object | None = None
+
+
+class HostPool:
+    """Host memory for swapped storages, allocated once and reused every step."""
+
+    def __init__(self, initial_bytes: int = 0, pin_memory: bool = False):
+        self.pin_memory = pin_memory
+        self.chunks: list[_Chunk] = []
+        self.checked_out_bytes = 0
+        self.peak_checked_out_bytes = 0
+        self.grow_count = 0
+        # CUDA: events of copy-ins that read ranges since given back; the next copy-out waits on them
+        self.pending_read_events: list[object] = []
+        if initial_bytes > 0:
+            self._grow(initial_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(c.tensor.numel() for c in self.chunks)
+
+    def _grow(self, nbytes: int) -> _Chunk:
+        size = _align(max(nbytes, MIN_CHUNK_BYTES, self.capacity_bytes))
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        chunk = _Chunk(tensor=tensor, free=[[0, size]])
+        self.chunks.append(chunk)
+        self.grow_count += 1
+        return chunk
+
+    def allocate(self, nbytes: int) -> HostSlot:
+        need = _align(max(nbytes, 1))
+        for chunk in self.chunks:
+            slot = self._take(chunk, need, nbytes)
+            if slot is not None:
+                return slot
+        slot = self._take(self._grow(need), need, nbytes)
+        assert slot is not None
+        return slot
+
+    def _take(self, chunk: _Chunk, need: int, nbytes: int) -> HostSlot | None:
+        for i, (start, end) in enumerate(chunk.free):
+            if end - start >= need:
+                if end - start == need:
+                    chunk.free.pop(i)
+                else:
+                    chunk.free[i][0] = start + need
+                self.checked_out_bytes += need
+                self.peak_checked_out_bytes = max(self.peak_checked_out_bytes, self.checked_out_bytes)
+                return HostSlot(chunk=chunk, start=start, nbytes=nbytes, reserved_bytes=need,
+                                tensor=chunk.tensor[start:start + nbytes])
+        return None
+
+    def release(self, slot: HostSlot) -> None:
+        """Give a range back; its last reader's event goes with it so the next writer can wait on it."""
+        free = slot.chunk.free
+        start, end = slot.start, slot.start + slot.reserved_bytes
+        if slot.last_read_event is not None:
+            self.pending_read_events.append(slot.last_read_event)
+            slot.last_read_event = None
+        free.append([start, end])
+        free.sort()
+        merged: list[list[int]] = []
+        for r in free:
+            if merged and merged[-1][1] == r[0]:
+                merged[-1][1] = r[1]
+            else:
+                merged.append(r)
+        slot.chunk.free[:] = merged
+        self.checked_out_bytes -= slot.reserved_bytes
+
+
+@dataclass
+class CopyOut:
+    """A storage on its way to (or already in) the host pool."""
+
+    slot: HostSlot
+    done_event: object | None  # CUDA event on the device-to-host stream; None on CPU (synchronous)
+    source: torch.Tensor | None  # the device bytes, held until the compute stream has waited on done_event
+    device: torch.device  # where the storage lives (and comes back to)
+
+
+@dataclass
+class CopyIn:
+    buffer: torch.Tensor  # uint8 device tensor holding the restored storage
+    done_event: object | None  # CUDA event on the host-to-device stream; None on CPU
+    waited_streams: set = field(default_factory=set)
+
+
+class SwapEngine:
+    """Copies between one device and the host pool; synchronous on CPU, on side streams on CUDA."""
+
+    def __init__(self, device: torch.device, pool: HostPool):
+        self.device = device
+        self.pool = pool
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def copy_out(self, t: torch.Tensor) -> CopyOut:
+        """Start copying the whole storage of `t` into a host range."""
+        src = storage_bytes_view(t)
+        slot = self.pool.allocate(src.numel())
+        if not self.is_cuda:
+            slot.tensor.copy_(src)
+            return CopyOut(slot=slot, done_event=None, source=None, device=self.device)
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self.d2h_stream.wait_event(ready)
+        for event in self.pool.pending_read_events:  # recycled ranges: their last copy-in has read them
+            self.d2h_stream.wait_event(event)
+        self.pool.pending_read_events.clear()
+        with torch.cuda.stream(self.d2h_stream):
+            slot.tensor.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h_stream)
+        return CopyOut(slot=slot, done_event=done, source=src, device=self.device)
+
+    def copy_out_finished(self, out: CopyOut) -> bool:
+        return out.done_event is None or out.done_event.query()
+
+    def release_source(self, out: CopyOut) -> None:
+        """Let the device storage go: the compute stream first waits on the copy, so the allocator can
+        only hand the memory to work ordered after it."""
+        if out.source is None:
+            return
+        torch.cuda.current_stream(self.device).wait_event(out.done_event)
+        out.source = None
+
+    # ---- backward ------------------------------------------------------------------------------
+    def copy_in(self, out: CopyOut) -> CopyIn:
+        """Start copying a host range back into a new device buffer allocated on the compute stream."""
+        nbytes = out.slot.nbytes
+        if not self.is_cuda:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buf.copy_(out.slot.tensor)
+            return CopyIn(buffer=buf, done_event=None)
+        compute = torch.cuda.current_stream(self.device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self.h2d_stream.wait_event(ready)
+        self.h2d_stream.wait_event(out.done_event)  # the host bytes are there
+        with torch.cuda.stream(self.h2d_stream):
+            buf.copy_(out.slot.tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d_stream)
+        out.slot.last_read_event = done
+        return CopyIn(buffer=buf, done_event=done)
+
+    def wait_copy_in(self, cin: CopyIn) -> None:
+        """Make the current (consumer) stream wait for the copy-in."""
+        if cin.done_event is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream not in cin.waited_streams:
+            stream.wait_event(cin.done_event)
+            cin.waited_streams.add(stream.cuda_stream)
+
+    def drop_copy_in(self, cin: CopyIn) -> None:
+        """Before the buffer goes back to the allocator, order the compute stream after the copy into it."""
+        if cin.done_event is not None and not cin.waited_streams:
+            torch.cuda.current_stream(self.device).wait_event(cin.done_event)
+            cin.waited_streams.add(torch.cuda.current_stream(self.device).cuda_stream)

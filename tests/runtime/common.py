@@ -1,0 +1,63 @@
+"""Shared helpers of the runtime tests: one training step, gradient snapshots, workload traces."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from regen.workloads import build_workload, call_model, compute_loss
+
+from handmade import trace_workload
+
+STEP_SEED = 1234
+# small sizes so each step takes milliseconds on a loaded CPU
+WORKLOAD_ARGS = {
+    "mlp": {},
+    "cnn": {"batch_size": 4, "num_blocks": 2},
+    "gpt": {},
+    "hf-gpt2": {},
+    "hf-bert": {},
+}
+
+
+def make(name: str, **overrides):
+    args = dict(WORKLOAD_ARGS.get(name, {}))
+    args.update(overrides)
+    batch_size = args.pop("batch_size", None)
+    return build_workload(name, batch_size=batch_size, args=args)
+
+
+@functools.lru_cache(maxsize=None)
+def traced(name: str):
+    """(workload, trace) for a built-in workload, traced once per test session."""
+    w = make(name)
+    return w, trace_workload(w)
+
+
+def step(w, seed: int = STEP_SEED) -> torch.Tensor:
+    """Forward (the model called directly, so runtime errors are not wrapped) and backward."""
+    torch.manual_seed(seed)
+    out = call_model(w.model, w.batch)
+    loss = compute_loss(w.name, out, w.batch, w.loss_fn)
+    loss.backward()
+    return loss.detach()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_and_grads(w, seed: int = STEP_SEED):
+    w.model.zero_grad(set_to_none=True)
+    loss = step(w, seed)
+    return loss, grads(w.model)
+
+
+def assert_same(a, b):
+    loss_a, g_a = a
+    loss_b, g_b = b
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    assert g_a.keys() == g_b.keys()
+    for k in g_a:
+        assert torch.equal(g_a[k], g_b[k]), f"gradient of {k} differs"
