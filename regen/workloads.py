@@ -177,7 +177,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise WorkloadError(f"{path}: not valid YAML ({exc})") from None
+        raise WorkloadError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict) or "workload" not in data:
         raise WorkloadError(f"{path}: a config needs a 'workload' key (a built-in name or module:function)")
     args = data.get("args") or {}

@@ -43,7 +43,8 @@ def load_document(path: str | Path, kind: str, supported_versions: tuple[int, ..
         with open(path, encoding="utf-8") as f:
             document = yaml.load(f, Loader=_Loader)
     except yaml.YAMLError as exc:
-        raise FormatError(f"{path}: not valid YAML ({exc})") from None
+        detail = " ".join(str(exc).split())  # one line: the CLI prints errors on a single line
+        raise FormatError(f"{path}: not valid YAML ({detail})") from None
     except UnicodeDecodeError:
         raise FormatError(f"{path}: not a text file") from None
     if not isinstance(document, dict) or "format" not in document:
