@@ -6,11 +6,14 @@ its storage; the rules for "random", "in-place" and "view" live here once so the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _NONDETERMINISTIC_SEEDED = torch.Tag.nondeterministic_seeded
 
 
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def op_name(func) -> str:
     """`aten.addmm.default` for an OpOverload."""
     return f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}"
@@ -21,21 +24,25 @@ def op_name(func) -> str:
 NOT_COUNTED_NAMESPACES = frozenset({"profiler"})
 
 
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_counted(func) -> bool:
     """Whether the op gets an index (docs/internals.md "Op numbering"); profiler::* ops do not."""
     return func.namespace not in NOT_COUNTED_NAMESPACES
 
 
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_random(func) -> bool:
     """The op draws from the RNG (dropout, bernoulli, rand*, normal_...)."""
     return _NONDETERMINISTIC_SEEDED in func.tags
 
 
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_inplace(func) -> bool:
     """The op writes into one of its arguments (add_, copy_, out= variants)."""
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_view(func) -> bool:
     """The op's outputs alias an input without writing it (view, t, transpose, slice...)."""
     return bool(getattr(func, "is_view", False))

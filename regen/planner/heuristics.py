@@ -1,0 +1,128 @@
+"""Heuristic plans: keep-all, Chen's sqrt(n) checkpointing, and the greedy plan that warm-starts the MILP.
+
+* `keep_all`: the unplanned step (every candidate kept).
+* `chen`: sqrt(n) checkpointing (Chen et al. 2016) over the forward candidates: every ceil(sqrt(n))-th
+  candidate is a checkpoint and kept, every other one is recomputed from the checkpoints (its recipe
+  walks through the dropped candidates back to kept ones). regen's runtime rebuilds each candidate
+  with its own recipe at its first backward use (no segment cache), so a segment of k candidates
+  costs up to k(k+1)/2 op replays rather than Chen's one: a comparison point, not a competitor.
+* `greedy`: simulator-driven: while the simulated peak is over the cap, take candidates not resident
+  at the worst step by cheapest cost per byte (recompute time, or a swap's estimated exposed
+  transfer), checking recipe inputs stay resident. Its plans are simulator-feasible by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.graph import Candidate, PlanningGraph, anchor_resident_without_plan, build_recipe, recipe_context
+from regen.planner.simulator import Choice, simulate
+
+MAX_GREEDY_ROUNDS = 400
+SWAP_TRAFFIC_WEIGHT = 0.05  # fraction of a swap's transfer time counted even when it hides behind compute
+CHEN_MAX_PASSES = 4
+
+
+def keep_all(graph: PlanningGraph) -> dict[int, Choice]:
+    return {}
+
+
+def chen(graph: PlanningGraph) -> dict[int, Choice]:
+    """sqrt(n) checkpointing expressed as recompute decisions."""
+    ctx = recipe_context(graph)
+    cands = [c for c in graph.candidates if not c.trivial and c.bytes > 0 and c.recipes]
+    if not cands:
+        return {}
+    cands.sort(key=lambda c: (c.producer, c.index))
+    segment = max(1, math.ceil(math.sqrt(len(cands))))
+    dropped = {c.index for k, c in enumerate(cands) if k % segment != segment - 1}
+    choices: dict[int, Choice] = {}
+    for _ in range(CHEN_MAX_PASSES):
+        choices, failed = {}, set()
+        for c in cands:
+            if c.index not in dropped:
+                continue
+            recipe, _why = build_recipe(ctx, c, is_anchor=lambda a: a.index not in dropped)
+            if recipe is None or any(not _resident_for(graph, a, c.first_backward, dropped) for a in recipe.anchors):
+                failed.add(c.index)
+            else:
+                choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=recipe)
+        if not failed:
+            break
+        dropped -= failed
+    return choices
+
+
+def _resident_for(graph: PlanningGraph, a_idx: int, step: int, dropped: set[int]) -> bool:
+    a = graph.candidates[a_idx]
+    return anchor_resident_without_plan(a, step) or a_idx not in dropped
+
+
+def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_recompute: bool = True,
+           best_effort: bool = False) -> dict[int, Choice] | None:
+    """A simulator-feasible plan under the cap, or None when the greedy gets stuck.
+
+    With `best_effort`, the valid plan of lowest simulated peak seen is returned instead of None.
+    """
+    choices: dict[int, Choice] = {}
+    locked: set[int] = set()  # anchors of chosen recomputes: must stay resident
+    best: tuple[int, dict[int, Choice]] = (graph.unplanned_peak_bytes + 1, {})
+    for _ in range(MAX_GREEDY_ROUNDS):
+        sim = simulate(graph, choices)
+        if sim.valid and sim.peak_bytes < best[0]:
+            best = (sim.peak_bytes, dict(choices))
+        if sim.peak_bytes <= cap_bytes and sim.valid:
+            return choices
+        if not sim.valid:
+            break
+        worst, step = max((max(p, a), s) for s, (p, a) in
+                          enumerate(zip(sim.peak_timeline_bytes, sim.timeline_bytes)))
+        excess = worst - cap_bytes
+        options = []
+        for c in graph.candidates:
+            if c.index in choices or c.index in locked or c.trivial or c.bytes <= 0:
+                continue
+            if step not in c.gap:
+                continue
+            option = _best_option(graph, c, step, choices, allow_swap, allow_recompute)
+            if option is not None:
+                cost, choice = option
+                options.append((cost / c.bytes, c, choice))
+        if not options:
+            break
+        options.sort(key=lambda o: o[0])
+        freed = 0
+        for _score, c, choice in options:
+            if c.index in locked:
+                continue  # became a recipe input of a candidate taken this round
+            if choice.recipe is not None and any(a in choices for a in choice.recipe.anchors
+                                                 if not anchor_resident_without_plan(graph.candidates[a],
+                                                                                     c.first_backward)):
+                continue  # one of its recipe inputs was taken this round
+            choices[c.index] = choice
+            if choice.recipe is not None:
+                locked.update(a for a in choice.recipe.anchors
+                              if not anchor_resident_without_plan(graph.candidates[a], c.first_backward))
+            freed += c.bytes
+            if freed >= excess:
+                break
+    return best[1] if best_effort else None
+
+
+def _best_option(graph: PlanningGraph, c: Candidate, step: int, choices: dict[int, Choice], allow_swap: bool,
+                 allow_recompute: bool) -> tuple[float, Choice] | None:
+    best = None
+    if allow_recompute:
+        for recipe in c.recipes:
+            if all(anchor_resident_without_plan(graph.candidates[a], c.first_backward)
+                   or choices.get(a, Choice()).action == ACTION_KEEP for a in recipe.anchors):
+                best = (recipe.time_s, Choice(ACTION_RECOMPUTE, recipe=recipe))
+                break
+    if allow_swap and c.can_swap and c.out_window[-1] < step < c.in_window[0]:
+        transfer = c.bytes / graph.h2d_bytes_per_s
+        hidden = sum(graph.time_s[s] for s in c.in_window)
+        cost = max(0.0, transfer - hidden) + SWAP_TRAFFIC_WEIGHT * transfer
+        if best is None or cost < best[0]:
+            best = (cost, Choice(ACTION_SWAP, swap_in_step=c.in_window[0]))
+    return best

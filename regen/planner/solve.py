@@ -1,0 +1,371 @@
+"""`regen solve`: read the input, parse the cap, run a strategy, check the result, build the Plan.
+
+Strategies: `hybrid` (the MILP over keep/swap/recompute), `recompute` and `swap` (the same MILP with
+one action switched off), `str` (STR's formulation, regen.planner.str_milp), and the heuristics
+`keep-all` and `chen`. Every plan is replayed by the simulator before it is returned: a MILP plan
+whose simulated peak is over the cap (the MILP's copy channel is a per-step relaxation of the
+runtime's FIFO streams) is repaired by adding FIFO-order constraints between the swaps involved and,
+if that is not enough, headroom at the offending steps, then re-solved; a heuristic plan over the cap
+is an InfeasibleCapError naming the strategy's own peak.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+from regen.errors import FormatError, InfeasibleCapError, RegenError, SolverError
+from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
+                                SolverReport)
+from regen.formats.profile import Profile, load_profile
+from regen.planner import heuristics
+from regen.planner.graph import PlanningGraph, build_graph
+from regen.planner.milp import MilpOptions, Model, _Infeasible, solve_model
+from regen.planner.simulator import Choice, SimulationResult, simulate
+
+STRATEGIES = ("hybrid", "recompute", "swap", "str", "keep-all", "chen")
+MILP_STRATEGIES = {"hybrid": (True, True), "recompute": (False, True), "swap": (True, False)}
+BYTES_PER_GB = 1e9
+MAX_REPAIR_ROUNDS = 4
+MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
+MIN_SOLVER_TIME_S = 1e-3  # a repair round gets at least this long even past the deadline
+WARM_START_TIME_FRACTION = 0.2  # of the time limit, for the recompute-only warm start of hybrid
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_CAP_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")
+
+Progress = Callable[[str], None] | None
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def parse_memory_cap(text: str, baseline_peak_bytes: int) -> int:
+    """'6GiB', '512MB', '1.5e9' (bytes), '60%' (of the unplanned peak) -> bytes."""
+    m = _CAP_RE.match(str(text))
+    if not m:
+        raise RegenError(f"--memory-cap '{text}': expected a number with a unit (6GiB, 512MB, 1.5e9) "
+                         f"or a percentage of the unplanned peak (60%)")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "%":
+        if not 0 < value:
+            raise RegenError(f"--memory-cap '{text}': a percentage must be positive")
+        return int(baseline_peak_bytes * value / 100.0)
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %"
+        raise RegenError(f"--memory-cap '{text}': unknown unit '{unit}' (use {known})")
+    cap = int(value * factor)
+    if cap <= 0:
+        raise RegenError(f"--memory-cap '{text}': the cap must be positive")
+    return cap
+
+
+def load_solver_input(path, bandwidth_gb_s: float | None = None) -> Profile:
+    """A profile YAML, or a networkx node-link JSON graph turned into a synthetic profile."""
+    path = Path(path)
+    if bandwidth_gb_s is not None and not bandwidth_gb_s > 0:
+        raise RegenError(f"--bandwidth {bandwidth_gb_s}: must be a positive number of GB/s")
+    if not path.exists():
+        raise FormatError(f"{path}: no such file")
+    if path.suffix.lower() == ".json" or _starts_with_brace(path):
+        from regen.planner.graph_json import load_node_link
+
+        return load_node_link(path, bandwidth_gb_s)
+    profile = load_profile(path)
+    if bandwidth_gb_s is not None:
+        profile.device.d2h_bytes_per_s = profile.device.h2d_bytes_per_s = bandwidth_gb_s * BYTES_PER_GB
+    return profile
+
+
+def _starts_with_brace(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(64).lstrip().startswith("{")
+    except (UnicodeDecodeError, OSError):
+        return False
+
+
+# ---- solve -------------------------------------------------------------------------------------
+
+
+def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", time_limit_s: float = 60.0,
+          bandwidth_gb_s: float | None = None, progress: Progress = None) -> Plan:
+    """A plan for `profile` under `memory_cap_bytes`, checked by the simulator."""
+    if strategy not in STRATEGIES:
+        raise RegenError(f"unknown strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
+    if not memory_cap_bytes or memory_cap_bytes <= 0:
+        raise RegenError(f"the memory cap must be positive (got {memory_cap_bytes})")
+    if not time_limit_s or time_limit_s <= 0:
+        raise RegenError(f"--time-limit must be positive (got {time_limit_s})")
+    bw = bandwidth_gb_s * BYTES_PER_GB if bandwidth_gb_s else None
+    t0 = time.perf_counter()
+    graph = build_graph(profile, bw, bw)
+    say = progress or (lambda _m: None)
+    decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
+    say(f"planning {len(graph.candidates)} saved tensors ({len(decidable)} with a choice) over "
+        f"{graph.num_steps} ops; cap {_fmt(memory_cap_bytes)} of unplanned peak {_fmt(profile.peak_bytes)}; "
+        f"strategy {strategy}")
+    notes: list[str] = []
+    if strategy in MILP_STRATEGIES:
+        choices, report, predicted_time, predicted_peak = _solve_milp(
+            graph, memory_cap_bytes, strategy, time_limit_s, say, notes)
+    elif strategy == "str":
+        from regen.planner.str_milp import solve_str
+
+        choices, report, predicted_time, predicted_peak = solve_str(graph, memory_cap_bytes, time_limit_s, say, notes)
+    else:
+        choices = heuristics.keep_all(graph) if strategy == "keep-all" else heuristics.chen(graph)
+        sim = simulate(graph, choices)
+        report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
+                              gap=None, solve_time_s=time.perf_counter() - t0)
+        predicted_time, predicted_peak = sim.step_time_s, sim.peak_bytes
+        if sim.peak_bytes > memory_cap_bytes:
+            raise InfeasibleCapError(
+                f"strategy {strategy} reaches a peak of {_fmt(sim.peak_bytes)}, over the cap of "
+                f"{_fmt(memory_cap_bytes)}; use a cap of at least {_fmt(sim.peak_bytes)} or --strategy hybrid",
+                smallest_feasible_cap_bytes=sim.peak_bytes)
+    sim = simulate(graph, choices)
+    if not sim.valid:
+        raise AssertionError(f"internal error: strategy {strategy} produced an inconsistent plan: {sim.errors[:3]}")
+    if sim.peak_bytes > memory_cap_bytes:
+        raise AssertionError(f"internal error: strategy {strategy} produced a plan whose simulated peak "
+                             f"{sim.peak_bytes} is over the cap {memory_cap_bytes}; not writing it")
+    report.solve_time_s = time.perf_counter() - t0
+    plan = build_plan(graph, choices, memory_cap_bytes, strategy, report, predicted_time, predicted_peak, sim, notes)
+    say(f"simulated: peak {_fmt(sim.peak_bytes)}, step {plan.simulated.step_time_s * 1e3:.3f} ms "
+        f"(predicted {plan.predicted.step_time_s * 1e3:.3f} ms, unplanned {plan.baseline.step_time_s * 1e3:.3f} ms)")
+    return plan
+
+
+def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say, notes: list[str]):
+    allow_swap, allow_rec = MILP_STRATEGIES[strategy]
+    deadline = time.perf_counter() + time_limit_s
+    lower = lower_bound_peak(graph, allow_swap, allow_rec)
+    if lower > cap:
+        _raise_infeasible(graph, cap, allow_swap, allow_rec, time_limit_s, say, lower)
+    warm = _warm_start(graph, cap, strategy, time_limit_s, say)
+    options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec, time_limit_s=time_limit_s)
+    result = None
+    for round_ in range(MAX_REPAIR_ROUNDS + 1):
+        model = Model(graph, cap, options)
+        remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
+        try:
+            result = solve_model(model, remaining, warm_start=warm, progress=say)
+        except _Infeasible:
+            if round_ == 0:
+                _raise_infeasible(graph, cap, allow_swap, allow_rec, time_limit_s, say, lower)
+            result = None
+            break
+        except SolverError:
+            if result is not None or warm is None:
+                raise
+            break
+        sim = simulate(graph, result.choices)
+        if sim.peak_bytes <= cap and sim.valid:
+            break
+        say(f"simulated peak {_fmt(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
+        notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
+        _add_repairs(graph, result.choices, sim, cap, options)
+    final = result
+    if final is not None:
+        sim = simulate(graph, final.choices)
+        if sim.peak_bytes <= cap and sim.valid:
+            report = SolverReport(name=final.solver, status=final.status, objective_s=final.objective_s,
+                                  bound_s=final.bound_s, gap=final.gap, solve_time_s=final.solve_time_s,
+                                  time_limit_s=time_limit_s)
+            return final.choices, report, final.objective_s, final.predicted_peak_bytes
+    if warm is not None:
+        notes.append("the MILP's plans did not pass the simulator; the greedy plan is used instead")
+        sim = simulate(graph, warm)
+        report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
+                              gap=None, solve_time_s=0.0, time_limit_s=time_limit_s)
+        return warm, report, sim.step_time_s, sim.peak_bytes
+    raise AssertionError("internal error: no plan passed the simulator under the cap")
+
+
+def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say) -> dict[int, Choice] | None:
+    """The greedy plan, or for hybrid the recompute-only MILP's plan when it is cheaper (it solves fast:
+    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's."""
+    allow_swap, allow_rec = MILP_STRATEGIES[strategy]
+    candidates = []
+    greedy = heuristics.greedy(graph, cap, allow_swap, allow_rec)
+    if greedy is not None:
+        candidates.append(("greedy", greedy))
+    if strategy == "hybrid":
+        try:
+            model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True))
+            result = solve_model(model, max(1.0, WARM_START_TIME_FRACTION * time_limit_s))
+            candidates.append(("recompute-only MILP", result.choices))
+        except (_Infeasible, SolverError):
+            pass
+    best = None
+    for name, choices in candidates:
+        sim = simulate(graph, choices)
+        if sim.valid and sim.peak_bytes <= cap and (best is None or sim.step_time_s < best[0]):
+            best = (sim.step_time_s, name, choices)
+    say("warm start: " + (f"{best[1]} plan, {best[0] * 1e3:.3f} ms" if best else "none found under the cap"))
+    return best[2] if best else None
+
+
+def _add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: SimulationResult, cap: int,
+                 options: MilpOptions) -> None:
+    swapped = sorted((graph.candidates[i] for i, ch in choices.items() if ch.action == ACTION_SWAP),
+                     key=lambda c: (c.issue_after, c.index))
+    pairs = set(options.fifo_pairs)
+    for k, a in enumerate(swapped):
+        for b in swapped[k + 1:]:
+            if b.out_window[0] > a.out_window[-1]:
+                break
+            pairs.add((a.index, b.index))
+    added = len(pairs) - len(options.fifo_pairs)
+    options.fifo_pairs = sorted(pairs)
+    if added == 0:  # FIFO order already enforced: leave headroom where the simulator went over
+        for s, (p, a) in enumerate(zip(sim.peak_timeline_bytes, sim.timeline_bytes)):
+            over = max(p, a) - cap
+            if over > 0:
+                options.step_margin_bytes[s] = options.step_margin_bytes.get(s, 0) + over
+
+
+def lower_bound_peak(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True) -> int:
+    """No plan's peak is below this: every candidate that can be gone at a step is gone."""
+    n = graph.num_steps
+    diff = [0] * (n + 1)
+    for c in graph.candidates:
+        lo = hi = None
+        if allow_recompute and c.can_recompute:
+            lo, hi = c.gap.start, c.gap.stop
+        elif allow_swap and c.can_swap:
+            lo, hi = max(c.gap.start, c.out_window[0] + 1), c.in_window[-1]
+        if lo is not None and hi > lo:
+            diff[lo] += c.bytes
+            diff[hi] -= c.bytes
+    best, run = 0, 0
+    for s in range(n):
+        run += diff[s]
+        best = max(best, max(graph.peak_bytes[s], graph.after_bytes[s]) - run)
+    return best
+
+
+def _raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_rec: bool, time_limit_s: float,
+                      say, lower: int) -> None:
+    say("the cap is infeasible; searching for the smallest feasible cap")
+    smallest = smallest_feasible_cap(graph, allow_swap, allow_rec, min(time_limit_s, MIN_CAP_TIME_LIMIT_S))
+    found = (f"the smallest feasible cap found is {_fmt(smallest)} ({smallest} bytes)" if smallest is not None
+             else "no feasible plan was found at any cap")
+    raise InfeasibleCapError(
+        f"no plan meets the memory cap of {_fmt(cap)} ({cap} bytes): {found}; no plan can go below "
+        f"{_fmt(lower)} (memory that stays resident whatever the actions)", smallest_feasible_cap_bytes=smallest)
+
+
+def smallest_feasible_cap(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True,
+                          time_limit_s: float = MIN_CAP_TIME_LIMIT_S) -> int | None:
+    """The lowest cap at which a plan passes the simulator: the min-peak MILP, else the greedy at cap 0."""
+    best = None
+    try:
+        model = Model(graph, None, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute,
+                                                minimize_peak=True))
+        result = solve_model(model, time_limit_s)
+        sim = simulate(graph, result.choices)
+        if sim.valid:
+            best = max(sim.peak_bytes, result.min_cap_bytes or 0)
+    except (_Infeasible, SolverError):
+        pass
+    if best is None:  # the most aggressive greedy plan: it stops when nothing more can go
+        choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)
+        sim = simulate(graph, choices)
+        if sim.valid:
+            best = sim.peak_bytes
+    return best
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+def build_plan(graph: PlanningGraph, choices: dict[int, Choice], cap: int, strategy: str, report: SolverReport,
+               predicted_time_s: float, predicted_peak_bytes: int, sim: SimulationResult,
+               notes: list[str]) -> Plan:
+    profile = graph.profile
+    unpacks = sorted((e.unpack_before_op, e.unpack_order) for e in profile.saved_entries
+                     if e.unpack_order is not None and e.unpack_before_op is not None)
+    first_unpack = min((o for _, o in unpacks), default=None)
+    decisions = []
+    recipe_ops: dict[int, RecipeOp] = {}
+    host_intervals = []
+    for c in graph.candidates:
+        s = c.saved
+        ch = choices.get(c.index, Choice())
+        d = Decision(saved_tensor=s.id, producer_op=s.producer_op, output_slot=s.output_slot, shape=list(s.shape),
+                     dtype=s.dtype, bytes=c.bytes, action=ch.action)
+        if ch.action == ACTION_SWAP:
+            d.swap_out_after_op = c.issue_after
+            d.swap_in_before_op = ch.swap_in_step
+            d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
+            host_intervals.append((c.issue_after, c.first_backward, c.bytes))
+        elif ch.action == ACTION_RECOMPUTE:
+            d.recompute_before_op = c.first_backward
+            d.recipe = list(ch.recipe.ops)
+            d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.anchors]
+            for q in ch.recipe.ops:
+                op = profile.ops[q]
+                recipe_ops[q] = RecipeOp(index=q, name=op.name, is_random=op.is_random)
+        decisions.append(d)
+    compute = graph.compute_time_s
+    base_time = profile.step_time_s
+    counts = {a: sum(1 for d in decisions if d.action == a) for a in (ACTION_KEEP, ACTION_SWAP, ACTION_RECOMPUTE)}
+    notes = list(notes) + [
+        "step times are the profile's measured step time plus the plan's added time over the sum of op times "
+        f"({compute:.6g} s)",
+        f"actions: keep {counts[ACTION_KEEP]}, swap {counts[ACTION_SWAP]}, recompute {counts[ACTION_RECOMPUTE]}",
+    ]
+    return Plan(
+        fingerprint=profile.fingerprint, workload=dict(profile.workload), strategy=strategy, memory_cap_bytes=int(cap),
+        baseline=PlanFigures(peak_bytes=int(profile.peak_bytes), step_time_s=float(base_time)),
+        predicted=PlanFigures(peak_bytes=int(predicted_peak_bytes),
+                              step_time_s=float(base_time + predicted_time_s - compute)),
+        simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=float(base_time + sim.step_time_s - compute)),
+        solver=report, d2h_bytes_per_s=graph.d2h_bytes_per_s, h2d_bytes_per_s=graph.h2d_bytes_per_s,
+        host_pool_bytes=_peak_concurrent(host_intervals), num_forward_ops=graph.num_forward_ops,
+        decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
+        baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
+        notes=notes,
+    )
+
+
+def _unpack_position(unpacks: list[tuple[int, int]], before_op: int, first_unpack: int | None) -> int | None:
+    """The largest unpack_order whose unpack_before_op <= before_op (docs/internals.md)."""
+    best = None
+    for op, order in unpacks:
+        if op > before_op:
+            break
+        best = order if best is None else max(best, order)
+    return best if best is not None else first_unpack
+
+
+def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
+    events = []
+    for lo, hi, nbytes in intervals:
+        events.append((lo, nbytes))
+        events.append((hi + 1, -nbytes))
+    events.sort(key=lambda e: (e[0], e[1]))
+    run = best = 0
+    for _, delta in events:
+        run += delta
+        best = max(best, run)
+    return best
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+

@@ -1,0 +1,223 @@
+"""STR's planner formulation (Zong et al., TPDS 2023), for comparison with regen's MILP.
+
+As DESIGN.md describes it (read from STR's public code), in seconds everywhere:
+* stages t = 1..n, one per node of the (coarsened) graph; binaries R[t,i] (node i computed in stage
+  t, R[t,t] = 1), S[t,i] (i's output resident entering t), P[t,i] / Q[t,i] (swap-out / swap-in of i
+  starts at t);
+* Checkmate's dependencies (an input is resident or computed in the same stage) and residency
+  (resident entering t+1 only if resident entering t, computed in t, or swapped in by then);
+* a swap started at t finishes at the first stage whose cumulative compute covers bytes/bandwidth;
+  one transfer per direction at a time; a swap-in needs an earlier swap-out and reserves memory while
+  in flight; a host copy can be swapped in several times;
+* memory per stage <= budget; objective: recompute time only (swaps assumed hidden).
+Simplification: memory is counted per stage (what is resident or computed in the stage), without
+Checkmate's FREE variables for frees inside a stage, which only makes it more conservative.
+
+Graphs over STR_COARSEN_ABOVE nodes are coarsened by merging the lightest adjacent pair (same phase)
+until STR_TARGET_NODES remain; above STR_MAX_OPS ops the formulation is refused. The solution is
+mapped back to per-candidate actions (recompute with regen's recipe, swap at the stage's first op,
+else keep) and judged by the simulator like every strategy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from regen.errors import InfeasibleCapError, RegenError, SolverError
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, SolverReport
+from regen.planner.graph import PlanningGraph, anchor_resident_without_plan
+from regen.planner.milp import SOLVER_THREADS, _BulkHiGHS, _var, highs_available
+from regen.planner.simulator import Choice, simulate
+
+STR_COARSEN_ABOVE = 150
+STR_TARGET_NODES = 80
+STR_MAX_OPS = 20000
+
+
+@dataclass
+class _Node:
+    ops: list[int]
+    forward: bool
+    time_s: float
+    candidates: list[int] = field(default_factory=list)  # candidate indices produced here
+    bytes: int = 0
+    base_bytes: int = 0  # memory of everything but candidates, max over its ops
+
+
+def coarsen(graph: PlanningGraph, target: int = STR_TARGET_NODES, above: int = STR_COARSEN_ABOVE) -> list[_Node]:
+    n = graph.num_steps
+    nodes = [_Node([s], s < graph.num_forward_ops, graph.time_s[s]) for s in range(n)]
+    if len(nodes) > above:
+        while len(nodes) > target:
+            best, k_best = None, None
+            for k in range(len(nodes) - 1):
+                a, b = nodes[k], nodes[k + 1]
+                if a.forward != b.forward:
+                    continue
+                w = a.time_s + b.time_s
+                if best is None or w < best:
+                    best, k_best = w, k
+            if k_best is None:
+                break
+            a, b = nodes[k_best], nodes[k_best + 1]
+            nodes[k_best:k_best + 2] = [_Node(a.ops + b.ops, a.forward, a.time_s + b.time_s)]
+    node_of = {}
+    for i, nd in enumerate(nodes):
+        for s in nd.ops:
+            node_of[s] = i
+    live = [0] * (n + 1)
+    for c in graph.candidates:
+        if c.trivial or c.bytes <= 0:
+            continue
+        nodes[node_of[c.producer]].candidates.append(c.index)
+        nodes[node_of[c.producer]].bytes += c.bytes
+        live[c.producer] += c.bytes
+        live[(c.last_backward if c.last_backward is not None else c.last_forward) + 1] -= c.bytes
+    run, base = 0, []
+    for s in range(n):
+        run += live[s]
+        base.append(max(graph.peak_bytes[s], graph.after_bytes[s]) - run)
+    for nd in nodes:
+        nd.base_bytes = max(base[s] for s in nd.ops)
+    return nodes
+
+
+def solve_str(graph: PlanningGraph, cap: int, time_limit_s: float, say, notes: list[str]):
+    if graph.num_steps > STR_MAX_OPS:
+        raise RegenError(f"--strategy str: {graph.num_steps} ops is too big for STR's O(n^2) formulation "
+                         f"(limit {STR_MAX_OPS}); use --strategy hybrid")
+    nodes = coarsen(graph)
+    n = len(nodes)
+    node_of = {s: i for i, nd in enumerate(nodes) for s in nd.ops}
+    if n < graph.num_steps:
+        notes.append(f"str: coarsened {graph.num_steps} ops to {n} nodes")
+    # edges between nodes, from tensor flow
+    edges = set()
+    for j, nd in enumerate(nodes):
+        for q in nd.ops:
+            for u in graph.op_graph.predecessors(q):
+                i = node_of[u]
+                if i != j:
+                    edges.add((i, j))
+    cap_nodes = [i for i, nd in enumerate(nodes) if nd.forward and nd.bytes > 0]
+    cumulative = [0.0]
+    for nd in nodes:
+        cumulative.append(cumulative[-1] + nd.time_s)
+
+    def finish(t: int, seconds: float) -> int:
+        """First stage (>= t) whose cumulative compute from t covers `seconds`."""
+        u = t
+        while u < n - 1 and cumulative[u + 1] - cumulative[t] < seconds:
+            u += 1
+        return u
+
+    prob = pulp.LpProblem("str", pulp.LpMinimize)
+    R, S, P, Q = {}, {}, {}, {}
+    for t in range(n):
+        for i in range(t + 1):
+            if i == t or nodes[i].forward:
+                R[t, i] = _var(f"R_{t}_{i}", 0, 1, cat=pulp.LpBinary)
+        for i in cap_nodes:
+            if i < t:
+                S[t, i] = _var(f"S_{t}_{i}", 0, 1, cat=pulp.LpBinary)
+                P[t, i] = _var(f"P_{t}_{i}", 0, 1, cat=pulp.LpBinary)
+                Q[t, i] = _var(f"Q_{t}_{i}", 0, 1, cat=pulp.LpBinary)
+    say(f"STR MILP over {n} stages: {len(R) + len(S) + len(P) + len(Q)} binaries")
+    # Checkmate's dependencies: computing j in stage t needs each input i computed in t or resident
+    # (forward nodes in their own stage read the forward pass's live tensors)
+    for t in range(n):
+        prob += R[t, t] == 1, f"own_{t}"
+        for (i, j) in edges:
+            if (t, j) not in R or i > t or (j == t and nodes[j].forward) or not nodes[i].forward:
+                continue  # gradients (backward outputs) are base memory, available in order
+            if j == t and i not in cap_nodes:
+                continue  # a backward node reads only saved tensors; these are kept whatever happens
+            avail = [x for x in (R.get((t, i)), S.get((t, i))) if x is not None]
+            prob += R[t, j] <= pulp.lpSum(avail), f"dep_{t}_{i}_{j}"
+    xfer = {i: nodes[i].bytes / graph.h2d_bytes_per_s for i in cap_nodes}
+    for i in cap_nodes:
+        for t in range(i + 1, n):
+            back_in = [Q[u, i] for u in range(i + 1, t) if (u, i) in Q and finish(u, xfer[i]) < t]
+            prev = [x for x in (S.get((t - 1, i)), R.get((t - 1, i))) if x is not None]
+            prob += S[t, i] <= pulp.lpSum(prev + back_in), f"res_{t}_{i}"
+            prob += P[t, i] <= S[t, i], f"pout_{t}_{i}"
+            prob += Q[t, i] <= pulp.lpSum(P[u, i] for u in range(i + 1, t) if finish(u, xfer[i]) < t), f"qin_{t}_{i}"
+    # one transfer per direction at a time
+    for t in range(n):
+        busy_out = [P[u, i] for i in cap_nodes for u in range(i + 1, t + 1) if (u, i) in P and finish(u, xfer[i]) >= t]
+        busy_in = [Q[u, i] for i in cap_nodes for u in range(i + 1, t + 1) if (u, i) in Q and finish(u, xfer[i]) >= t]
+        if len(busy_out) > 1:
+            prob += pulp.lpSum(busy_out) <= 1, f"chan_out_{t}"
+        if len(busy_in) > 1:
+            prob += pulp.lpSum(busy_in) <= 1, f"chan_in_{t}"
+    # memory per stage
+    for t in range(n):
+        terms = []
+        for i in cap_nodes:
+            if (t, i) in S:
+                terms.append(nodes[i].bytes * S[t, i])
+            if (t, i) in R:
+                terms.append(nodes[i].bytes * R[t, i])
+            for u in range(i + 1, t + 1):
+                if (u, i) in Q and finish(u, xfer[i]) >= t:
+                    terms.append(nodes[i].bytes * Q[u, i])
+        if nodes[t].base_bytes > cap:
+            raise InfeasibleCapError(f"strategy str: stage {t} needs {nodes[t].base_bytes} bytes outside the "
+                                     f"candidates, over the cap {cap}", smallest_feasible_cap_bytes=None)
+        if terms:
+            prob += pulp.lpSum(terms) <= cap - nodes[t].base_bytes, f"mem_{t}"
+    prob += pulp.lpSum(nodes[i].time_s * R[t, i] for (t, i) in R if i != t) + sum(nd.time_s for nd in nodes)
+    t0 = time.perf_counter()
+    solver = (_BulkHiGHS(msg=False, timeLimit=time_limit_s, gapRel=1e-4, threads=SOLVER_THREADS)
+              if highs_available() else
+              pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))), threads=SOLVER_THREADS))
+    prob.solve(solver)
+    elapsed = time.perf_counter() - t0
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if prob.status == pulp.LpStatusInfeasible:
+            raise InfeasibleCapError(f"strategy str: STR's formulation has no plan under the cap of {cap} bytes",
+                                     smallest_feasible_cap_bytes=None)
+        raise SolverError(f"strategy str: the solver stopped after {elapsed:.1f} s without a feasible plan")
+    val = lambda x: (x.varValue or 0.0) > 0.5  # noqa: E731
+    choices: dict[int, Choice] = {}
+    for i in cap_nodes:
+        recomputed_at = [t for t in range(i + 1, n) if (t, i) in R and val(R[t, i]) and not nodes[t].forward]
+        swapped_at = [t for t in range(i + 1, n) if (t, i) in Q and val(Q[t, i])]
+        for ci in nodes[i].candidates:
+            c = graph.candidates[ci]
+            if recomputed_at and c.can_recompute:
+                recipe = next((r for r in c.recipes if all(
+                    anchor_resident_without_plan(graph.candidates[a], c.first_backward)
+                    or choices.get(a, Choice()).action == ACTION_KEEP for a in r.anchors)), None)
+                if recipe is not None:
+                    choices[ci] = Choice(ACTION_RECOMPUTE, recipe=recipe)
+                    continue
+            if swapped_at and c.can_swap:
+                first = min(swapped_at)
+                step = min(max(nodes[first].ops[0], c.in_window[0]), c.first_backward - 1)
+                choices[ci] = Choice(ACTION_SWAP, swap_in_step=step)
+    # recipe inputs chosen before their dependents may have been dropped since: keep those dependents
+    for ci, ch in list(choices.items()):
+        if ch.action == ACTION_RECOMPUTE:
+            c = graph.candidates[ci]
+            if any(not anchor_resident_without_plan(graph.candidates[a], c.first_backward)
+                   and choices.get(a, Choice()).action != ACTION_KEEP for a in ch.recipe.anchors):
+                del choices[ci]
+    objective = pulp.value(prob.objective) or 0.0
+    sim = simulate(graph, choices)
+    say(f"STR solved in {elapsed:.2f} s: objective {objective * 1e3:.3f} ms (recompute time only, swaps assumed "
+        f"hidden); simulated {sim.step_time_s * 1e3:.3f} ms, peak {sim.peak_bytes}")
+    if sim.peak_bytes > cap:
+        raise InfeasibleCapError(
+            f"strategy str: STR's plan, mapped to regen's actions, peaks at {sim.peak_bytes} bytes in the simulator, "
+            f"over the cap of {cap} (its stage-level model misses memory inside stages); use --strategy hybrid",
+            smallest_feasible_cap_bytes=sim.peak_bytes)
+    report = SolverReport(name="highs" if highs_available() else "cbc",
+                          status="optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time_limit",
+                          objective_s=objective, bound_s=None, gap=None, solve_time_s=elapsed,
+                          time_limit_s=time_limit_s)
+    return choices, report, objective, sim.peak_bytes

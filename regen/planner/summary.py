@@ -1,0 +1,101 @@
+"""`regen show PLAN`: a readable summary, one JSON object, or a plot of the memory timelines."""
+
+from __future__ import annotations
+
+from regen.errors import RegenError
+from regen.formats.plan import ACTIONS, Plan
+
+PLOT_DPI = 120
+PLOT_SIZE_IN = (10, 4.5)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{100.0 * a / b:.1f}%" if b else "n/a"
+
+
+def plan_summary(plan: Plan) -> str:
+    counts, nbytes = plan.action_counts(), plan.action_bytes()
+    s = plan.solver
+    lines = [
+        f"regen plan ({plan.format}) for {plan.workload.get('name', '?')}: strategy {plan.strategy}",
+        f"  memory cap        {_fmt_bytes(plan.memory_cap_bytes)} "
+        f"({_ratio(plan.memory_cap_bytes, plan.baseline.peak_bytes)} of the unplanned peak)",
+        f"  peak memory       unplanned {_fmt_bytes(plan.baseline.peak_bytes)}, predicted "
+        f"{_fmt_bytes(plan.predicted.peak_bytes)}, simulated {_fmt_bytes(plan.simulated.peak_bytes)}",
+        f"  step time         unplanned {plan.baseline.step_time_s * 1e3:.3f} ms, predicted "
+        f"{plan.predicted.step_time_s * 1e3:.3f} ms "
+        f"(+{_ratio(plan.predicted.step_time_s - plan.baseline.step_time_s, plan.baseline.step_time_s)}), "
+        f"simulated {plan.simulated.step_time_s * 1e3:.3f} ms",
+        "  actions:",
+    ]
+    for a in ACTIONS:
+        lines.append(f"    {a:<10} {counts[a]:>6} tensors  {_fmt_bytes(nbytes[a]):>12}")
+    gap = "n/a" if s.gap is None else f"{100 * s.gap:.2f}%"
+    lines += [
+        f"  solver            {s.name}, {s.status}, gap {gap}, {s.solve_time_s:.2f} s"
+        + (f" (limit {s.time_limit_s:g} s)" if s.time_limit_s else ""),
+        f"  host pool         {_fmt_bytes(plan.host_pool_bytes)} pinned; copy bandwidth d2h "
+        f"{plan.d2h_bytes_per_s / 1e9:.2f} GB/s, h2d {plan.h2d_bytes_per_s / 1e9:.2f} GB/s",
+        f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
+        + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),
+    ]
+    return "\n".join(lines)
+
+
+def plan_summary_json(plan: Plan) -> dict:
+    return {
+        "format": plan.format,
+        "workload": plan.workload,
+        "strategy": plan.strategy,
+        "memory_cap_bytes": plan.memory_cap_bytes,
+        "predicted_peak_bytes": plan.predicted.peak_bytes,
+        "predicted_step_time_s": plan.predicted.step_time_s,
+        "simulated_peak_bytes": plan.simulated.peak_bytes,
+        "simulated_step_time_s": plan.simulated.step_time_s,
+        "baseline_peak_bytes": plan.baseline.peak_bytes,
+        "baseline_step_time_s": plan.baseline.step_time_s,
+        "solver": plan.solver.name,
+        "status": plan.solver.status,
+        "solve_time_s": plan.solver.solve_time_s,
+        "gap": plan.solver.gap,
+        "actions": plan.action_counts(),
+        "action_bytes": plan.action_bytes(),
+        "host_pool_bytes": plan.host_pool_bytes,
+    }
+
+
+def plot_timeline(plan: Plan, png_path) -> None:
+    """Unplanned and planned memory after each op, against the cap (matplotlib, Agg backend)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RegenError("--plot needs matplotlib: pip install 'regen[plot]'") from None
+    if not plan.baseline_timeline_bytes:
+        raise RegenError("this plan has no memory timelines to plot")
+    gib = 2**30
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    xs = range(len(plan.baseline_timeline_bytes))
+    ax.plot(xs, [b / gib for b in plan.baseline_timeline_bytes], label="unplanned", color="tab:gray")
+    if plan.planned_timeline_bytes:
+        ax.plot(range(len(plan.planned_timeline_bytes)), [b / gib for b in plan.planned_timeline_bytes],
+                label=f"planned ({plan.strategy})", color="tab:blue")
+    ax.axhline(plan.memory_cap_bytes / gib, color="tab:red", linestyle="--", label="cap")
+    ax.axvline(plan.num_forward_ops - 0.5, color="black", linewidth=0.5, alpha=0.5)
+    ax.set_xlabel("op (forward | backward)")
+    ax.set_ylabel("device memory (GiB)")
+    ax.set_title(f"{plan.workload.get('name', '')}: memory after each op")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=PLOT_DPI)
+    plt.close(fig)

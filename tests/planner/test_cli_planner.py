@@ -1,0 +1,125 @@
+"""`regen solve` and `regen show PLAN` through regen.cli.main: outputs, and clear errors with non-zero exits."""
+
+import json
+
+import networkx as nx
+import pytest
+
+from regen.cli import main
+from regen.errors import InfeasibleCapError, SolverError
+from regen.formats import load_plan, save_profile
+from regen.planner.synthetic import chain_profile
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "chain.profile.yaml"
+    save_profile(chain_profile(6, seed=3, copy_bytes_per_s=5e9), path)
+    return path
+
+
+def test_solve_then_show_text_json_and_plot(profile_path, tmp_path, capsys):
+    plan_path = tmp_path / "chain.plan.yaml"
+    assert main(["solve", str(profile_path), "--memory-cap", "75%", "-o", str(plan_path)]) == 0
+    err = capsys.readouterr().err
+    assert "MILP:" in err and "solver highs started" in err and "wrote" in err  # progress is visible
+    plan = load_plan(plan_path)
+    assert plan.simulated.peak_bytes <= plan.memory_cap_bytes
+    assert main(["show", str(plan_path)]) == 0
+    text = capsys.readouterr().out
+    assert "strategy hybrid" in text and "recompute" in text and "gap" in text
+    assert main(["show", str(plan_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    for key in ("strategy", "memory_cap_bytes", "predicted_peak_bytes", "predicted_step_time_s",
+                "baseline_peak_bytes", "baseline_step_time_s", "solve_time_s", "gap", "actions"):
+        assert key in summary
+    assert sum(summary["actions"].values()) == len(plan.decisions)
+    assert summary["predicted_peak_bytes"] <= summary["memory_cap_bytes"] < summary["baseline_peak_bytes"]
+    png = tmp_path / "timeline.png"
+    assert main(["show", str(plan_path), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_node_link_json_graph_solves(tmp_path, capsys):
+    g = nx.DiGraph()
+    n = 6
+    for i in range(n):
+        g.add_node(i, cost_cpu=1e-3, cost_ram=(i + 1) * 10**6, backward=False)
+        g.add_node(n + i, cost_cpu=2e-3, cost_ram=10**6, backward=True)
+    for i in range(n - 1):
+        g.add_edge(i, i + 1)
+        g.add_edge(n + i, n + i + 1)
+    g.add_edge(n - 1, n)
+    for i in range(n):
+        g.add_edge(n - 1 - i, n + i)
+    graph_path = tmp_path / "graph.json"
+    graph_path.write_text(json.dumps(nx.node_link_data(g, edges="links")))
+    plan_path = tmp_path / "graph.plan.yaml"
+    assert main(["solve", str(graph_path), "--memory-cap", "70%", "--bandwidth", "2", "-o", str(plan_path), "-q"]) == 0
+    plan = load_plan(plan_path)
+    assert plan.d2h_bytes_per_s == 2e9
+    assert len(plan.decisions) == n and plan.action_counts()["keep"] < n
+    assert plan.simulated.peak_bytes <= plan.memory_cap_bytes
+
+
+@pytest.mark.parametrize("content,match", [
+    ("format: regen-profile/7\n", "not supported by this regen"),
+    ("format: regen-profile/1\nops: [\n", "not valid YAML"),
+    ("format: regen-profile/1\nops: []\n", "missing field"),
+])
+def test_bad_profiles_are_one_line_errors(tmp_path, capsys, content, match):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(content)
+    code = main(["solve", str(bad), "--memory-cap", "1GiB", "-o", str(tmp_path / "p.yaml")])
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("error:") and match in err and "Traceback" not in err
+
+
+def test_bad_graph_json_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "g.json"
+    bad.write_text(json.dumps({"directed": True, "nodes": [{"id": 0, "cost_cpu": 1}], "links": []}))
+    assert main(["solve", str(bad), "--memory-cap", "1GiB", "-o", str(tmp_path / "p.yaml")]) != 0
+    assert "has no 'cost_ram'" in capsys.readouterr().err
+
+
+def test_unknown_cap_unit(profile_path, tmp_path, capsys):
+    assert main(["solve", str(profile_path), "--memory-cap", "6 furlongs", "-o", str(tmp_path / "p.yaml")]) != 0
+    assert "unknown unit 'furlongs'" in capsys.readouterr().err
+
+
+def test_infeasible_cap_names_the_smallest_feasible_cap(profile_path, tmp_path, capsys):
+    code = main(["solve", str(profile_path), "--memory-cap", "20%", "-o", str(tmp_path / "p.yaml"), "-q"])
+    err = capsys.readouterr().err
+    assert code == InfeasibleCapError.exit_code and "smallest feasible cap found is" in err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_time_limit_without_a_feasible_plan(profile_path, tmp_path, capsys, monkeypatch):
+    """No warm start and a time limit too short for HiGHS to find any plan: a SolverError, no file."""
+    import importlib
+
+    solve_module = importlib.import_module("regen.planner.solve")
+    monkeypatch.setattr(solve_module, "_warm_start", lambda *a, **k: None)
+    monkeypatch.setattr(solve_module, "MAX_REPAIR_ROUNDS", 0)
+    code = main(["solve", str(profile_path), "--memory-cap", "70%", "--time-limit", "1e-4", "-q",
+                 "-o", str(tmp_path / "p.yaml")])
+    err = capsys.readouterr().err
+    assert code == SolverError.exit_code and "without a feasible plan" in err and "--time-limit" in err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_show_plot_without_matplotlib_is_a_clear_error(profile_path, tmp_path, capsys, monkeypatch):
+    plan_path = tmp_path / "p.yaml"
+    assert main(["solve", str(profile_path), "--memory-cap", "90%", "-o", str(plan_path), "-q"]) == 0
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["show", str(plan_path), "--plot", str(tmp_path / "x.png")]) != 0
+    assert "pip install 'regen[plot]'" in capsys.readouterr().err

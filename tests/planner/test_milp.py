@@ -1,0 +1,74 @@
+"""The MILP against brute force: its optimum is the best of all action assignments under the same model.
+
+Brute force fixes every candidate's action (keep / swap / recompute, where allowed) and solves the
+same MILP for the rest (the recompute option, copy schedule and stalls), i.e. the same cost model
+evaluated per assignment. 3^n assignments: graphs of 4-5 decidable candidates take well under a second;
+the 7-candidate graph (2,187 assignments) takes several seconds and is marked slow.
+"""
+
+import itertools
+
+import pytest
+
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.graph import build_graph
+from regen.planner.milp import MilpOptions, Model, _Infeasible, solve_model
+from regen.planner.simulator import simulate
+from regen.planner.synthetic import chain_profile
+
+EXACT_GAP = 1e-9
+
+
+def brute_force(graph, cap):
+    decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
+    menus = [[ACTION_KEEP] + ([ACTION_SWAP] if c.can_swap else []) + ([ACTION_RECOMPUTE] if c.can_recompute else [])
+             for c in decidable]
+    best, evaluated = None, 0
+    for combo in itertools.product(*menus):
+        fixed = {c.index: a for c, a in zip(decidable, combo)}
+        try:
+            result = solve_model(Model(graph, cap, MilpOptions(fixed_actions=fixed)), 30, rel_gap=EXACT_GAP)
+        except _Infeasible:
+            continue
+        evaluated += 1
+        if best is None or result.objective_s < best:
+            best = result.objective_s
+    return best, evaluated, len(decidable)
+
+
+# caps and bandwidths where the optimum mixes swaps and recomputes, and costs more than the unplanned step
+@pytest.mark.parametrize("n,seed,cap_fraction,bandwidth", [(5, 0, 0.75, 3e9), (6, 3, 0.65, 5e9), (6, 7, 0.75, 10e9),
+                                                           (6, 3, 0.7, 0.5e9)])
+def test_milp_matches_brute_force(n, seed, cap_fraction, bandwidth):
+    _check_against_brute_force(n, seed, cap_fraction, bandwidth)
+
+
+@pytest.mark.slow
+def test_milp_matches_brute_force_seven_candidates():
+    _check_against_brute_force(8, 2, 0.7, 5e9)
+
+
+def _check_against_brute_force(n, seed, cap_fraction, bandwidth):
+    profile = chain_profile(n, seed=seed, copy_bytes_per_s=bandwidth)
+    graph = build_graph(profile)
+    cap = int(profile.peak_bytes * cap_fraction)
+    best, evaluated, decidable = brute_force(graph, cap)
+    assert best is not None and evaluated >= 2 and decidable >= n - 1
+    milp = solve_model(Model(graph, cap, MilpOptions()), 30, rel_gap=EXACT_GAP)
+    assert milp.objective_s == pytest.approx(best, rel=1e-6)
+    assert milp.status == "optimal" and milp.gap == pytest.approx(0.0, abs=1e-6)
+    assert milp.objective_s > graph.compute_time_s  # the cap costs something: not a trivial instance
+    # and the plan it describes is what the simulator replays
+    sim = simulate(graph, milp.choices)
+    assert sim.valid and sim.peak_bytes <= cap
+    assert sim.step_time_s == pytest.approx(milp.objective_s, rel=0.05)
+
+
+def test_minimum_peak_model_finds_a_cap_that_is_feasible():
+    profile = chain_profile(6, seed=3)
+    graph = build_graph(profile)
+    result = solve_model(Model(graph, None, MilpOptions(minimize_peak=True)), 30)
+    assert result.min_cap_bytes < profile.peak_bytes
+    solve_model(Model(graph, result.min_cap_bytes, MilpOptions()), 30)  # feasible at the cap it found
+    with pytest.raises(_Infeasible):
+        solve_model(Model(graph, int(result.min_cap_bytes * 0.98), MilpOptions()), 30)

@@ -1,0 +1,148 @@
+"""`solve`: strategies against each other, monotonicity in the cap, and the simulator as the judge."""
+
+import pytest
+
+from regen.errors import InfeasibleCapError, RegenError
+from regen.planner import parse_memory_cap, solve
+from regen.planner.graph import build_graph
+from regen.planner.simulator import choices_from_plan, simulate
+from regen.planner.synthetic import chain_profile
+
+AGREEMENT = 0.05  # MILP prediction vs simulator
+SOLVER_GAP = 5e-3  # the default relative gap: strategies are compared up to it
+
+
+def _solve_or_none(profile, cap, strategy):
+    try:
+        return solve(profile, cap, strategy, time_limit_s=30)
+    except InfeasibleCapError:
+        return None
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.75, 0.6])
+def test_hybrid_is_never_worse_than_recompute_or_swap_only(small_transformer, fraction):
+    cap = int(small_transformer.peak_bytes * fraction)
+    hybrid = solve(small_transformer, cap, "hybrid", time_limit_s=30)
+    for strategy in ("recompute", "swap"):
+        other = _solve_or_none(small_transformer, cap, strategy)
+        if other is not None:
+            assert hybrid.predicted.step_time_s <= other.predicted.step_time_s * (1 + SOLVER_GAP)
+    assert hybrid.simulated.peak_bytes <= cap
+
+
+def test_hybrid_beats_both_single_actions_somewhere(small_transformer):
+    """Not just <=: at a mid cap mixing actions is strictly better than either alone."""
+    cap = int(small_transformer.peak_bytes * 0.75)
+    hybrid = solve(small_transformer, cap, "hybrid", time_limit_s=30)
+    recompute = solve(small_transformer, cap, "recompute", time_limit_s=30)
+    counts = hybrid.action_counts()
+    assert counts["swap"] > 0 and counts["recompute"] > 0
+    assert hybrid.predicted.step_time_s < recompute.predicted.step_time_s
+
+
+def test_predicted_time_never_rises_as_the_cap_grows(small_transformer):
+    times = []
+    for fraction in (0.6, 0.7, 0.8, 0.9, 1.0):
+        plan = solve(small_transformer, int(small_transformer.peak_bytes * fraction), "hybrid", time_limit_s=30)
+        times.append(plan.predicted.step_time_s)
+    for tighter, looser in zip(times, times[1:]):
+        assert looser <= tighter * (1 + SOLVER_GAP)
+    assert times[0] > times[-1]  # a tight cap costs something
+
+
+@pytest.mark.parametrize("strategy", ["hybrid", "recompute", "swap", "chen", "keep-all"])
+def test_every_plan_is_within_its_cap_and_agrees_with_the_simulator(small_transformer, strategy):
+    profile = small_transformer
+    fraction = {"hybrid": 0.6, "recompute": 0.7, "swap": 0.95, "chen": 1.0, "keep-all": 1.0}[strategy]
+    cap = int(profile.peak_bytes * fraction)
+    plan = solve(profile, cap, strategy, time_limit_s=30)
+    # re-simulate from the plan itself (what a reader of the YAML gets), not from solver internals
+    graph = build_graph(profile)
+    sim = simulate(graph, choices_from_plan(graph, plan))
+    assert sim.valid
+    assert sim.peak_bytes == plan.simulated.peak_bytes <= cap
+    assert plan.simulated.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=AGREEMENT)
+    assert len(plan.decisions) == len(profile.saved_tensors)
+    assert len(plan.planned_timeline_bytes) == len(plan.baseline_timeline_bytes) == len(profile.ops)
+
+
+def test_plan_fields_for_swaps_and_recomputes(small_transformer):
+    profile = small_transformer
+    plan = solve(profile, int(profile.peak_bytes * 0.75), "hybrid", time_limit_s=30)
+    by_id = {s.id: s for s in profile.saved_tensors}
+    entries = profile.saved_entries
+    swaps = [d for d in plan.decisions if d.action == "swap"]
+    recomputes = [d for d in plan.decisions if d.action == "recompute"]
+    assert swaps and recomputes
+    for d in swaps:
+        s = by_id[d.saved_tensor]
+        assert s.producer_op <= d.swap_out_after_op < d.swap_in_before_op < s.backward_uses[0]
+        # the runtime's clock: the last unpack at or before the copy-in op (docs/internals.md)
+        orders = [e.unpack_order for e in entries if e.unpack_before_op is not None
+                  and e.unpack_before_op <= d.swap_in_before_op]
+        assert d.swap_in_at_unpack == (max(orders) if orders else min(e.unpack_order for e in entries
+                                                                      if e.unpack_order is not None))
+    recipe_op_index = {r.index for r in plan.recipe_ops}
+    for d in recomputes:
+        s = by_id[d.saved_tensor]
+        assert d.recompute_before_op == s.backward_uses[0]
+        assert d.recipe[-1] == s.producer_op and d.recipe == sorted(d.recipe)
+        assert set(d.recipe) <= recipe_op_index
+        assert all(profile.ops[q].phase == "forward" and not profile.ops[q].is_inplace for q in d.recipe)
+    assert plan.host_pool_bytes >= max(d.bytes for d in swaps)
+    assert plan.num_forward_ops == profile.num_forward_ops
+    assert plan.fingerprint == profile.fingerprint
+
+
+def test_infeasible_cap_reports_the_smallest_feasible_cap():
+    profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
+    with pytest.raises(InfeasibleCapError) as exc:
+        solve(profile, int(profile.peak_bytes * 0.3), "hybrid", time_limit_s=20)
+    smallest = exc.value.smallest_feasible_cap_bytes
+    assert smallest is not None and str(smallest) in str(exc.value)
+    plan = solve(profile, smallest, "hybrid", time_limit_s=20)  # the cap it names works
+    assert plan.simulated.peak_bytes <= smallest
+
+
+@pytest.mark.parametrize("text,expected", [("6GiB", 6 * 2**30), ("512MB", 512 * 10**6), ("1.5e9", 1_500_000_000),
+                                           ("60%", 600), ("2 KiB", 2048), ("100b", 100)])
+def test_parse_memory_cap(text, expected):
+    assert parse_memory_cap(text, 1000) == expected
+
+
+@pytest.mark.parametrize("text", ["6 parsecs", "GiB", "-5GB", "abc", "0%"])
+def test_parse_memory_cap_rejects_bad_input(text):
+    with pytest.raises(RegenError, match="memory-cap"):
+        parse_memory_cap(text, 1000)
+
+
+def test_real_gpt_profile_solves_within_cap(real_gpt_profile):
+    profile = real_gpt_profile
+    graph = build_graph(profile)
+    assert any(c.can_recompute for c in graph.candidates) and any(c.can_swap for c in graph.candidates)
+    plan = solve(profile, int(profile.peak_bytes * 0.9), "hybrid", time_limit_s=30)
+    assert plan.simulated.peak_bytes <= plan.memory_cap_bytes < profile.peak_bytes
+    assert plan.action_counts()["keep"] < len(profile.saved_tensors)
+    for d in plan.decisions:
+        if d.action == "recompute":
+            assert all(profile.ops[q].name == r.name for q, r in
+                       ((r.index, r) for r in plan.recipe_ops if r.index in d.recipe))
+    random_ops = [r for r in plan.recipe_ops if r.is_random]
+    assert all("dropout" in r.name or "bernoulli" in r.name or "rand" in r.name for r in random_ops)
+
+
+def test_str_strategy_on_a_small_graph_and_coarsening(chain6):
+    from regen.planner.str_milp import STR_TARGET_NODES, coarsen
+    from regen.planner.synthetic import transformer_profile
+
+    profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
+    cap = int(profile.peak_bytes * 0.85)
+    plan = solve(profile, cap, "str", time_limit_s=30)
+    hybrid = solve(profile, cap, "hybrid", time_limit_s=30)
+    assert plan.strategy == "str" and plan.simulated.peak_bytes <= cap
+    assert hybrid.simulated.step_time_s <= plan.simulated.step_time_s * (1 + SOLVER_GAP)
+    big = build_graph(transformer_profile(n_layers=8, batch=2, seq=128, d_model=128, n_head=4))
+    nodes = coarsen(big)
+    assert big.num_steps > 150 and len(nodes) == STR_TARGET_NODES
+    assert sorted(s for nd in nodes for s in nd.ops) == list(range(big.num_steps))
+    assert all(all(big.profile.ops[s].phase == big.profile.ops[nd.ops[0]].phase for s in nd.ops) for nd in nodes)
