@@ -200,7 +200,8 @@ def hf_gpt2(batch_size: int = 2, seq_len: int = 64, n_layer: int = 2, n_embd: in
     torch.manual_seed(seed)
     config = tf.GPT2Config(vocab_size=vocab_size, n_positions=max(seq_len, 64), n_embd=n_embd,
                            n_layer=n_layer, n_head=n_head, resid_pdrop=dropout, embd_pdrop=dropout,
-                           attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+                           attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+                           use_cache=False)  # training: no key/value cache in the output
     model = tf.GPT2LMHeadModel(config)
     g = _generator(seed)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)

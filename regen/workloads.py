@@ -156,15 +156,43 @@ def compute_loss(workload_name: str, output: Any, batch: Batch,
     return loss
 
 
-def forward_loss(workload: Workload) -> torch.Tensor:
-    """One forward pass and its loss, with the user's exceptions wrapped in a WorkloadError."""
+def forward_with_output(workload: Workload) -> tuple[torch.Tensor, Any]:
+    """One forward pass: (loss, model output), with the user's exceptions wrapped in a WorkloadError.
+
+    A typical loop (`out = model(x); loss = crit(out, y); loss.backward()`, or `outputs.loss` of a
+    Hugging Face model) keeps the model's output alive until backward ends. regen profiles and
+    measures steps that way, so a plan's cap also holds for such loops; a loop that drops the output
+    earlier only has more room.
+    """
     try:
         output = call_model(workload.model, workload.batch)
     except WorkloadError:
         raise
     except Exception as exc:
         raise WorkloadError(f"workload '{workload.name}': the forward raised {type(exc).__name__}: {exc}") from exc
-    return compute_loss(workload.name, output, workload.batch, workload.loss_fn)
+    return compute_loss(workload.name, output, workload.batch, workload.loss_fn), output
+
+
+def forward_loss(workload: Workload) -> torch.Tensor:
+    """One forward pass and its loss (the model output is not held; see forward_with_output)."""
+    return forward_with_output(workload)[0]
+
+
+def training_step(workload: Workload) -> torch.Tensor:
+    """Forward and backward as regen profiles them: the model output held until backward ends.
+
+    Returns the detached loss. Exceptions from the user's code become WorkloadErrors."""
+    loss, output = forward_with_output(workload)
+    try:
+        loss.backward()
+    except WorkloadError:
+        raise
+    except Exception as exc:
+        if type(exc).__module__.startswith("regen"):
+            raise
+        raise WorkloadError(f"workload '{workload.name}': the backward raised {type(exc).__name__}: {exc}") from exc
+    del output
+    return loss.detach()
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

@@ -22,6 +22,8 @@ replayed with their RNG state (flagged in the plan's recipe_ops).
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -109,6 +111,19 @@ class PlanningGraph:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     num_forward_ops: int
+    # Steps before which the runtime can start a copy-in: the runtime has no op counter in backward and
+    # issues copy-ins at unpacks (docs/internals.md), so a copy-in can only start right before an op that
+    # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
+    copy_in_starts: list[int] = field(default_factory=list)
+
+    def snap_copy_in(self, step: int) -> int:
+        """The step where a copy-in planned to start before `step` really starts: the latest runtime
+        trigger at or before it (earlier, never later, so a copy-in is never late)."""
+        starts = self.copy_in_starts
+        if not starts:
+            return step
+        k = bisect.bisect_right(starts, step) - 1
+        return starts[k] if k >= 0 else starts[0]
 
     @property
     def num_steps(self) -> int:
@@ -155,9 +170,12 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                       first_backward=b, last_backward=e,
                       issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)))
         candidates.append(c)
+    copy_in_starts = sorted({e.unpack_before_op for e in profile.saved_entries
+                             if e.unpack_order is not None and e.unpack_before_op is not None})
     graph = PlanningGraph(profile=profile, op_graph=op_graph, candidates=candidates, time_s=times,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
-                          h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops)
+                          h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
+                          copy_in_starts=copy_in_starts)
     for c in candidates:
         if c.trivial or c.bytes <= 0:
             continue
@@ -209,10 +227,22 @@ def _set_windows(graph: PlanningGraph, c: Candidate) -> None:
             break
         s -= 1
     in_window.reverse()
-    if in_window:
-        c.out_window, c.in_window = out_window, in_window
-        c.out_breaks = _breaks(out_window)
-        c.in_breaks = _breaks(in_window)
+    if not in_window:
+        return
+    in_starts = list(in_window)
+    if graph.copy_in_starts:  # a copy-in may only start where the runtime can issue it
+        allowed = set(graph.copy_in_starts)
+        in_starts = [s for s in in_window if s in allowed]
+        if not in_starts:  # reach back to the latest trigger still inside the gap
+            earlier = graph.snap_copy_in(in_window[0])
+            if earlier < first_in or earlier > in_window[0]:
+                return
+            in_window = list(range(earlier, b))
+            in_starts = [earlier]
+        in_window = [s for s in in_window if s >= in_starts[0]]  # nothing flows before the copy starts
+    c.out_window, c.in_window = out_window, in_window
+    c.out_breaks = _breaks(out_window)
+    c.in_breaks = _breaks(in_starts)
 
 
 def _breaks(window: list[int]) -> list[int]:

@@ -124,5 +124,5 @@ def _best_option(graph: PlanningGraph, c: Candidate, step: int, choices: dict[in
         hidden = sum(graph.time_s[s] for s in c.in_window)
         cost = max(0.0, transfer - hidden) + SWAP_TRAFFIC_WEIGHT * transfer
         if best is None or cost < best[0]:
-            best = (cost, Choice(ACTION_SWAP, swap_in_step=c.in_window[0]))
+            best = (cost, Choice(ACTION_SWAP, swap_in_step=c.in_breaks[0]))
     return best

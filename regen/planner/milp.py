@@ -364,13 +364,22 @@ class Model:
             now += rec_at[s] + _value(self.stall.get(s)) * self.time_unit
             begin.append(now)
             now += g.time_s[s]
+        # a swapped tensor is needed at its first backward use, or earlier by a recipe that reads it
+        need_at = {c.index: c.first_backward for c, _ in swaps}
+        for ch_i, ch in choices.items():
+            if ch.action == ACTION_RECOMPUTE:
+                at = g.candidates[ch_i].first_backward
+                for a in ch.recipe.anchors:
+                    if a in need_at and not anchor_resident_without_plan(g.candidates[a], at):
+                        need_at[a] = min(need_at[a], at)
         latest_end = math.inf
-        for c, ch in sorted(swaps, key=lambda x: (-x[0].first_backward, -x[0].index)):
-            end = min(begin[c.first_backward], latest_end)
+        for c, ch in sorted(swaps, key=lambda x: (-need_at[x[0].index], -x[0].index)):
+            end = min(begin[need_at[c.index]], latest_end)
             start_time = end - c.bytes / g.h2d_bytes_per_s
             latest_end = start_time
             step = bisect.bisect_right(begin, start_time + 1e-15) - 1
-            ch.swap_in_step = min(max(ch.swap_in_step, step), c.first_backward - 1)
+            step = g.snap_copy_in(min(step, need_at[c.index] - 1))  # where the runtime can issue it
+            ch.swap_in_step = max(ch.swap_in_step, step)
 
     def predicted_peak_bytes(self) -> int:
         g = self.graph

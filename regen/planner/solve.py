@@ -131,6 +131,10 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
                 f"strategy {strategy} reaches a peak of {_fmt(sim.peak_bytes)}, over the cap of "
                 f"{_fmt(memory_cap_bytes)}; use a cap of at least {_fmt(sim.peak_bytes)} or --strategy hybrid",
                 smallest_feasible_cap_bytes=sim.peak_bytes)
+    for ch in choices.values():  # copy-ins start where the runtime issues them (docs/internals.md)
+        if ch.action == ACTION_SWAP and ch.swap_in_step is not None:
+            ch.swap_in_step = graph.snap_copy_in(ch.swap_in_step)
+    _unblock_copy_ins(graph, choices, memory_cap_bytes)
     sim = simulate(graph, choices)
     if not sim.valid:
         raise AssertionError(f"internal error: strategy {strategy} produced an inconsistent plan: {sim.errors[:3]}")
@@ -142,6 +146,48 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     say(f"simulated: peak {_fmt(sim.peak_bytes)}, step {plan.simulated.step_time_s * 1e3:.3f} ms "
         f"(predicted {plan.predicted.step_time_s * 1e3:.3f} ms, unplanned {plan.baseline.step_time_s * 1e3:.3f} ms)")
     return plan
+
+
+MAX_UNBLOCK_TRIES = 400  # simulations the copy-in reordering may spend
+
+
+def _unblock_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap: int) -> None:
+    """Repair head-of-line blocking on the runtime's single host-to-device stream.
+
+    The MILP lets copies share the channel within a step; the runtime's stream runs them in issue
+    order, so a large copy Y issued before a copy X that is needed sooner can delay X. For each such
+    pair, try issuing Y together with X (the stream then takes X first), or X together with Y (X
+    resident a little earlier: kept only if the simulated peak stays within the cap), and keep a
+    change when the simulated step time drops.
+    """
+    swaps = [(i, ch) for i, ch in choices.items() if ch.action == ACTION_SWAP and ch.swap_in_step is not None]
+    if len(swaps) < 2:
+        return
+    best = simulate(graph, choices).step_time_s
+    tries = 0
+
+    def attempt(ch: Choice, step: int) -> bool:
+        nonlocal best, tries
+        tries += 1
+        old = ch.swap_in_step
+        ch.swap_in_step = step
+        trial = simulate(graph, choices)
+        if trial.valid and trial.peak_bytes <= cap and trial.step_time_s < best * (1 - 1e-9):
+            best = trial.step_time_s
+            return True
+        ch.swap_in_step = old
+        return False
+
+    for i, ch_y in sorted(swaps, key=lambda x: x[1].swap_in_step):
+        b_y = graph.candidates[i].first_backward
+        blocked = sorted(((ch_x.swap_in_step, j, ch_x) for j, ch_x in swaps
+                          if ch_y.swap_in_step < ch_x.swap_in_step < b_y
+                          and graph.candidates[j].first_backward < b_y), key=lambda x: (x[0], x[1]))
+        for step, _, ch_x in blocked:
+            if tries >= MAX_UNBLOCK_TRIES:
+                return
+            if ch_y.swap_in_step < step < b_y and not attempt(ch_y, step):
+                attempt(ch_x, ch_y.swap_in_step)
 
 
 def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say, notes: list[str]):

@@ -47,7 +47,7 @@ from regen.profiler.environment import (
     unique_storage_bytes,
 )
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker
-from regen.workloads import Workload, forward_loss
+from regen.workloads import Workload, forward_with_output
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
 
@@ -154,10 +154,11 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             with CaptureMode(recorder):
                 try:
-                    loss = forward_loss(workload)
+                    # the output is held until backward ends, as a typical loop does (forward_with_output)
+                    loss, output = forward_with_output(workload)
                     recorder.phase = PHASE_BACKWARD
                     _backward(workload, loss)
-                    del loss
+                    del loss, output
                 except WorkloadError:
                     if recorder.internal_error is not None:  # regen's bug, not the workload's: keep its traceback
                         raise recorder.internal_error from None
@@ -169,7 +170,9 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
 
 
 def _plain_step(workload: Workload) -> None:
-    _backward(workload, forward_loss(workload))
+    loss, output = forward_with_output(workload)
+    _backward(workload, loss)
+    del output
 
 
 def _backward(workload: Workload, loss: torch.Tensor) -> None:
@@ -185,9 +188,9 @@ def _timed_step(workload: Workload, cuda: bool) -> tuple[list[str], list[float]]
     mode = TimingMode(cuda)
     with torch.autograd.graph.saved_tensors_hooks(pass_through_pack, pass_through_unpack):
         with mode:
-            loss = forward_loss(workload)
+            loss, output = forward_with_output(workload)
             _backward(workload, loss)
-            del loss
+            del loss, output
     return mode.names, mode.times_s()
 
 

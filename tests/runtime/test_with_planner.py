@@ -85,11 +85,6 @@ def test_real_plan_gives_unplanned_gradients(name, strategy):
     assert handle.stats.swapped_tensors == counts["swap"] and handle.stats.dropped_tensors == counts["recompute"]
 
 
-# Known gap (measured 2026-11-30 on CPU): the measured peak is 13-25% above the cap on gpt, cnn, HF GPT-2
-# and BERT (e.g. gpt/swap: 3.68 MB measured vs 3.02 MB simulated and capped, as increases over the step's
-# start), while the unplanned profile already reads 6% under the allocator on gpt (8.28 vs 8.80 MB). Left
-# to be calibrated between profiler, simulator and runtime; not strict so that it reports when it passes.
-@pytest.mark.xfail(strict=False, reason="measured CPU peak 13-25% above cap/simulator on larger workloads")
 @_params
 def test_real_plan_measured_peak(name, strategy):
     if name.startswith("hf-"):
