@@ -13,7 +13,6 @@ planned peak is the device-side figure with the host pool counted apart, as on a
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from pathlib import Path
@@ -34,27 +33,27 @@ DEMO_SEED = 1234
 LEARNING_RATE = 1e-3
 
 
-def _train_step(workload, optimizer, seed: int) -> float:
-    from regen.workloads import forward_loss
+def _timed_step(workload, optimizer, seed: int) -> float:
+    """One training step; returns the forward+backward time (what the profile and plan predict)."""
+    from regen.workloads import training_step
 
     torch.manual_seed(seed)
     start = time.perf_counter()
-    loss = forward_loss(workload)
-    loss.backward()
+    training_step(workload)
+    elapsed = time.perf_counter() - start
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return elapsed
 
 
-def _grads_after_one_step(workload, seed: int) -> tuple[float, list[torch.Tensor]]:
-    from regen.workloads import forward_loss
+def _grads_after_one_step(workload, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    from regen.workloads import training_step
 
     torch.manual_seed(seed)
-    loss = forward_loss(workload)
-    loss.backward()
+    loss = training_step(workload)
     grads = [p.grad.detach().clone() for p in workload.model.parameters() if p.grad is not None]
     workload.model.zero_grad(set_to_none=True)
-    return float(loss.detach()), grads
+    return loss, grads
 
 
 def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
@@ -65,7 +64,7 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     from regen.planner import plot_timeline, solve
     from regen.profiler import profile_workload
     from regen.runtime import apply
-    from regen.workloads import build_workload, forward_loss, load_config
+    from regen.workloads import build_workload, load_config, training_step
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,40 +103,32 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     plain = build()
     planned = build()
     planned.model.load_state_dict(plain.model.state_dict())
-    loss_plain, grads_plain = _grads_after_one_step(plain, DEMO_SEED)
-    with apply(planned.model, plan):
+    handle = apply(planned.model, plan)
+    try:
+        loss_plain, grads_plain = _grads_after_one_step(plain, DEMO_SEED)
         loss_planned, grads_planned = _grads_after_one_step(planned, DEMO_SEED)
-    grads_equal = loss_plain == loss_planned and all(
-        torch.equal(a, b) for a, b in zip(grads_plain, grads_planned))
-    max_diff = max((float((a - b).abs().max()) for a, b in zip(grads_plain, grads_planned)), default=0.0)
+        grads_equal = bool(torch.equal(loss_plain, loss_planned)) and all(
+            torch.equal(a, b) for a, b in zip(grads_plain, grads_planned))
+        max_diff = max((float((a - b).abs().max()) for a, b in zip(grads_plain, grads_planned)), default=0.0)
 
-    # 4. train and measure
-    progress(f"[4/4] training {DEMO_TRAIN_STEPS} steps without and with the plan")
-    results = {}
-    for label in ("unplanned", "planned"):
-        w = build()
-        optimizer = torch.optim.AdamW(w.model.parameters(), lr=LEARNING_RATE)
-        handle = apply(w.model, plan) if label == "planned" else None
-        try:
-            times = [_train_step(w, optimizer, DEMO_SEED + i) for i in range(DEMO_TRAIN_STEPS)]
-
-            def one_step():
-                torch.manual_seed(DEMO_SEED)
-                forward_loss(w).backward()
-
-            measured = measure_memory(one_step)
-            w.model.zero_grad(set_to_none=True)
-        finally:
-            if handle is not None:
-                handle.remove()
-        results[label] = (statistics.median(times[1:] or times), measured)
-
-    base_time, base_mem = results["unplanned"]
-    plan_time, plan_mem = results["planned"]
+        # 4. train both side by side (steps interleaved, so machine noise hits both alike) and measure
+        progress(f"[4/4] training {DEMO_TRAIN_STEPS} steps without and with the plan, interleaved")
+        optimizers = {id(w): torch.optim.AdamW(w.model.parameters(), lr=LEARNING_RATE) for w in (plain, planned)}
+        times = {"unplanned": [], "planned": []}
+        for i in range(DEMO_TRAIN_STEPS):
+            times["unplanned"].append(_timed_step(plain, optimizers[id(plain)], DEMO_SEED + i))
+            times["planned"].append(_timed_step(planned, optimizers[id(planned)], DEMO_SEED + i))
+        # peaks from the allocator (the host pool, allocated by apply(), is counted apart)
+        mem = {label: measure_memory(lambda w=w: training_step(w)) for label, w in
+               (("unplanned", plain), ("planned", planned))}
+    finally:
+        handle.remove()
+    base_time = statistics.median(times["unplanned"][1:] or times["unplanned"])
+    plan_time = statistics.median(times["planned"][1:] or times["planned"])
     # The allocator timeline sees what the step allocates; put both on the profile's absolute scale.
     start = profile.memory_at_start_bytes
-    peak_unplanned = start + base_mem.peak_increase_bytes
-    peak_planned = start + plan_mem.peak_increase_bytes
+    peak_unplanned = start + mem["unplanned"].peak_increase_bytes
+    peak_planned = start + mem["planned"].peak_increase_bytes
     counts = plan.action_counts()
     rows = [
         ("peak memory, unplanned (measured)", format_bytes(peak_unplanned)),
