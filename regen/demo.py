@@ -59,6 +59,7 @@ def _grads_after_one_step(workload, seed: int) -> tuple[torch.Tensor, list[torch
 def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
              progress: Callable[[str], None] = print) -> int:
     from regen.cli import format_bytes
+    from regen.errors import InfeasibleCapError
     from regen.formats import save_plan, save_profile
     from regen.measure import measure_memory
     from regen.planner import plot_timeline, solve
@@ -86,8 +87,17 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     # 2. solve
     cap_bytes = int(profile.peak_bytes * DEMO_CAP_FRACTION)
     progress(f"[2/4] solving at {DEMO_CAP_FRACTION:.0%} of the unplanned peak ({format_bytes(cap_bytes)})")
-    plan = solve(profile, memory_cap_bytes=cap_bytes, strategy="hybrid", time_limit_s=DEMO_TIME_LIMIT_S,
-                 progress=progress)
+    try:
+        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy="hybrid", time_limit_s=DEMO_TIME_LIMIT_S,
+                     progress=progress)
+    except InfeasibleCapError as exc:  # a --config whose static memory is over half the peak
+        if exc.smallest_feasible_cap_bytes is None:
+            raise
+        cap_bytes = exc.smallest_feasible_cap_bytes
+        progress(f"      50% is out of reach for this workload; using the smallest feasible cap, "
+                 f"{format_bytes(cap_bytes)} ({cap_bytes / profile.peak_bytes:.0%})")
+        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy="hybrid", time_limit_s=DEMO_TIME_LIMIT_S,
+                     progress=progress)
     plan.profile_path = str(profile_path)
     plan_path = out / "demo.plan.yaml"
     save_plan(plan, plan_path)
@@ -132,7 +142,7 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     counts = plan.action_counts()
     rows = [
         ("peak memory, unplanned (measured)", format_bytes(peak_unplanned)),
-        ("memory cap (50% of profiled peak)", format_bytes(cap_bytes)),
+        (f"memory cap ({cap_bytes / profile.peak_bytes:.0%} of profiled peak)", format_bytes(cap_bytes)),
         ("peak memory, planned (measured)", f"{format_bytes(peak_planned)}  "
                                             f"({'within' if peak_planned <= cap_bytes * 1.05 else 'OVER'} the cap; "
                                             f"simulator said {format_bytes(plan.simulated.peak_bytes)})"),
