@@ -255,3 +255,22 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def reference_markdown() -> str:
+    """docs/cli.md, generated from the parser itself so the reference cannot drift from the code:
+    `python -c "from regen.cli import reference_markdown as r; print(r(), end='')" > docs/cli.md`."""
+    import os
+
+    os.environ["COLUMNS"] = "100"  # stable wrapping of argparse's help text
+    parser = build_parser()
+    parts = ["# CLI reference", "",
+             "Generated from `regen --help` and each subcommand's `--help` (a test keeps it in sync).",
+             "Errors caused by input print one line, `error: ...`, on stderr and exit non-zero: 2 for bad "
+             "input (malformed file, unknown workload, missing device, plan mismatch), 3 for a cap no plan "
+             "can meet (the message gives the smallest feasible cap), 4 for a solver stopped without a "
+             "feasible plan.", "", "```", parser.format_help().rstrip(), "```", ""]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, subparser in sub.choices.items():
+        parts += [f"## regen {name}", "", "```", subparser.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)

@@ -30,3 +30,14 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "regen.cli", "show", str(bad)], capture_output=True, text=True)
     assert proc.returncode != 0
     assert "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_reference_in_docs_is_current():
+    from pathlib import Path
+
+    from regen.cli import reference_markdown
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+    assert doc.read_text() == reference_markdown(), (
+        "docs/cli.md is stale: regenerate it with "
+        "python -c \"from regen.cli import reference_markdown as r; print(r(), end='')\" > docs/cli.md")
