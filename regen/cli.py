@@ -18,6 +18,7 @@ from pathlib import Path
 
 from regen import __version__
 from regen.errors import RegenError
+from regen.units import format_bytes
 
 DEFAULT_REPEATS = 3
 DEFAULT_WARMUP_STEPS = 1
@@ -161,14 +162,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def build_parser() -> argparse.ArgumentParser:

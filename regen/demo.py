@@ -58,7 +58,7 @@ def _grads_after_one_step(workload, seed: int) -> tuple[torch.Tensor, list[torch
 
 def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
              progress: Callable[[str], None] = print) -> int:
-    from regen.cli import format_bytes
+    from regen.units import format_bytes
     from regen.errors import InfeasibleCapError
     from regen.formats import save_plan, save_profile
     from regen.measure import measure_memory

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from regen.errors import RegenError
+from regen.units import format_bytes
 from regen.formats.plan import ACTIONS, Plan
 
 PLOT_DPI = 120
 PLOT_SIZE_IN = (10, 4.5)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -26,10 +19,10 @@ def plan_summary(plan: Plan) -> str:
     s = plan.solver
     lines = [
         f"regen plan ({plan.format}) for {plan.workload.get('name', '?')}: strategy {plan.strategy}",
-        f"  memory cap        {_fmt_bytes(plan.memory_cap_bytes)} "
+        f"  memory cap        {format_bytes(plan.memory_cap_bytes)} "
         f"({_ratio(plan.memory_cap_bytes, plan.baseline.peak_bytes)} of the unplanned peak)",
-        f"  peak memory       unplanned {_fmt_bytes(plan.baseline.peak_bytes)}, predicted "
-        f"{_fmt_bytes(plan.predicted.peak_bytes)}, simulated {_fmt_bytes(plan.simulated.peak_bytes)}",
+        f"  peak memory       unplanned {format_bytes(plan.baseline.peak_bytes)}, predicted "
+        f"{format_bytes(plan.predicted.peak_bytes)}, simulated {format_bytes(plan.simulated.peak_bytes)}",
         f"  step time         unplanned {plan.baseline.step_time_s * 1e3:.3f} ms, predicted "
         f"{plan.predicted.step_time_s * 1e3:.3f} ms "
         f"(+{_ratio(plan.predicted.step_time_s - plan.baseline.step_time_s, plan.baseline.step_time_s)}), "
@@ -37,12 +30,12 @@ def plan_summary(plan: Plan) -> str:
         "  actions:",
     ]
     for a in ACTIONS:
-        lines.append(f"    {a:<10} {counts[a]:>6} tensors  {_fmt_bytes(nbytes[a]):>12}")
+        lines.append(f"    {a:<10} {counts[a]:>6} tensors  {format_bytes(nbytes[a]):>12}")
     gap = "n/a" if s.gap is None else f"{100 * s.gap:.2f}%"
     lines += [
         f"  solver            {s.name}, {s.status}, gap {gap}, {s.solve_time_s:.2f} s"
         + (f" (limit {s.time_limit_s:g} s)" if s.time_limit_s else ""),
-        f"  host pool         {_fmt_bytes(plan.host_pool_bytes)} pinned; copy bandwidth d2h "
+        f"  host pool         {format_bytes(plan.host_pool_bytes)} pinned; copy bandwidth d2h "
         f"{plan.d2h_bytes_per_s / 1e9:.2f} GB/s, h2d {plan.h2d_bytes_per_s / 1e9:.2f} GB/s",
         f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
         + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),

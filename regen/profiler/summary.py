@@ -5,20 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from regen.formats.profile import Profile, SavedTensor
+from regen.units import format_bytes
 
 LARGEST_SHOWN = 10  # saved tensors listed in the text summary and the JSON object
-BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-BYTES_PER_UNIT = 1024
 GB = 1e9  # bandwidths are shown in decimal GB/s
 MS_PER_S = 1e3
-
-
-def format_bytes(n: float) -> str:
-    for unit in BYTE_UNITS:
-        if abs(n) < BYTES_PER_UNIT or unit == BYTE_UNITS[-1]:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= BYTES_PER_UNIT
-    return f"{n} B"
 
 
 def _largest(profile: Profile) -> list[SavedTensor]:
