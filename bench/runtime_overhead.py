@@ -11,7 +11,7 @@
   swapped tensors counted apart), as the increase over the step's start, gradients allocated inside
   the step.
 
-    .venv/bin/python bench/runtime_overhead.py [--models gpt hf-gpt2] [--steps 20] [--device cpu]
+    .venv/bin/python bench/runtime_overhead.py [--models gpt hf-gpt2] [--steps 20] [--device cpu] [--overhead-only] [--threads N]
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from regen.models import repeated_blocks
 from regen.workloads import build_workload, forward_loss
 
 WARMUP_STEPS = 3
+# (strategy, cap as a fraction of the unplanned peak increase). On CPU profiles swap is cheap, so hybrid
+# plans tend to be swap-only too; the recompute plan shows the dispatch-mode path.
+OVERHEAD_STRATEGIES = (("swap", 0.5), ("hybrid", 0.25), ("recompute", 0.5))
 
 
 def _sync(device):
@@ -77,30 +80,67 @@ class _PerBlockCheckpoint:
 
 
 def overhead(w, plan, steps, device):
-    """Eager steps on the model and keep-all steps on an identical copy under one long-lived handle,
-    interleaved; the ratio of medians."""
+    """Eager steps on the model and planned steps on an identical copy under one long-lived handle,
+    interleaved (the order alternating: A B, B A, ...) so both see the same machine load. Returns the
+    medians of each and the median of the per-pair ratios planned/eager (the figure reported)."""
     twin = copy.copy(w)
     twin.model = copy.deepcopy(w.model)
     eager, planned = [], []
     with regen.apply(twin.model, plan):
         for i in range(steps + WARMUP_STEPS):
-            te, tp = _timed(w, device), _timed(twin, device)
+            if i % 2:
+                tp, te = _timed(twin, device), _timed(w, device)
+            else:
+                te, tp = _timed(w, device), _timed(twin, device)
             if i >= WARMUP_STEPS:
                 eager.append(te)
                 planned.append(tp)
-    return statistics.median(eager), statistics.median(planned)
+    ratio = statistics.median(p / e for p, e in zip(planned, eager))
+    return statistics.median(eager), statistics.median(planned), ratio
 
 
-def run(name, steps, device, out):
+def _solve_at(profile, strategy, cap_bytes):
+    from regen.planner import solve
+
+    try:
+        return solve(profile, memory_cap_bytes=cap_bytes, strategy=strategy, time_limit_s=30)
+    except InfeasibleCapError as exc:
+        if exc.smallest_feasible_cap_bytes is None:
+            raise
+        return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy=strategy, time_limit_s=30)
+
+
+def overhead_rows(w, profile, steps, device, out):
+    """Overhead of the keep-all plan (pure machinery), and of swap-only, hybrid and recompute plans
+    (machinery plus the copies and recomputes they choose; on CPU the copies are synchronous). Plans
+    without recompute run the pack-order fast path after their first step; recompute plans keep the
+    dispatch mode."""
+    from regen.planner import solve
+
+    plans = [("keep-all", solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="keep-all", time_limit_s=10))]
+    start = profile.memory_at_start_bytes
+    for strategy, fraction in OVERHEAD_STRATEGIES:
+        plans.append((strategy, _solve_at(profile, strategy, start + int((profile.peak_bytes - start) * fraction))))
+    for label, plan in plans:
+        actions = {}
+        for d in plan.decisions:
+            actions[d.action] = actions.get(d.action, 0) + 1
+        e, k, ratio = overhead(w, plan, steps, device)
+        out(f"  {label:9s} plan: eager {e * 1e3:8.2f} ms, planned {k * 1e3:8.2f} ms (medians), overhead "
+            f"{(ratio - 1) * 100:+6.1f}% (median of paired ratios)  decisions {dict(sorted(actions.items()))}")
+
+
+def run(name, steps, device, out, overhead_only=False):
     from regen.planner import solve
     from regen.profiler import profile_workload
 
     w = build_workload(name, device=device)
     profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None)
-    keep_all = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="keep-all", time_limit_s=10)
-    e, k = overhead(w, keep_all, steps, device)
-    out(f"{name}: eager {e * 1e3:.2f} ms, keep-all plan {k * 1e3:.2f} ms, overhead {(k / e - 1) * 100:+.1f}% "
-        f"({len(profile.ops)} ops, {profile.num_forward_ops} forward, {len(profile.saved_entries)} saved entries)")
+    out(f"{name}: {len(profile.ops)} ops, {profile.num_forward_ops} forward, "
+        f"{len(profile.saved_entries)} saved entries; overhead vs eager, interleaved, median of {steps} steps:")
+    overhead_rows(w, profile, steps, device, out)
+    if overhead_only:
+        return
 
     def median_time(ctx_factory):
         ts = []
@@ -155,10 +195,14 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=["gpt", "hf-gpt2"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--overhead-only", action="store_true", help="skip the matched-memory comparison")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     for name in args.models:
-        run(name, args.steps, args.device, print)
+        run(name, args.steps, args.device, print, overhead_only=args.overhead_only)
     return 0
 
 

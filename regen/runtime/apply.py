@@ -15,9 +15,19 @@ pair of saved-tensor hooks:
 
 The first planned step also hashes the forward ops and compares the result with `plan.fingerprint`.
 Any mismatch raises `PlanMismatchError`, or with `on_mismatch="keep"` warns and keeps every later
-tensor of that step. Restored and recomputed storages are dropped after their last unpack; host ranges
-go back to the pool when autograd frees the handles; an exception inside the `with` block aborts the
-live steps and leaves no hook installed.
+tensor of that step.
+
+Pack-order fast path: for a plan without recompute decisions (keep-all, swap-only) the dispatch mode
+is only needed until a step has been verified. That step records its forward packs in order (shape,
+dtype, decision or none); later steps push no dispatch mode at all and give the k-th pack the k-th
+recorded decision, after checking the packed tensor's shape and dtype (and, for a swapped candidate
+saved more than once, that every entry views the one storage). A different shape or dtype, or a
+forward that saved fewer tensors by the time backward starts, is a mismatch as above; packs after the
+recorded count are kept. Plans with recompute decisions keep the dispatch mode (recipe ops are captured).
+
+Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
+when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
+no hook installed.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ ON_MISMATCH_CHOICES = ("raise", "keep")
 # regen's own small ops (detach, set_, copies) skip every Python dispatch mode: they are never counted and
 # cost no Python round trip. Recipe replays run with only the tracker paused (other modes still see them).
 _regen_ops = torch._C._DisableTorchDispatch
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # no __torch_dispatch__ of their own
 
 
 class PlanMismatchWarning(UserWarning):
@@ -70,7 +82,7 @@ class _Candidate:
     """One storage of one step: what the runtime did with it and what it still owes."""
 
     __slots__ = ("key", "info", "mode", "pending", "live", "storage", "copy_out", "copy_in", "recipe_ran",
-                 "version", "released")
+                 "version", "released", "storage_key")
 
     def __init__(self, key, info):
         self.key = key
@@ -84,6 +96,7 @@ class _Candidate:
         self.recipe_ran = False
         self.version = 0  # kept anchors: version counter when packed
         self.released = False
+        self.storage_key: int | None = None  # swapped: the storage copied out (fast-path check)
 
 
 class _Saved:
@@ -113,6 +126,17 @@ class _Untracked:
         self.tensor = tensor
 
 
+class _PackRecord:
+    """One forward pack of the verified step: what later steps must pack at the same position."""
+
+    __slots__ = ("shape", "dtype", "info")
+
+    def __init__(self, shape, dtype, info):
+        self.shape: torch.Size = shape
+        self.dtype: torch.dtype = dtype
+        self.info: DecisionInfo | None = info  # None, or a keep decision: keep the tensor
+
+
 class _Step:
     def __init__(self, runtime: "RegenHandle", number: int):
         self.runtime = runtime
@@ -134,7 +158,12 @@ class _Step:
         self.pending_copy_outs: list[_Candidate] = []
         self.live = 0
         self.hooks_pushed = False
-        self.pack_fn = self.pack
+        # pack-order fast path: the verified step's packs (None: match through the dispatch mode)
+        self.sequence: tuple[_PackRecord, ...] | None = runtime.pack_sequence
+        self.pack_count = 0
+        self.recording: list[_PackRecord] | None = (
+            [] if self.sequence is None and not self.index.has_recompute else None)
+        self.pack_fn = self.pack if self.sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
     # ---- forward ops (called by the ForwardTracker) ------------------------------------------------
@@ -189,6 +218,11 @@ class _Step:
         self.phase = PHASE_CLOSED
         self.fingerprint = None
         self.writer = {}
+        recording, self.recording = self.recording, None
+        runtime = self.runtime
+        if (recording is not None and self.planned and not self.failed and runtime.verified
+                and self.op_count >= self.index.num_forward_ops and runtime.pack_sequence is None):
+            runtime.pack_sequence = tuple(recording)
         self._flush_copy_outs(wait_all=True)
         if torch._C._current_graph_task_id() == -1:
             self.runtime._pop_tracker_for(self)
@@ -224,6 +258,10 @@ class _Step:
         if self.pending_copy_outs:
             self._flush_copy_outs(wait_all=False)
         w = self.writer.get(storage_key(x))
+        if self.recording is not None:
+            info = None if w is None else self.index.decisions.get((w[0], w[1]))
+            self.recording.append(_PackRecord(x.shape, x.dtype, None if info is None or (
+                info.action == ACTION_KEEP and info.key not in self.index.anchor_keys) else info))
         result = x.detach() if w is None else self._pack_candidate(x, w)
         if phase == PHASE_TAIL:  # the last planned op's outputs: match this one, then close
             self.end_forward(pop_hooks=False)
@@ -238,14 +276,56 @@ class _Step:
             self.mismatch(f"op {key[0]} output {key[1]} is {tuple(w[2])} {w[3]}, the plan expects "
                           f"{tuple(info.shape)} {info.dtype} (another batch shape or model?)")
             return x.detach()
+        return self._pack_info(x, info)
+
+    def fast_pack(self, x: torch.Tensor):
+        if _dispatch_stack_len() == 0 and type(x) in _PLAIN_TENSOR_TYPES:  # nothing Python to skip
+            return self._fast_pack(x)
+        with _regen_ops():
+            return self._fast_pack(x)
+
+    def _fast_pack(self, x: torch.Tensor):
+        """The pack hook of a step after the verified one (plans without recompute): by pack order."""
+        if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
+            return _Untracked(x.detach())
+        if self.phase == PHASE_CLOSED:
+            return x.detach()
+        k = self.pack_count
+        sequence = self.sequence
+        if k >= len(sequence):  # nothing left to match (a plan whose forward saves nothing)
+            self.end_forward(pop_hooks=False)
+            return x.detach()
+        self.pack_count = k + 1
+        if self.pending_copy_outs:
+            self._flush_copy_outs(wait_all=False)
+        rec = sequence[k]
+        if x.dtype != rec.dtype or x.shape != rec.shape:
+            self.mismatch(f"saved tensor {k} of the forward is {tuple(x.shape)} {x.dtype}, the plan's verified "
+                          f"step saved {tuple(rec.shape)} {rec.dtype} there (another batch shape or model?)")
+            result = x.detach()
+        elif rec.info is None:
+            result = x.detach()
+        else:
+            result = self._pack_info(x, rec.info, check_storage=True)
+        if k + 1 == len(sequence):  # the verified step's last forward pack: matching is over
+            self.end_forward(pop_hooks=False)
+        return result
+
+    def _pack_info(self, x: torch.Tensor, info: DecisionInfo, check_storage: bool = False):
+        key = info.key
         cand = self.cands.get(key)
         if cand is None:
             cand = self.cands[key] = _Candidate(key, info)
+        elif check_storage and cand.storage_key is not None and storage_key(x) != cand.storage_key:
+            self.mismatch(f"op {key[0]} output {key[1]} was saved from two storages (the plan's verified step "
+                          f"saved one)")
+            return x.detach()
         if cand.mode is None:
             if not self.planned or info.action == ACTION_KEEP:
                 cand.mode = ACTION_KEEP
             elif info.action == ACTION_SWAP:
                 self._start_swap(cand, x)
+                cand.storage_key = storage_key(x)
             else:
                 self._start_drop(cand)
                 if cand.mode is None:  # fell back to keep
@@ -309,6 +389,9 @@ class _Step:
         self.unpack_count = k + 1
         if k == 0 and self.phase != PHASE_CLOSED:
             self.end_forward()
+            if self.sequence is not None and self.pack_count < len(self.sequence):
+                self.mismatch(f"the forward saved {self.pack_count} tensors before backward began, the plan's "
+                              f"verified step saved {len(self.sequence)}")
         schedule = self.copy_in_schedule
         while schedule and schedule[0][0] <= k:
             cand = heapq.heappop(schedule)[2]
@@ -452,6 +535,7 @@ class RegenHandle:
         self.tracker = ForwardTracker()
         self.tracker_pushed = False
         self.verified = False
+        self.pack_sequence: tuple[_PackRecord, ...] | None = None  # the fast path's (see the module doc)
         self.stats = RuntimeStats()
         self.current: _Step | None = None
         self.live_steps: list[_Step] = []
@@ -521,10 +605,14 @@ class RegenHandle:
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
-        self.tracker.step = step
-        if not self.tracker_pushed:
-            self.tracker.__enter__()
-            self.tracker_pushed = True
+        if step.sequence is None:
+            self.tracker.step = step
+            if not self.tracker_pushed:
+                self.tracker.__enter__()
+                self.tracker_pushed = True
+        else:  # pack-order fast path: no dispatch mode
+            self.tracker.step = None
+            self._pop_tracker(force=False)
         torch._C._autograd._push_saved_tensors_default_hooks(step.pack_fn, step.unpack_fn)
         step.hooks_pushed = True
 

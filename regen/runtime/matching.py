@@ -53,6 +53,7 @@ class PlanIndex:
     anchor_keys: frozenset  # candidates some recompute decision reads
     num_forward_ops: int
     has_actions: bool  # any swap or recompute
+    has_recompute: bool = False  # any recompute (the pack-order fast path needs none)
     swap_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -104,9 +105,10 @@ def index_plan(plan: Plan) -> PlanIndex:
         anchors.update(keys)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
     has_actions = any(i.action != ACTION_KEEP for i in decisions.values())
+    has_recompute = any(i.action == ACTION_RECOMPUTE for i in decisions.values())
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
                      anchor_keys=frozenset(anchors), num_forward_ops=n_fwd, has_actions=has_actions,
-                     swap_bytes=swap_bytes)
+                     has_recompute=has_recompute, swap_bytes=swap_bytes)
 
 
 class ForwardTracker(TorchDispatchMode):
