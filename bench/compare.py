@@ -1,0 +1,265 @@
+"""Side-by-side benchmark: regen against what users reach for today, measured in one run.
+
+For each model (the built-in GPT, Hugging Face GPT-2, the built-in CNN) and each way of saving
+memory, this runs forward+backward steps on the same weights and batch and measures:
+
+* peak memory: the allocator's own timeline (regen.measure; torch.profiler on CPU,
+  max_memory_allocated on CUDA), as the increase over the step's start plus the profile's memory at
+  the start of the step, so every variant is on one absolute scale;
+* step time: the median of several steps after a warm-up.
+
+Variants: no plan; per-block `torch.utils.checkpoint`; Hugging Face `gradient_checkpointing_enable()`
+(models that support it); `torch.compile` with `activation_memory_budget=0.5` (the
+`aot_eager_decomp_partition` backend, which runs the min-cut partitioner that honours the budget);
+`torch.autograd.graph.save_on_cpu` (offload everything); and regen's recompute-only, swap-only and
+hybrid plans solved at caps matched to each peer's measured peak. Everything is reported as a ratio
+to no plan. It writes docs/benchmarks.md with the machine, the date and the command.
+
+    python bench/compare.py                 # all models, writes docs/benchmarks.md
+    python bench/compare.py --models gpt --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from regen.measure import measure_memory  # noqa: E402
+from regen.models import repeated_blocks  # noqa: E402
+from regen.workloads import build_workload, training_step  # noqa: E402
+
+MODELS = {
+    "gpt": {"workload": "gpt", "batch_size": 8,
+            "args": {"vocab_size": 2048, "context": 128, "d_model": 192, "n_layer": 4, "n_head": 6}},
+    "hf-gpt2": {"workload": "hf-gpt2", "batch_size": 4,
+                "args": {"seq_len": 128, "n_layer": 4, "n_embd": 192, "n_head": 6, "vocab_size": 2048}},
+    "cnn": {"workload": "cnn", "batch_size": 16, "args": {"channels": 32, "num_blocks": 4, "image_size": 32}},
+}
+TIMED_STEPS = 7
+WARMUP_STEPS = 2
+SOLVE_TIME_LIMIT_S = 30.0
+COMPILE_MEMORY_BUDGET = 0.5
+SEED = 0
+
+
+@dataclass
+class Result:
+    model: str
+    variant: str
+    cap_bytes: int | None
+    peak_bytes: int
+    step_time_s: float
+    note: str = ""
+
+
+@dataclass
+class Variant:
+    """One way of running the step: its own model copy, plus what wraps the step."""
+
+    name: str
+    workload: object
+    context: object = None  # a context-manager factory around each step (save_on_cpu)
+    cap_bytes: int | None = None
+    note: str = ""
+    handle: object = None  # a regen.apply handle, removed at the end
+    increase_bytes: int = 0
+    times_s: list = None
+
+    def step(self) -> None:
+        from contextlib import nullcontext
+
+        with (self.context() if self.context else nullcontext()):
+            torch.manual_seed(SEED)
+            training_step(self.workload)
+        self.workload.model.zero_grad(set_to_none=True)
+
+
+def build(spec):
+    return build_workload(spec["workload"], batch_size=spec["batch_size"], args=spec["args"])
+
+
+def checkpoint_blocks(model) -> int:
+    """Wrap each repeated block's forward in torch.utils.checkpoint (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        original = block.forward
+
+        def forward(self, *args, _original=original, **kwargs):
+            return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+        block.forward = types.MethodType(forward, block)
+    return len(blocks)
+
+
+def peer_variants(name: str, spec: dict, progress) -> list[Variant]:
+    variants = [Variant("no plan", build(spec))]
+    w = build(spec)
+    n = checkpoint_blocks(w.model)
+    variants.append(Variant("checkpoint per block", w, note=f"{n} blocks"))
+    w = build(spec)
+    if getattr(w.model, "supports_gradient_checkpointing", False):
+        w.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        variants.append(Variant("HF gradient checkpointing", w))
+    import torch._functorch.config as functorch_config
+
+    w = build(spec)
+    old_budget = functorch_config.activation_memory_budget
+    functorch_config.activation_memory_budget = COMPILE_MEMORY_BUDGET
+    try:
+        w.model = torch.compile(w.model, backend="aot_eager_decomp_partition")
+        v = Variant(f"torch.compile budget {COMPILE_MEMORY_BUDGET}", w, note="aot_eager_decomp_partition")
+        v.step()  # compile now, under the budget
+        variants.append(v)
+    except Exception as exc:  # report, do not hide: a peer that fails is a finding
+        progress(f"[{name}] torch.compile failed: {type(exc).__name__}: {exc}")
+    finally:
+        functorch_config.activation_memory_budget = old_budget
+    variants.append(Variant("save_on_cpu (offload all)", build(spec),
+                            context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()),
+                            note="no-op on a CPU device"))
+    return variants
+
+
+def bench_model(name: str, spec: dict, progress) -> list[Result]:
+    import regen
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    progress(f"[{name}] profiling")
+    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None)
+    start = profile.memory_at_start_bytes
+    variants = peer_variants(name, spec, progress)
+    for v in variants:  # memory first: the allocator's figures do not depend on machine load
+        for _ in range(WARMUP_STEPS):
+            v.step()
+        v.increase_bytes = measure_memory(v.step).peak_increase_bytes
+        progress(f"[{name}] {v.name:<30} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB")
+    failed: list[Result] = []
+    for peer in [v for v in variants if v.name != "no plan" and not v.name.startswith("save_on_cpu")]:
+        cap = start + peer.increase_bytes
+        for strategy in ("recompute", "swap", "hybrid"):
+            label = f"regen {strategy} @ {peer.name.split(' ')[0]}"
+            try:
+                plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S)
+            except Exception as exc:
+                reason = str(exc).splitlines()[0][:90]
+                progress(f"[{name}] {label}: no plan ({type(exc).__name__}: {reason})")
+                failed.append(Result(name, label, cap, 0, 0.0, f"no plan: {reason}"))
+                continue
+            w = build(spec)
+            v = Variant(label, w, cap_bytes=cap, handle=regen.apply(w.model, plan),
+                        note=f"predicted {plan.simulated.step_time_s / plan.baseline.step_time_s:.2f}x; "
+                             f"{plan.action_counts()['swap']} swap, {plan.action_counts()['recompute']} recompute")
+            for _ in range(WARMUP_STEPS):
+                v.step()
+            v.increase_bytes = measure_memory(v.step).peak_increase_bytes
+            progress(f"[{name}] {v.name:<30} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB (cap {cap / 2**20:.1f})")
+            variants.append(v)
+    # time: round-robin over every variant, so load on a shared machine hits all of them alike
+    for v in variants:
+        v.times_s = []
+    for round_ in range(TIMED_STEPS):
+        for v in variants:
+            t0 = time.perf_counter()
+            v.step()
+            v.times_s.append(time.perf_counter() - t0)
+        progress(f"[{name}] timing round {round_ + 1}/{TIMED_STEPS}")
+    results = []
+    for v in variants:
+        if v.handle is not None:
+            v.handle.remove()
+        results.append(Result(name, v.name, v.cap_bytes, start + v.increase_bytes, statistics.median(v.times_s),
+                              v.note))
+    torch._dynamo.reset()
+    return results + failed
+
+
+def table(results: list[Result]) -> str:
+    lines = []
+    for model in dict.fromkeys(r.model for r in results):
+        rows = [r for r in results if r.model == model]
+        base = next(r for r in rows if r.variant == "no plan")
+        lines += [f"### {model}", "",
+                  "| variant | cap | measured peak | peak vs no plan | step time | time vs no plan | note |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            if not r.peak_bytes:
+                lines.append(f"| {r.variant} | {r.cap_bytes / 2**20:.1f} MiB | – | – | – | – | {r.note} |")
+                continue
+            cap = f"{r.cap_bytes / 2**20:.1f} MiB" if r.cap_bytes else ""
+            lines.append(f"| {r.variant} | {cap} | {r.peak_bytes / 2**20:.1f} MiB | {r.peak_bytes / base.peak_bytes:.2f} "
+                         f"| {r.step_time_s * 1e3:.1f} ms | {r.step_time_s / base.step_time_s:.2f} | {r.note} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    return (f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only'}").strip()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks.md")
+    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"))
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+    def progress(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    results = []
+    for name in args.models:
+        results += bench_model(name, MODELS[name], progress)
+    body = table(results)
+    print(body)
+    if not args.no_write:
+        command = "python bench/compare.py" + (f" --models {' '.join(args.models)}" if argv else "")
+        text = "\n".join([
+            "# Benchmarks: regen against checkpointing, torch.compile and offloading",
+            "",
+            f"Produced by `{command}` on {datetime.date.today().isoformat()} "
+            f"({time.perf_counter() - t0:.0f} s), on {machine()}.",
+            "",
+            "Peak memory is measured by the allocator (torch.profiler's timeline on CPU, "
+            "`torch.cuda.max_memory_allocated` on CUDA), as the increase over the step's start plus the "
+            "profile's memory at the start of the step (parameters, batch). Step time is the median of "
+            f"{TIMED_STEPS} forward+backward steps after {WARMUP_STEPS} warm-up steps, taken round-robin over all "
+            "variants (one step of each in turn), so machine load hits every variant alike. Ratios are to no "
+            "plan, measured side by side in this one run. regen's plans are solved at caps matched to each peer's "
+            "measured peak (`@ checkpoint` = the per-block checkpoint peak, and so on).",
+            "",
+            "On a CPU device there is no host/device link: regen's swaps copy to a host buffer counted apart "
+            "(not in the measured peak), and `save_on_cpu` moves nothing. Step times on CPU show the cost of "
+            "recomputation and of copies at memcpy speed; a GPU run of `bench/gpu_check.sh` is where overlap "
+            "of copies and compute shows.",
+            "",
+            body,
+        ])
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
