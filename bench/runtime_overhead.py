@@ -33,7 +33,7 @@ from regen.workloads import build_workload, forward_loss
 
 WARMUP_STEPS = 3
 # (strategy, cap as a fraction of the unplanned peak increase). On CPU profiles swap is cheap, so hybrid
-# plans tend to be swap-only too; the recompute plan shows the dispatch-mode path.
+# plans tend to be swap-only too; the recompute plan shows the (minimal) dispatch-mode path.
 OVERHEAD_STRATEGIES = (("swap", 0.5), ("hybrid", 0.25), ("recompute", 0.5))
 
 
@@ -113,8 +113,8 @@ def _solve_at(profile, strategy, cap_bytes):
 def overhead_rows(w, profile, steps, device, out):
     """Overhead of the keep-all plan (pure machinery), and of swap-only, hybrid and recompute plans
     (machinery plus the copies and recomputes they choose; on CPU the copies are synchronous). Plans
-    without recompute run the pack-order fast path after their first step; recompute plans keep the
-    dispatch mode."""
+    without recompute run the pack-order fast path after their first step; recompute plans match by pack
+    order too but keep a minimal dispatch mode (counting ops, capturing recipe ops)."""
     from regen.planner import solve
 
     plans = [("keep-all", solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="keep-all", time_limit_s=10))]

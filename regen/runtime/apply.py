@@ -23,7 +23,10 @@ dtype, decision or none); later steps push no dispatch mode at all and give the 
 recorded decision, after checking the packed tensor's shape and dtype (and, for a swapped candidate
 saved more than once, that every entry views the one storage). A different shape or dtype, or a
 forward that saved fewer tensors by the time backward starts, is a mismatch as above; packs after the
-recorded count are kept. Plans with recompute decisions keep the dispatch mode (recipe ops are captured).
+recorded count are kept. Plans with recompute decisions match packs the same way but keep the dispatch
+mode on later steps, doing the minimum per op (`_FastOps`): only the verified step's recipe ops (name
+checked, captured, references compared with the verified step's) and the producers of what they read
+(outputs noted in a small writer map) do more than count and run.
 
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
@@ -137,6 +140,18 @@ class _PackRecord:
         self.info: DecisionInfo | None = info  # None, or a keep decision: keep the tensor
 
 
+class _FastOps:
+    """What a fast step of a plan with recompute decisions must still do per forward op (taken from the
+    verified step): capture the recipe ops, and note the outputs of the ops those captures read."""
+
+    __slots__ = ("tracked", "producers", "refs")
+
+    def __init__(self, captures: dict[int, Capture], recipe_ops):
+        self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
+        self.producers = frozenset(op for refs in self.refs.values() for op, _ in refs)
+        self.tracked = frozenset(recipe_ops) | self.producers  # every other op: count it and run it
+
+
 class _Step:
     def __init__(self, runtime: "RegenHandle", number: int):
         self.runtime = runtime
@@ -161,13 +176,16 @@ class _Step:
         # pack-order fast path: the verified step's packs (None: match through the dispatch mode)
         self.sequence: tuple[_PackRecord, ...] | None = runtime.pack_sequence
         self.pack_count = 0
-        self.recording: list[_PackRecord] | None = (
-            [] if self.sequence is None and not self.index.has_recompute else None)
+        self.recording: list[_PackRecord] | None = [] if self.sequence is None else None
+        # plans with recompute decisions keep the dispatch mode on fast steps, doing the minimum per op
+        self.fast_ops: _FastOps | None = runtime.fast_ops if self.sequence is not None else None
+        self.forward_op = self.slow_forward_op if self.fast_ops is None else self.fast_forward_op
         self.pack_fn = self.pack if self.sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
     # ---- forward ops (called by the ForwardTracker) ------------------------------------------------
-    def forward_op(self, func, args, kwargs):
+    def slow_forward_op(self, func, args, kwargs):
+        """Every forward op of an unverified step: writer map, fingerprint, recipe captures."""
         idx = self.op_count
         self.op_count = idx + 1
         index = self.index
@@ -199,6 +217,43 @@ class _Step:
                     self.runtime.verified = True
         return out
 
+    def fast_forward_op(self, func, args, kwargs):
+        """A forward op of a step after the verified one (plan with recompute): packs match by order, so
+        only the recipe ops and the producers of what they read do more than count and run."""
+        idx = self.op_count
+        self.op_count = idx + 1
+        if idx in self.fast_ops.tracked:
+            out = self._tracked_op(idx, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if idx + 1 == self.index.num_forward_ops:
+            self.phase = PHASE_TAIL
+        return out
+
+    def _tracked_op(self, idx, func, args, kwargs):
+        index = self.index
+        fast = self.fast_ops
+        expected = index.recipe_op_names.get(idx)
+        if expected is not None:
+            problem = check_captured_name(idx, func, expected)
+            if problem:
+                self.mismatch(problem)
+            else:
+                cap = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
+                if cap.refs != fast.refs[idx]:
+                    self.mismatch(f"recipe op {idx} ({expected}) reads the outputs {list(cap.refs)} (op, slot), "
+                                  f"the plan's verified step read {list(fast.refs[idx])}")
+                else:
+                    self.captures[idx] = cap
+        out = func(*args, **kwargs)
+        if idx in fast.producers:
+            outs = tensor_outputs(out)
+            writer = self.writer
+            for slot, key in written_outputs(func, args, kwargs, outs):
+                o = outs[slot]
+                writer[key] = (idx, slot, o.shape, o.dtype)
+        return out
+
     def backward_began(self):
         """Backward started before the plan's forward ops had all run."""
         if self.phase == PHASE_FORWARD and self.op_count < self.index.num_forward_ops:
@@ -222,7 +277,11 @@ class _Step:
         runtime = self.runtime
         if (recording is not None and self.planned and not self.failed and runtime.verified
                 and self.op_count >= self.index.num_forward_ops and runtime.pack_sequence is None):
-            runtime.pack_sequence = tuple(recording)
+            if not self.index.has_recompute:
+                runtime.pack_sequence = tuple(recording)
+            elif self.captures.keys() == self.index.recipe_op_names.keys():
+                runtime.fast_ops = _FastOps(self.captures, self.index.recipe_op_names)
+                runtime.pack_sequence = tuple(recording)
         self._flush_copy_outs(wait_all=True)
         if torch._C._current_graph_task_id() == -1:
             self.runtime._pop_tracker_for(self)
@@ -536,6 +595,7 @@ class RegenHandle:
         self.tracker_pushed = False
         self.verified = False
         self.pack_sequence: tuple[_PackRecord, ...] | None = None  # the fast path's (see the module doc)
+        self.fast_ops: _FastOps | None = None  # with recompute decisions: what fast steps still track
         self.stats = RuntimeStats()
         self.current: _Step | None = None
         self.live_steps: list[_Step] = []
@@ -605,7 +665,7 @@ class RegenHandle:
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
-        if step.sequence is None:
+        if step.sequence is None or step.fast_ops is not None:
             self.tracker.step = step
             if not self.tracker_pushed:
                 self.tracker.__enter__()

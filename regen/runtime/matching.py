@@ -5,7 +5,9 @@
 * `ForwardTracker` is the dispatch mode that counts forward ops (docs/internals.md "Op numbering"):
   it hands every op to the current step, which updates its writer map with
   `regen.opinfo.written_outputs`, feeds the fingerprint during the first planned step and captures
-  recipe ops. Once the step's forward is over it passes ops straight through; regen's own copies and
+  recipe ops (on steps after the verified one of a recompute plan, only the recipe ops and the
+  producers of their inputs do more than count). Once the step's forward is over it passes ops
+  straight through; regen's own copies and
   replays run with it paused so they are never counted.
 """
 
@@ -53,7 +55,7 @@ class PlanIndex:
     anchor_keys: frozenset  # candidates some recompute decision reads
     num_forward_ops: int
     has_actions: bool  # any swap or recompute
-    has_recompute: bool = False  # any recompute (the pack-order fast path needs none)
+    has_recompute: bool = False  # any recompute (fast steps then keep a minimal dispatch mode)
     swap_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
