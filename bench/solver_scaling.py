@@ -1,9 +1,11 @@
 """Solve time and optimality gap against size: regen's MILP on synthetic transformer-shaped profiles.
 
     .venv/bin/python bench/solver_scaling.py [--sizes 100 300 1000 3000] [--time-limit 30] [--cap 0.5]
+                                             [--rel-gap 0.01]
 
 Profiles come from regen.planner.synthetic.transformer_profile (about 15 candidates per layer); the
-cap is a fraction of the unplanned peak. Target: 1,000 candidates to a 1% gap within 30 s on 2 cores.
+cap is a fraction of the unplanned peak. The solver stops at --rel-gap (default: the planner's
+DEFAULT_REL_GAP, 1%) or the time limit. Target: 1,000 candidates to a 1% gap within 30 s on 2 cores.
 """
 
 import argparse
@@ -11,6 +13,7 @@ import time
 
 from regen.errors import RegenError
 from regen.planner import solve
+from regen.planner.milp import DEFAULT_REL_GAP
 from regen.planner.synthetic import transformer_profile
 
 CANDIDATES_PER_LAYER = 15
@@ -22,7 +25,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--cap", type=float, default=0.5, help="cap as a fraction of the unplanned peak")
     parser.add_argument("--strategy", default="hybrid")
+    parser.add_argument("--rel-gap", type=float, default=DEFAULT_REL_GAP, help="stopping relative gap")
     args = parser.parse_args()
+    print(f"time limit {args.time_limit:g} s, stopping gap {100 * args.rel_gap:g}%, cap {100 * args.cap:g}% of peak")
     print(f"{'cands':>6} {'ops':>6} {'binaries':>9} {'solve_s':>8} {'status':>10} {'gap_%':>7} "
           f"{'overhead_%':>10} {'sim_peak/cap':>12}")
     for size in args.sizes:
@@ -36,7 +41,8 @@ def main() -> None:
 
         t0 = time.perf_counter()
         try:
-            plan = solve(profile, cap, args.strategy, time_limit_s=args.time_limit, progress=progress)
+            plan = solve(profile, cap, args.strategy, time_limit_s=args.time_limit, progress=progress,
+                         rel_gap=args.rel_gap)
         except RegenError as exc:
             print(f"{len(profile.saved_tensors):>6} {len(profile.ops):>6} {'-':>9} {time.perf_counter() - t0:>8.1f} "
                   f"{'error':>10}  {exc}")

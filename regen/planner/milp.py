@@ -28,7 +28,10 @@ time limit and a progress callback; CBC (PULP_CBC_CMD) when highspy is missing.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,9 +45,11 @@ from regen.planner.simulator import Choice
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
 TIME_UNITS_PER_STEP = 1e3  # time unit = unplanned compute time / this
-DEFAULT_REL_GAP = 5e-3  # stop at a 0.5% gap
+DEFAULT_REL_GAP = 0.01  # stop once the incumbent is within 1% of the bound (issue 3's target)
 SOLVER_THREADS = 2
 BINARY_THRESHOLD = 0.5
+BLOCK_CANDIDATES = 100  # candidates re-optimised together by the block improvement of large graphs
+MIN_BLOCK_TIME_S = 0.5
 
 
 @dataclass
@@ -191,8 +196,17 @@ class Model:
                 prob += started == 0, f"in_after_out_{i}_{s}"
             elif done is not started:
                 prob += started <= done, f"in_after_out_{i}_{s}"
-        for s, y in v.yin.items():
-            prob += y <= v.is_expr(s), f"in_started_{i}_{s}"
+        # nothing flows before the copy-in starts: the fraction copied in by the end of a segment where
+        # "started" is constant is at most that indicator (aggregated over the segment, which is what
+        # keeps the LP relaxation tight: a half-started copy-in cannot free memory it has not copied yet)
+        in_steps = sorted(v.yin)
+        for k, s0 in enumerate(ib):
+            s1 = ib[k + 1] - 1 if k + 1 < len(ib) else None
+            if s1 is None:
+                break  # from the last break on, "started" is swap_t itself: implied by in_all
+            upto = [v.yin[s] for s in in_steps if s <= s1]
+            if upto:
+                prob += pulp.lpSum(upto) <= v.is_expr(s0), f"in_started_{i}_{s0}"
 
     def _fraction_in_before(self, a: _Vars, step: int):
         """Fraction of a's copy-in done before `step` starts."""
@@ -439,6 +453,46 @@ def _value(x) -> float:
 # ---- solving -----------------------------------------------------------------------------------
 
 
+def highs_model(lp: pulp.LpProblem, variables: list):
+    """The PuLP problem as a highspy HighsLp, built in bulk; sets each variable's and constraint's index."""
+    import highspy
+    import numpy as np
+
+    for i, var in enumerate(variables):
+        var.index = i
+    n = len(variables)
+    inf = highspy.kHighsInf
+    model = highspy.HighsLp()
+    model.num_col_ = n
+    model.col_cost_ = np.array([lp.objective.get(v, 0.0) for v in variables], dtype=float)
+    model.col_lower_ = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
+    model.col_upper_ = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
+    model.offset_ = float(lp.objective.constant)
+    starts, index, value, lower, upper = [0], [], [], [], []
+    for i, con in enumerate(constraints_of(lp)):
+        for var, coef in con.items():
+            if coef:
+                index.append(var.index)
+                value.append(coef)
+        starts.append(len(index))
+        lb, ub = con.getLb(), con.getUb()
+        lower.append(-inf if lb is None else lb)
+        upper.append(inf if ub is None else ub)
+        con.index = i
+    model.num_row_ = len(lower)
+    model.row_lower_ = np.array(lower, dtype=float)
+    model.row_upper_ = np.array(upper, dtype=float)
+    model.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    model.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    model.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    model.a_matrix_.value_ = np.array(value, dtype=float)
+    model.a_matrix_.num_col_ = n
+    model.a_matrix_.num_row_ = len(lower)
+    model.integrality_ = [highspy.HighsVarType.kInteger if v.cat == pulp.LpInteger else
+                          highspy.HighsVarType.kContinuous for v in variables]
+    return model
+
+
 class _BulkHiGHS(pulp.HiGHS):
     """PuLP's HiGHS interface, with the model passed in one call, a warm start and progress."""
 
@@ -450,42 +504,10 @@ class _BulkHiGHS(pulp.HiGHS):
         self.info = None
 
     def buildSolverModel(self, lp):  # noqa: N802 (PuLP's name)
-        import highspy
         import numpy as np
 
         variables = lp.variables()
-        for i, var in enumerate(variables):
-            var.index = i
-        n = len(variables)
-        inf = highspy.kHighsInf
-        model = highspy.HighsLp()
-        model.num_col_ = n
-        model.col_cost_ = np.array([lp.objective.get(v, 0.0) for v in variables], dtype=float)
-        model.col_lower_ = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
-        model.col_upper_ = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
-        model.offset_ = float(lp.objective.constant)
-        starts, index, value, lower, upper = [0], [], [], [], []
-        for i, con in enumerate(constraints_of(lp)):
-            for var, coef in con.items():
-                if coef:
-                    index.append(var.index)
-                    value.append(coef)
-            starts.append(len(index))
-            lb, ub = con.getLb(), con.getUb()
-            lower.append(-inf if lb is None else lb)
-            upper.append(inf if ub is None else ub)
-            con.index = i
-        model.num_row_ = len(lower)
-        model.row_lower_ = np.array(lower, dtype=float)
-        model.row_upper_ = np.array(upper, dtype=float)
-        model.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        model.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-        model.a_matrix_.index_ = np.array(index, dtype=np.int32)
-        model.a_matrix_.value_ = np.array(value, dtype=float)
-        model.a_matrix_.num_col_ = n
-        model.a_matrix_.num_row_ = len(lower)
-        model.integrality_ = [highspy.HighsVarType.kInteger if v.cat == pulp.LpInteger else
-                              highspy.HighsVarType.kContinuous for v in variables]
+        model = highs_model(lp, variables)
         lp.solverModel.passModel(model)
         if self.warm_values:
             idx = [v.index for v in variables if v.name in self.warm_values]
@@ -512,6 +534,32 @@ class _BulkHiGHS(pulp.HiGHS):
         return super().findSolutionValues(lp)
 
 
+@contextlib.contextmanager
+def solver_output_to_stderr():
+    """Send file descriptor 1 to stderr while a solver runs.
+
+    HiGHS prints its banner from C++ to the process's stdout when the first `Highs()` of a process is
+    built (before any option can turn it off), and CBC may log there too; `regen solve` keeps stdout
+    for its own output, so solver text goes to stderr with the progress messages.
+    """
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no usable stdout: nothing to protect
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def highs_available() -> bool:
     try:
         import highspy  # noqa: F401
@@ -522,8 +570,12 @@ def highs_available() -> bool:
 
 def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_GAP,
                 warm_start: dict[int, Choice] | None = None,
-                progress: Callable[[str], None] | None = None, force_cbc: bool = False) -> MilpResult:
-    """Solve a built model; SolverError when it stops without a feasible plan."""
+                progress: Callable[[str], None] | None = None, force_cbc: bool = False,
+                warm_values: dict[str, float] | None = None) -> MilpResult:
+    """Solve a built model; SolverError when it stops without a feasible plan.
+
+    The warm start is a plan (`warm_start`) or the values of discrete variables by name (`warm_values`,
+    e.g. from `improve_by_blocks`), which take precedence."""
     prob = model.prob
     nvars, ncons = len(prob.variables()), len(constraints_of(prob))
     if progress:
@@ -531,6 +583,8 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
         progress(f"MILP: {nvars} variables ({sum(1 for v in prob.variables() if v.cat == pulp.LpInteger)} binary), "
                  f"{ncons} constraints, {nz} nonzeros")
     warm = model.warm_start_values(warm_start) if warm_start is not None else None
+    if warm_values is not None:
+        warm = dict(warm or {}, **warm_values)
     use_highs = highs_available() and not force_cbc
     if use_highs:
         solver = _BulkHiGHS(warm_values=warm, progress=progress, msg=False, timeLimit=time_limit_s,
@@ -545,9 +599,11 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
                                    threads=SOLVER_THREADS, warmStart=bool(warm))
         name = "cbc"
     if progress:
-        progress(f"solver {name} started (time limit {time_limit_s:g} s, {SOLVER_THREADS} threads)")
+        progress(f"solver {name} started (time limit {time_limit_s:g} s, stops at a {100 * rel_gap:g}% gap, "
+                 f"{SOLVER_THREADS} threads)")
     t0 = time.perf_counter()
-    status = prob.solve(solver)
+    with solver_output_to_stderr():
+        status = prob.solve(solver)
     elapsed = time.perf_counter() - t0
     has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
@@ -585,6 +641,84 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
     if model.cap_var is not None:
         result.min_cap_bytes = int(math.ceil(_value(model.cap_var) * model.mem_unit))
     return result
+
+
+def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
+                      block_candidates: int = BLOCK_CANDIDATES, rel_gap: float = DEFAULT_REL_GAP,
+                      progress: Callable[[str], None] | None = None
+                      ) -> tuple[dict[int, Choice], dict[str, float]] | None:
+    """Fix-and-optimize: re-solve the MILP one block of candidates (by producer) at a time, every other
+    candidate's action fixed to the incumbent's, keeping each improvement.
+
+    On large graphs HiGHS spends its time at the root and rarely improves a warm start; blocks of
+    about BLOCK_CANDIDATES candidates solve to a small gap in a second or two, so sweeping them
+    gives the full solve a much better incumbent. One HiGHS model, only bounds change between blocks.
+    Returns the plan and the values of its discrete variables (a warm start for a model built with the
+    same options), or None when no block found a solution (or HiGHS is missing).
+    """
+    if not highs_available() or time_budget_s <= 0:
+        return None
+    import highspy
+    import numpy as np
+
+    deadline = time.perf_counter() + time_budget_s
+    prob = model.prob
+    variables = prob.variables()
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", SOLVER_THREADS)
+    h.setOptionValue("mip_rel_gap", rel_gap)
+    h.passModel(highs_model(prob, variables))
+    lower = np.array([-highspy.kHighsInf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
+    upper = np.array([highspy.kHighsInf if v.upBound is None else v.upBound for v in variables], dtype=float)
+    warm = model.warm_start_values(incumbent)
+    by_name = {v.name: v for v in variables}
+    values = {name: float(x) for name, x in warm.items()}
+    actions = {i: v.rec + ([v.swap] if v.swap is not None else []) for i, v in model.vars.items()}
+    order = sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i))
+    blocks = [order[k:k + block_candidates] for k in range(0, len(order), block_candidates)]
+    best_obj, improved, solution = math.inf, False, None
+    for k, block in enumerate(blocks):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            break
+        free = set(block)
+        idx, lo, up = [], [], []
+        for i, xs in actions.items():
+            for x in xs:
+                fixed = i not in free
+                val = values.get(x.name, 0.0)
+                idx.append(x.index)
+                lo.append(round(val) if fixed else lower[x.index])
+                up.append(round(val) if fixed else upper[x.index])
+        h.changeColsBounds(len(idx), np.array(idx, dtype=np.int32), np.array(lo, dtype=float),
+                           np.array(up, dtype=float))
+        names = [n for n in values if n in by_name]
+        h.setSolution(len(names), np.array([by_name[n].index for n in names], dtype=np.int32),
+                      np.array([values[n] for n in names], dtype=float))
+        h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, min(remaining, 2 * remaining / (len(blocks) - k)))))
+        with solver_output_to_stderr():
+            h.run()
+        info = h.getInfo()
+        if info.primal_solution_status != 2:  # no feasible solution
+            continue
+        obj = info.objective_function_value
+        col = list(h.getSolution().col_value)
+        if obj < best_obj - 1e-9:
+            if math.isfinite(best_obj):
+                improved = True
+            best_obj, solution = obj, col
+            for v in variables:
+                if v.cat == pulp.LpInteger:
+                    values[v.name] = float(round(col[v.index]))
+    if progress:
+        progress(f"block improvement: {len(blocks)} blocks of {block_candidates} candidates, objective "
+                 f"{best_obj:.6g}" + ("" if improved else " (no improvement)"))
+    if solution is None:
+        return None
+    for v in variables:
+        v.varValue = solution[v.index]
+    return model.choices(), {v.name: float(round(solution[v.index])) for v in variables if v.cat == pulp.LpInteger}
 
 
 def _time_of(model: Model) -> float:

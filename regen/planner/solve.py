@@ -11,6 +11,7 @@ is an InfeasibleCapError naming the strategy's own peak.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Deci
 from regen.formats.profile import Profile, load_profile
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph, build_graph
-from regen.planner.milp import MilpOptions, Model, _Infeasible, solve_model
+from regen.planner.milp import (BLOCK_CANDIDATES, DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, improve_by_blocks,
+                                solve_model)
 from regen.planner.simulator import Choice, SimulationResult, simulate
 
 STRATEGIES = ("hybrid", "recompute", "swap", "str", "keep-all", "chen")
@@ -32,6 +34,10 @@ MAX_REPAIR_ROUNDS = 4
 MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
 MIN_SOLVER_TIME_S = 1e-3  # a repair round gets at least this long even past the deadline
 WARM_START_TIME_FRACTION = 0.2  # of the time limit, for the recompute-only warm start of hybrid
+BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates get the block improvement
+BLOCK_IMPROVE_TIME_FRACTION = 0.35  # of the time limit, for it
+BLOCK_IMPROVE_MIN_S_PER_BLOCK = 0.75  # ... when that gives each block at least this long (else the full
+# solve needs the time more: on 3,000 candidates HiGHS takes seconds just to load the warm start)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -96,14 +102,19 @@ def _starts_with_brace(path: Path) -> bool:
 
 
 def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", time_limit_s: float = 60.0,
-          bandwidth_gb_s: float | None = None, progress: Progress = None) -> Plan:
-    """A plan for `profile` under `memory_cap_bytes`, checked by the simulator."""
+          bandwidth_gb_s: float | None = None, progress: Progress = None, rel_gap: float = DEFAULT_REL_GAP) -> Plan:
+    """A plan for `profile` under `memory_cap_bytes`, checked by the simulator.
+
+    The MILP strategies stop at `rel_gap` (relative gap between the plan and the solver's bound, 1% by
+    default) or at `time_limit_s`, whichever comes first."""
     if strategy not in STRATEGIES:
         raise RegenError(f"unknown strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
     if not memory_cap_bytes or memory_cap_bytes <= 0:
         raise RegenError(f"the memory cap must be positive (got {memory_cap_bytes})")
     if not time_limit_s or time_limit_s <= 0:
         raise RegenError(f"--time-limit must be positive (got {time_limit_s})")
+    if not 0 <= rel_gap < 1:
+        raise RegenError(f"the relative gap must be in [0, 1) (got {rel_gap})")
     bw = bandwidth_gb_s * BYTES_PER_GB if bandwidth_gb_s else None
     t0 = time.perf_counter()
     graph = build_graph(profile, bw, bw)
@@ -115,7 +126,7 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     notes: list[str] = []
     if strategy in MILP_STRATEGIES:
         choices, report, predicted_time, predicted_peak = _solve_milp(
-            graph, memory_cap_bytes, strategy, time_limit_s, say, notes)
+            graph, memory_cap_bytes, strategy, time_limit_s, say, notes, rel_gap)
     elif strategy == "str":
         from regen.planner.str_milp import solve_str
 
@@ -190,28 +201,33 @@ def _unblock_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap: int
                 attempt(ch_x, ch_y.swap_in_step)
 
 
-def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say, notes: list[str]):
+def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say, notes: list[str],
+                rel_gap: float = DEFAULT_REL_GAP):
     allow_swap, allow_rec = MILP_STRATEGIES[strategy]
     deadline = time.perf_counter() + time_limit_s
     lower = lower_bound_peak(graph, allow_swap, allow_rec)
     if lower > cap:
         _raise_infeasible(graph, cap, allow_swap, allow_rec, time_limit_s, say, lower)
-    warm = _warm_start(graph, cap, strategy, time_limit_s, say)
-    options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec, time_limit_s=time_limit_s)
-    result = None
+    warm, warm_values = _warm_start(graph, cap, strategy, time_limit_s, say)
+    options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec, time_limit_s=time_limit_s,
+                          rel_gap=rel_gap)
+    notes.append(f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit")
+    result, timed_out = None, False
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         model = Model(graph, cap, options)
         remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
         try:
-            result = solve_model(model, remaining, warm_start=warm, progress=say)
+            result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=warm, progress=say,
+                                 warm_values=warm_values)
         except _Infeasible:
             if round_ == 0:
                 _raise_infeasible(graph, cap, allow_swap, allow_rec, time_limit_s, say, lower)
             result = None
             break
         except SolverError:
-            if result is not None or warm is None:
+            if warm is None:
                 raise
+            timed_out, result = True, None  # fall back to the warm start, which passes the simulator
             break
         sim = simulate(graph, result.choices)
         if sim.peak_bytes <= cap and sim.valid:
@@ -228,7 +244,9 @@ def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
                                   time_limit_s=time_limit_s)
             return final.choices, report, final.objective_s, final.predicted_peak_bytes
     if warm is not None:
-        notes.append("the MILP's plans did not pass the simulator; the greedy plan is used instead")
+        notes.append("the MILP found no plan within the time limit; the warm-start plan is used instead" if timed_out
+                     else "the MILP's plans did not pass the simulator; the warm-start plan is used instead")
+        say(notes[-1])
         sim = simulate(graph, warm)
         report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
                               gap=None, solve_time_s=0.0, time_limit_s=time_limit_s)
@@ -236,9 +254,11 @@ def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
     raise AssertionError("internal error: no plan passed the simulator under the cap")
 
 
-def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say) -> dict[int, Choice] | None:
+def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say
+                ) -> tuple[dict[int, Choice] | None, dict[str, float] | None]:
     """The greedy plan, or for hybrid the recompute-only MILP's plan when it is cheaper (it solves fast:
-    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's."""
+    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's; on large
+    graphs improved block by block (then with the MILP's own variable values, exact for the full model)."""
     allow_swap, allow_rec = MILP_STRATEGIES[strategy]
     candidates = []
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_rec)
@@ -257,7 +277,19 @@ def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
         if sim.valid and sim.peak_bytes <= cap and (best is None or sim.step_time_s < best[0]):
             best = (sim.step_time_s, name, choices)
     say("warm start: " + (f"{best[1]} plan, {best[0] * 1e3:.3f} ms" if best else "none found under the cap"))
-    return best[2] if best else None
+    decidable = sum(1 for c in graph.candidates if c.can_swap or c.can_recompute)
+    budget_s = BLOCK_IMPROVE_TIME_FRACTION * time_limit_s
+    if (best is not None and decidable > BLOCK_IMPROVE_MIN_CANDIDATES
+            and budget_s / math.ceil(decidable / BLOCK_CANDIDATES) >= BLOCK_IMPROVE_MIN_S_PER_BLOCK):
+        # large graphs: HiGHS rarely improves a warm start from the root, so improve it block by block
+        model = Model(graph, cap, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec))
+        improved = improve_by_blocks(model, best[2], budget_s, progress=say)
+        if improved is not None:
+            sim = simulate(graph, improved[0])
+            if sim.valid and sim.peak_bytes <= cap:
+                say(f"warm start: block-improved plan, {sim.step_time_s * 1e3:.3f} ms simulated")
+                return improved
+    return (best[2] if best else None), None
 
 
 def _add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: SimulationResult, cap: int,

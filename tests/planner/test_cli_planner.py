@@ -99,7 +99,7 @@ def test_time_limit_without_a_feasible_plan(profile_path, tmp_path, capsys, monk
     import importlib
 
     solve_module = importlib.import_module("regen.planner.solve")
-    monkeypatch.setattr(solve_module, "_warm_start", lambda *a, **k: None)
+    monkeypatch.setattr(solve_module, "_warm_start", lambda *a, **k: (None, None))
     monkeypatch.setattr(solve_module, "MAX_REPAIR_ROUNDS", 0)
     code = main(["solve", str(profile_path), "--memory-cap", "70%", "--time-limit", "1e-4", "-q",
                  "-o", str(tmp_path / "p.yaml")])
@@ -123,3 +123,17 @@ def test_show_plot_without_matplotlib_is_a_clear_error(profile_path, tmp_path, c
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["show", str(plan_path), "--plot", str(tmp_path / "x.png")]) != 0
     assert "pip install 'regen[plot]'" in capsys.readouterr().err
+
+
+def test_solve_keeps_stdout_clean_of_solver_output(profile_path, tmp_path):
+    """HiGHS prints a banner from C++ on the first solver of a process: it must not reach stdout."""
+    import subprocess
+    import sys
+
+    plan_path = tmp_path / "clean.plan.yaml"
+    run = subprocess.run([sys.executable, "-m", "regen.cli", "solve", str(profile_path), "--memory-cap", "75%",
+                          "-o", str(plan_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "HiGHS" not in run.stdout and "Running" not in run.stdout
+    assert "solver highs started" in run.stderr and "stops at a 1% gap" in run.stderr
+    assert load_plan(plan_path).simulated.peak_bytes <= load_plan(plan_path).memory_cap_bytes

@@ -72,3 +72,44 @@ def test_minimum_peak_model_finds_a_cap_that_is_feasible():
     solve_model(Model(graph, result.min_cap_bytes, MilpOptions()), 30)  # feasible at the cap it found
     with pytest.raises(_Infeasible):
         solve_model(Model(graph, int(result.min_cap_bytes * 0.98), MilpOptions()), 30)
+
+
+def test_solver_stops_at_the_requested_gap(small_transformer):
+    """The default stopping gap is 1%; a looser gap stops sooner with a valid bound, a tight one goes further."""
+    from regen.planner.milp import DEFAULT_REL_GAP
+
+    assert DEFAULT_REL_GAP == pytest.approx(0.01)
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    default = solve_model(Model(graph, cap, MilpOptions()), 60)
+    assert default.status == "optimal" and default.gap is not None and default.gap <= DEFAULT_REL_GAP + 1e-9
+    loose = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=0.5)
+    tight = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
+    assert loose.gap <= 0.5 and tight.gap <= 1e-6 + 1e-9
+    # every run's bound is below the tightest objective, and tightening never makes the plan worse
+    for r in (loose, default):
+        assert r.bound_s <= tight.objective_s * (1 + 1e-6)
+        assert tight.objective_s <= r.objective_s * (1 + 1e-6)
+    assert default.objective_s <= tight.objective_s * (1 + DEFAULT_REL_GAP) + 1e-12
+
+
+def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_transformer):
+    import pulp
+
+    from regen.planner.milp import improve_by_blocks
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    recompute_only = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 30, rel_gap=1e-6)
+    model = Model(graph, cap, MilpOptions())
+    choices, values = improve_by_blocks(model, recompute_only.choices, 30, block_candidates=10)
+    blocks_objective_s = pulp.value(model.prob.objective) * model.time_unit
+    exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
+    assert exact.objective_s * (1 - 1e-6) <= blocks_objective_s <= recompute_only.objective_s * (1 + 1e-6)
+    sim = simulate(graph, choices)
+    assert sim.valid and sim.peak_bytes <= cap
+    binaries = {v.name for v in model.prob.variables() if v.cat == pulp.LpInteger}
+    assert set(values) == binaries and set(values.values()) <= {0.0, 1.0}
+    # its values warm-start a fresh model of the same options: the solve ends no worse than the blocks
+    again = solve_model(Model(graph, cap, MilpOptions()), 30, warm_values=values)
+    assert again.objective_s <= blocks_objective_s * (1 + 1e-6)
