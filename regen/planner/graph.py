@@ -15,9 +15,13 @@ input is available: a tensor no op produced (parameter, buffer, batch), or the p
 another candidate that is alive at b (an *anchor*: inside its own backward window, or kept / swapped
 back by then, which the MILP enforces with a linear constraint). Option `depth` d walks *through* up
 to d alive candidates on any path (recomputing them as intermediates) instead of anchoring on them,
-so a candidate can be rebuilt from further back when its direct inputs are dropped too. In-place ops
-are never replayed, storages an in-place op writes are never rebuilt as intermediates, random ops are
-replayed with their RNG state (flagged in the plan's recipe_ops).
+so a candidate can be rebuilt from further back when its direct inputs are dropped too. Random ops are
+replayed with their RNG state (flagged in the plan's recipe_ops). In-place ops are replayed only on a
+*recipe-internal* storage: one whose creating op is in the recipe along with every in-place write to it
+that precedes a recipe read of it (its whole write history up to that read, replayed in forward order,
+so the replayed storage holds the same contents when it is read). CPU dropout
+(`empty_like`, `bernoulli_`, `div_`) is recomputable this way. In-place writes to any other storage
+(parameters, the batch, anchors) are never replayed.
 """
 
 from __future__ import annotations
@@ -263,6 +267,11 @@ class _RecipeContext:
     tensors: dict
     cand_by_tensor: dict[int, Candidate]
     inplace_storages: set[int]
+    # storage -> the ops (any phase, increasing) that wrote it in place
+    inplace_writers: dict[int, list[int]] = field(default_factory=dict)
+    # storage -> the op that created it: the first op with a non-view, non-in-place output over it that
+    # read no tensor of that storage (absent for parameters, buffers, the batch)
+    creator: dict[int, int] = field(default_factory=dict)
 
 
 def _set_recipes(graph: PlanningGraph) -> None:
@@ -289,13 +298,20 @@ def _recipe_context(graph: PlanningGraph) -> _RecipeContext:
     profile = graph.profile
     tensors = profile.tensor_by_id()
     cand_by_tensor = {c.saved.tensor: c for c in graph.candidates}
-    inplace_storages = set()
+    inplace_writers: dict[int, list[int]] = {}
+    creator: dict[int, int] = {}
     for op in profile.ops:
+        if op.is_view:
+            continue
+        out_storages = {tensors[o].storage for o in op.outputs if o in tensors and tensors[o].storage_bytes}
         if op.is_inplace:
-            for o in op.outputs:
-                if o in tensors:
-                    inplace_storages.add(tensors[o].storage)
-    return _RecipeContext(graph, tensors, cand_by_tensor, inplace_storages)
+            for st in sorted(out_storages):
+                inplace_writers.setdefault(st, []).append(op.index)
+            continue
+        in_storages = {tensors[x].storage for x in op.inputs if x in tensors}
+        for st in out_storages - in_storages:
+            creator.setdefault(st, op.index)
+    return _RecipeContext(graph, tensors, cand_by_tensor, set(inplace_writers), inplace_writers, creator)
 
 
 def recipe_context(graph: PlanningGraph) -> _RecipeContext:
@@ -315,13 +331,36 @@ def build_recipe(ctx: _RecipeContext, target: Candidate,
     graph = ctx.graph
     ops = graph.profile.ops
     b = target.first_backward
-    if target.saved.is_inplace or ops[target.producer].is_inplace:
-        return None, "its producer is an in-place op"
     if ops[target.producer].phase != PHASE_FORWARD:
         return None, "its producer is not a forward op"
+    later = [w for w in ctx.inplace_writers.get(target.saved.storage, []) if w > target.producer]
+    if later:
+        return None, f"op {later[0]} ({ops[later[0]].name}) writes its storage in place after its producer"
     budget0 = walk_budget(target) if walk_budget else 0
     recipe_ops: set[int] = set()
     anchors: set[int] = set()
+
+    def written_storages(q: int) -> set[int]:
+        op = ops[q]
+        if not op.is_inplace:
+            return set()
+        return {ctx.tensors[o].storage for o in op.outputs if o in ctx.tensors}
+
+    def visit_history(storage: int, before: int, budget: int) -> str | None:
+        """Put the creating op and every in-place write before op `before` of a storage into the recipe,
+        so the replay rebuilds its contents as op `before` saw them in forward."""
+        writers = ctx.inplace_writers.get(storage)
+        if not writers:
+            return None
+        first = ctx.creator.get(storage)
+        if first is None or first > writers[0]:
+            return (f"op {writers[0]} ({ops[writers[0]].name}) is in-place on a storage no recipe op creates "
+                    f"(a parameter, the batch, or a tensor made outside the step)")
+        for w in [first] + [w for w in writers if w < before]:
+            why = visit_op(w, budget)
+            if why:
+                return why
+        return None
 
     def visit_op(q: int, budget: int) -> str | None:
         if q in recipe_ops:
@@ -329,16 +368,13 @@ def build_recipe(ctx: _RecipeContext, target: Candidate,
         op = ops[q]
         if op.phase != PHASE_FORWARD:
             return f"op {q} ({op.name}) is not a forward op"
-        if op.is_inplace:
-            return f"op {q} ({op.name}) is in-place"
-        if not op.is_view:
-            for o in op.outputs:
-                rec = ctx.tensors.get(o)
-                if rec is not None and rec.storage in ctx.inplace_storages:
-                    return f"op {q} ({op.name}) writes a storage an in-place op modifies"
         recipe_ops.add(q)
         if len(recipe_ops) > MAX_RECIPE_OPS:
             return f"its recipe is longer than {MAX_RECIPE_OPS} ops"
+        for st in written_storages(q):  # in-place: the storage's earlier history is replayed first
+            why = visit_history(st, q, budget)
+            if why:
+                return why
         for x in op.inputs:
             why = visit_tensor(x, q, budget)
             if why:
@@ -351,8 +387,9 @@ def build_recipe(ctx: _RecipeContext, target: Candidate,
             if rec is not None and rec.storage in ctx.inplace_storages:
                 return f"input tensor {x} is modified in place"
             return None  # parameter, buffer or batch: captured by reference
+        overwritten = rec.storage in written_storages(reader)  # the reader writes it: rebuild, never anchor
         cand = ctx.cand_by_tensor.get(x)
-        if cand is not None and cand is not target and cand.bytes > 0:
+        if cand is not None and cand is not target and cand.bytes > 0 and not overwritten:
             alive = cand.last_backward is not None and cand.last_backward >= b
             if alive:
                 anchor = is_anchor(cand) if is_anchor else budget <= 0
@@ -360,8 +397,9 @@ def build_recipe(ctx: _RecipeContext, target: Candidate,
                     anchors.add(cand.index)
                     return None
                 budget -= 1
-        if rec.storage in ctx.inplace_storages:
-            return f"tensor {x} (storage written in place) would be rebuilt"
+        why = visit_history(rec.storage, reader, budget)
+        if why:
+            return why
         return visit_op(rec.producer_op, budget)
 
     why = visit_op(target.producer, budget0)

@@ -10,7 +10,10 @@ state they ran with (CPU, and the CUDA device's when they ran there).
 In backward, `replay_recipe` runs a decision's recipe in order with grad off, resolving each `Ref`
 from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
 dropping each intermediate right after its last use, and restoring the ambient RNG state after each
-random op. Anything that does not resolve, or an output that does not match the plan, raises
+random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`) mutates and returns the recipe's
+own replayed intermediate: the tensor it writes must resolve to an output of an earlier recipe op, never
+to an anchor or an external tensor (the planner only emits such recipes; the replay checks it).
+Anything that does not resolve, or an output that does not match the plan, raises
 `PlanMismatchError`: a recipe is never replayed approximately.
 """
 
@@ -23,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import op_name, storage_key, tensor_outputs, written_outputs
+from regen.opinfo import is_inplace, op_name, storage_key, tensor_outputs, written_outputs
 from regen.runtime.swap import Geometry, view_of
 
 
@@ -106,6 +109,22 @@ def _run_with_rng(cap: Capture, args, kwargs):
             torch.cuda.set_rng_state(ambient_cuda, cap.cuda_rng_state[0])
 
 
+def _written_args(cap: Capture) -> list:
+    """The arguments an in-place op writes (schema alias info), as captured (Ref / External / value)."""
+    schema = cap.func._schema
+    written = []
+    for pos, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.kwarg_only or pos >= len(cap.args):
+            value = cap.kwargs.get(arg.name)
+        else:
+            value = cap.args[pos]
+        flat, _ = tree_flatten(value)
+        written.extend(flat)
+    return written
+
+
 def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[int, Capture],
                   anchor: Callable[[tuple[int, int]], torch.Tensor],
                   expect_shape: torch.Size, expect_dtype: torch.dtype) -> torch.Tensor:
@@ -144,6 +163,13 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
 
     with torch.no_grad():
         for pos, cap in enumerate(caps):
+            if is_inplace(cap.func):
+                for a in _written_args(cap):
+                    if isinstance(a, torch.Tensor) or isinstance(a, External) or (
+                            isinstance(a, Ref) and (a.op, a.slot) not in table):
+                        raise PlanMismatchError(
+                            f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "
+                            f"tensor its recipe did not create; the plan does not fit this model")
             args = tree_map(resolve, cap.args)
             kwargs = tree_map(resolve, cap.kwargs)
             out = _run_with_rng(cap, args, kwargs)

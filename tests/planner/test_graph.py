@@ -51,3 +51,24 @@ def test_inplace_ops_are_never_replayed_and_random_ops_are_flagged():
     dropout, relu_ = by_producer[op_d], by_producer[op_r]
     assert not relu_.recipes and "in-place" in relu_.not_recomputable
     assert dropout.recipes and dropout.recipes[0].random_ops == [op_d]
+
+
+def test_cpu_gpt_dropout_masks_are_recomputable_and_lower_the_recompute_only_cap(real_gpt_profile):
+    from regen.planner.solve import smallest_feasible_cap
+
+    profile = real_gpt_profile
+    ops = profile.ops
+    graph = build_graph(profile)
+    masks = [c for c in graph.candidates if ops[c.producer].is_inplace and not c.trivial]
+    assert masks and all(ops[c.producer].name == "aten.div_.Scalar" for c in masks)
+    for c in masks:
+        assert c.can_recompute, c.not_recomputable
+        names = [ops[q].name for q in c.recipes[0].ops]
+        assert names[-3:] == ["aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar"]
+        assert [ops[q].name for q in c.recipes[0].random_ops] == ["aten.bernoulli_.float"]
+    after = smallest_feasible_cap(graph, allow_swap=False, allow_recompute=True)
+    # the former rule: no recipe replays an in-place op (so no candidate made in place is recomputable)
+    for c in graph.candidates:
+        c.recipes = [r for r in c.recipes if not any(ops[q].is_inplace for q in r.ops)]
+    before = smallest_feasible_cap(graph, allow_swap=False, allow_recompute=True)
+    assert after is not None and before is not None and after < before
