@@ -263,13 +263,12 @@ def main(argv=None) -> int:
             "recomputation and of copies at memcpy speed; a GPU run of `bench/gpu_check.sh` is where overlap "
             "of copies and compute shows.",
             "",
-            "Reading the tables: on a CPU device `nn.Dropout` runs as `bernoulli_` then an in-place `div_`, so "
-            "dropout masks (the attention-probability mask is the largest saved tensor of a GPT) are written in "
-            "place and regen never recomputes them; recompute-only plans therefore cannot reach the memory of "
-            "per-block checkpointing on the GPT models here (its smallest reachable cap is shown instead). On CUDA "
-            "dropout is one `native_dropout` op, which regen replays with its RNG state. Swap plans on a CPU copy "
-            "at memcpy speed into a host buffer that is not device memory, so their cost here is a lower bound of "
-            "the GPU's, where the copies cross the host link and must hide behind compute.",
+            "Reading the tables: on a CPU device `nn.Dropout` runs as `empty_like`, `bernoulli_` and an in-place "
+            "`div_`; regen replays that chain with the RNG state it ran with, so dropout masks are recomputed too "
+            "(on CUDA dropout is one `native_dropout` op). Where a recompute-only plan cannot reach a peer's peak, "
+            "the row `@ its smallest cap` shows the lowest cap it reaches. Swap plans on a CPU copy at memcpy "
+            "speed into a host buffer that is not device memory, so their cost here is a lower bound of the "
+            "GPU's, where the copies cross the host link and must hide behind compute.",
             "",
             body,
         ])

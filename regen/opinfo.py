@@ -48,6 +48,19 @@ def is_view(func) -> bool:
     return bool(getattr(func, "is_view", False))
 
 
+# Ops that read their first argument only for its metadata (shape, strides, dtype, device), never its
+# values: a recipe that replays one needs no copy of that argument (CPU dropout starts with empty_like).
+METADATA_ONLY_FIRST_ARG_OPS = frozenset({
+    "aten.empty_like.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
+    "aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
+})
+
+
+def reads_first_arg_metadata_only(name: str) -> bool:
+    """Whether the op named `name` (see op_name) reads only the metadata of its first argument."""
+    return name in METADATA_ONLY_FIRST_ARG_OPS
+
+
 def storage_key(t: torch.Tensor) -> int:
     """An identity for a tensor's storage, equal for a tensor and all its views while it lives."""
     return t.untyped_storage().data_ptr()

@@ -34,6 +34,7 @@ from typing import Callable
 import networkx as nx
 
 from regen.errors import RegenError
+from regen.opinfo import reads_first_arg_metadata_only
 from regen.formats.profile import PHASE_FORWARD, Profile, SavedTensor
 
 MAX_RECIPE_OPS = 32  # longer chains are not recomputable
@@ -375,7 +376,8 @@ def build_recipe(ctx: _RecipeContext, target: Candidate,
             why = visit_history(st, q, budget)
             if why:
                 return why
-        for x in op.inputs:
+        inputs = op.inputs[1:] if reads_first_arg_metadata_only(op.name) else op.inputs  # empty_like(x)
+        for x in inputs:
             why = visit_tensor(x, q, budget)
             if why:
                 return why

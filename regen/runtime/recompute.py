@@ -26,7 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import is_inplace, op_name, storage_key, tensor_outputs, written_outputs
+from regen.opinfo import (is_inplace, op_name, reads_first_arg_metadata_only, storage_key, tensor_outputs,
+                           written_outputs)
 from regen.runtime.swap import Geometry, view_of
 
 
@@ -45,6 +46,19 @@ class External:
 
     tensor: torch.Tensor
     version: int
+
+
+@dataclass(frozen=True)
+class Like:
+    """The first argument of an op that reads only its metadata (empty_like...): rebuilt empty at replay."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def materialize(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 
 
 @dataclass
@@ -81,7 +95,11 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
         refs.append((w[0], w[1]))
         return Ref(w[0], w[1], Geometry.of(a))
 
-    cap = Capture(index=index, func=func, args=tree_map(template, tuple(args)),
+    captured_args = list(args)
+    if captured_args and isinstance(captured_args[0], torch.Tensor) and reads_first_arg_metadata_only(op_name(func)):
+        a = captured_args[0]  # only its metadata matters: hold none of its memory
+        captured_args[0] = Like(tuple(a.shape), tuple(a.stride()), a.dtype, a.device)
+    cap = Capture(index=index, func=func, args=tree_map(template, tuple(captured_args)),
                   kwargs=tree_map(template, dict(kwargs)), refs=tuple(refs))
     if random:
         cap.cpu_rng_state = torch.get_rng_state()
@@ -159,6 +177,8 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                     f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
                     f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
             return a.tensor
+        if isinstance(a, Like):
+            return a.materialize()
         return a
 
     with torch.no_grad():
