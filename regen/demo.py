@@ -7,7 +7,7 @@
 4. print a table: measured peak (unplanned, cap, planned), step time (unplanned, planned, predicted),
    whether gradients matched, and where the profile, the plan and a memory-timeline PNG went.
 
-Sized to take about a minute on 2 CPU cores. On a CPU "swap" copies to another host buffer, so the
+Sized to take about half a minute to a minute on 2 CPU cores (~700 MiB unplanned peak). On a CPU "swap" copies to another host buffer, so the
 planned peak is the device-side figure with the host pool counted apart, as on a GPU.
 """
 
@@ -23,7 +23,7 @@ import torch
 DEMO_WORKLOAD = {
     "workload": "gpt",
     "batch_size": 8,
-    "args": {"vocab_size": 2048, "context": 128, "d_model": 192, "n_layer": 4, "n_head": 6, "dropout": 0.1},
+    "args": {"vocab_size": 4096, "context": 256, "d_model": 256, "n_layer": 6, "n_head": 8, "dropout": 0.1},
 }
 DEMO_CAP_FRACTION = 0.5
 DEMO_TRAIN_STEPS = 4
