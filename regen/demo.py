@@ -7,8 +7,9 @@
 4. print a table: measured peak (unplanned, cap, planned), step time (unplanned, planned, predicted),
    whether gradients matched, and where the profile, the plan and a memory-timeline PNG went.
 
-Sized to take about half a minute to a minute on 2 CPU cores (~700 MiB unplanned peak). On a CPU "swap" copies to another host buffer, so the
-planned peak is the device-side figure with the host pool counted apart, as on a GPU.
+Sized to take about half a minute to a minute on 2 CPU cores (a 6-layer GPT, ~700 MiB unplanned peak).
+On a CPU "swap" copies to another host buffer, so the planned peak is the device-side figure with the
+host pool counted apart, as on a GPU.
 """
 
 from __future__ import annotations
