@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-DEMO_WORKLOAD = {
+DEMO_WORKLOAD = {  # the same as configs/gpt-demo.yaml (a test keeps them equal)
     "workload": "gpt",
     "batch_size": 8,
     "args": {"vocab_size": 4096, "context": 256, "d_model": 256, "n_layer": 6, "n_head": 8, "dropout": 0.1},

@@ -16,3 +16,14 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path, capsys):
     assert "gradients match unplanned" in out and "yes (bitwise)" in out
     assert "within the cap" in out
     assert any(m.startswith("[4/4]") for m in messages)
+
+
+def test_demo_config_file_matches_the_built_in_demo():
+    from pathlib import Path
+
+    from regen.demo import DEMO_WORKLOAD
+    from regen.workloads import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpt-demo.yaml")
+    assert (cfg["workload"], cfg["batch_size"], cfg["args"]) == (
+        DEMO_WORKLOAD["workload"], DEMO_WORKLOAD["batch_size"], DEMO_WORKLOAD["args"])
