@@ -35,7 +35,7 @@ def plan_summary(plan: Plan) -> str:
     lines += [
         f"  solver            {s.name}, {s.status}, gap {gap}, {s.solve_time_s:.2f} s"
         + (f" (limit {s.time_limit_s:g} s)" if s.time_limit_s else ""),
-        f"  host pool         {format_bytes(plan.host_pool_bytes)} pinned; copy bandwidth d2h "
+        f"  host pool         {format_bytes(plan.host_pool_bytes)} (pinned on CUDA); copy bandwidth d2h "
         f"{plan.d2h_bytes_per_s / 1e9:.2f} GB/s, h2d {plan.h2d_bytes_per_s / 1e9:.2f} GB/s",
         f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
         + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),
