@@ -144,12 +144,14 @@ class _FastOps:
     """What a fast step of a plan with recompute decisions must still do per forward op (taken from the
     verified step): capture the recipe ops, and note the outputs of the ops those captures read."""
 
-    __slots__ = ("tracked", "producers", "refs")
+    __slots__ = ("tracked", "producers", "refs", "last_tracked")
 
     def __init__(self, captures: dict[int, Capture], recipe_ops):
         self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
         self.producers = frozenset(op for refs in self.refs.values() for op, _ in refs)
         self.tracked = frozenset(recipe_ops) | self.producers  # every other op: count it and run it
+        # after this op the dispatch mode has nothing left to do: the next pack pops it
+        self.last_tracked = max(self.tracked, default=-1)
 
 
 class _Step:
@@ -180,6 +182,7 @@ class _Step:
         # plans with recompute decisions keep the dispatch mode on fast steps, doing the minimum per op
         self.fast_ops: _FastOps | None = runtime.fast_ops if self.sequence is not None else None
         self.forward_op = self.slow_forward_op if self.fast_ops is None else self.fast_forward_op
+        self.tracking_done = False  # fast step with recompute: every tracked op has run
         self.pack_fn = self.pack if self.sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
@@ -224,6 +227,8 @@ class _Step:
         self.op_count = idx + 1
         if idx in self.fast_ops.tracked:
             out = self._tracked_op(idx, func, args, kwargs)
+            if idx >= self.fast_ops.last_tracked:
+                self.tracking_done = True
         else:
             out = func(*args, **kwargs)
         if idx + 1 == self.index.num_forward_ops:
@@ -349,6 +354,9 @@ class _Step:
             return _Untracked(x.detach())
         if self.phase == PHASE_CLOSED:
             return x.detach()
+        if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
+            self.tracking_done = False
+            self.runtime._pop_tracker_for(self)
         k = self.pack_count
         sequence = self.sequence
         if k >= len(sequence):  # nothing left to match (a plan whose forward saves nothing)

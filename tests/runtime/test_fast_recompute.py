@@ -152,3 +152,27 @@ def test_later_step_recipe_op_drift_keep_runs_unplanned():
         assert_same(reference, run_and_grads(w))  # the next matching step is planned again
     assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 3
     assert handle.pool.checked_out_bytes == 0 and handle.active_steps == 0
+
+
+def test_fast_steps_drop_the_mode_after_the_last_tracked_op():
+    """Once every recipe op and producer has run, the next pack pops the dispatch mode: the rest of the
+    forward runs without it (packs still match by order), and gradients stay bit for bit."""
+    w, trace = traced("gpt")
+    plan = PLANS["recompute"](trace)
+    cutoff = plan.num_forward_ops // 2  # keep what the second half would recompute: an untracked tail
+    for d in plan.decisions:
+        if d.action == "recompute" and max(d.recipe) >= cutoff:
+            d.action, d.recipe, d.recipe_inputs, d.recompute_before_op = "keep", [], [], None
+    used = {q for d in plan.decisions for q in d.recipe}
+    plan.recipe_ops = [r for r in plan.recipe_ops if r.index in used]
+    assert any(d.action == "recompute" for d in plan.decisions)
+    at_end_of_forward = []
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan) as handle:
+        hook = w.model.register_forward_hook(
+            lambda *_: at_end_of_forward.append(handle.tracker in _get_current_dispatch_mode_stack()))
+        results = [run_and_grads(w) for _ in range(3)]
+        hook.remove()
+    assert at_end_of_forward == [True, False, False]  # verified step: full mode; fast steps: popped
+    for r in results:
+        assert_same(reference, r)
