@@ -267,7 +267,6 @@ class _RecipeContext:
     graph: PlanningGraph
     tensors: dict
     cand_by_tensor: dict[int, Candidate]
-    inplace_storages: set[int]
     # storage -> the ops (any phase, increasing) that wrote it in place
     inplace_writers: dict[int, list[int]] = field(default_factory=dict)
     # storage -> the op that created it: the first op with a non-view, non-in-place output over it that
@@ -276,7 +275,7 @@ class _RecipeContext:
 
 
 def _set_recipes(graph: PlanningGraph) -> None:
-    ctx = _recipe_context(graph)
+    ctx = recipe_context(graph)
     for c in graph.candidates:
         if c.trivial or c.bytes <= 0:
             continue
@@ -295,7 +294,8 @@ def _set_recipes(graph: PlanningGraph) -> None:
         c.not_recomputable = None if options else reason
 
 
-def _recipe_context(graph: PlanningGraph) -> _RecipeContext:
+def recipe_context(graph: PlanningGraph) -> _RecipeContext:
+    """What recipe walks look up: tensors by id, candidates by tensor, in-place writers and creators."""
     profile = graph.profile
     tensors = profile.tensor_by_id()
     cand_by_tensor = {c.saved.tensor: c for c in graph.candidates}
@@ -312,11 +312,7 @@ def _recipe_context(graph: PlanningGraph) -> _RecipeContext:
         in_storages = {tensors[x].storage for x in op.inputs if x in tensors}
         for st in out_storages - in_storages:
             creator.setdefault(st, op.index)
-    return _RecipeContext(graph, tensors, cand_by_tensor, set(inplace_writers), inplace_writers, creator)
-
-
-def recipe_context(graph: PlanningGraph) -> _RecipeContext:
-    return _recipe_context(graph)
+    return _RecipeContext(graph, tensors, cand_by_tensor, inplace_writers, creator)
 
 
 def build_recipe(ctx: _RecipeContext, target: Candidate,
@@ -386,7 +382,7 @@ def build_recipe(ctx: _RecipeContext, target: Candidate,
     def visit_tensor(x: int, reader: int, budget: int) -> str | None:
         rec = ctx.tensors.get(x)
         if rec is None or rec.producer_op is None:
-            if rec is not None and rec.storage in ctx.inplace_storages:
+            if rec is not None and rec.storage in ctx.inplace_writers:
                 return f"input tensor {x} is modified in place"
             return None  # parameter, buffer or batch: captured by reference
         overwritten = rec.storage in written_storages(reader)  # the reader writes it: rebuild, never anchor

@@ -56,13 +56,11 @@ MIN_BLOCK_TIME_S = 0.5
 class MilpOptions:
     allow_swap: bool = True
     allow_recompute: bool = True
-    time_limit_s: float = 60.0
     rel_gap: float = DEFAULT_REL_GAP
     minimize_peak: bool = False  # the cap becomes a variable: find the smallest feasible cap
     fixed_actions: dict[int, str] | None = None  # candidate index -> action (brute-force evaluation)
     fifo_pairs: list[tuple[int, int]] = field(default_factory=list)  # (issued first, issued later)
     step_margin_bytes: dict[int, int] = field(default_factory=dict)  # extra headroom at steps (repair)
-    warm_start: dict[int, Choice] | None = None
 
 
 @dataclass
@@ -127,7 +125,7 @@ class Model:
     # ---- construction ---------------------------------------------------------------------------
     def _build(self) -> None:
         g, opt = self.graph, self.options
-        mu, tu = self.mem_unit, self.time_unit
+        tu = self.time_unit
         prob = self.prob
         fixed = opt.fixed_actions or {}
         for c in g.candidates:
@@ -327,7 +325,6 @@ class Model:
             if trans and g.peak_bytes[s0] + margin + worst_trans > cap:
                 prob += (var - pulp.lpSum(cf * x for cf, x in trans)
                          >= (g.peak_bytes[s0] + margin - cap) / mu), f"memt_{s0}"
-        self.change_points = points
 
     def _nonresident(self, v: _Vars, s: int) -> dict:
         """N_t(s) as {variable: coefficient} for a step s of the gap (rec + od(s-1) - is(s))."""

@@ -90,7 +90,6 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
             errors.append(f"candidate {c.id}: unknown action {ch.action}")
 
     out_done: dict[int, float] = {}
-    in_issue_step: dict[int, int] = {}
     in_done: dict[int, float] = {}
     d2h_free = h2d_free = 0.0
     now = 0.0
@@ -105,7 +104,6 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
             t0 = max(now, h2d_free, out_done.get(c.index, now))
             h2d_free = t0 + c.bytes / h2d
             in_done[c.index] = h2d_free
-            in_issue_step[c.index] = s
         for c in recompute_at.get(s, []):
             recipe = choices[c.index].recipe
             for a in recipe.anchors:
@@ -152,7 +150,7 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
             _add(saved_during, f + 1, b, c.bytes)
             _add(saved_after, f, b, c.bytes)
         elif ch.action == ACTION_SWAP and c.index in out_done:
-            sin = in_issue_step.get(c.index, ch.swap_in_step)
+            sin = ch.swap_in_step
             done = out_done[c.index]
             # during op s: gone for all of it iff s > f, copy-out done by its begin, copy-in not yet issued
             first = _first_step_at_or_after(begin, done, f + 1)

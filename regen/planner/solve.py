@@ -26,6 +26,7 @@ from regen.planner.graph import PlanningGraph, build_graph
 from regen.planner.milp import (BLOCK_CANDIDATES, DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, improve_by_blocks,
                                 solve_model)
 from regen.planner.simulator import Choice, SimulationResult, simulate
+from regen.units import format_bytes
 
 STRATEGIES = ("hybrid", "recompute", "swap", "str", "keep-all", "chen")
 MILP_STRATEGIES = {"hybrid": (True, True), "recompute": (False, True), "swap": (True, False)}
@@ -121,7 +122,8 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     say = progress or (lambda _m: None)
     decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
     say(f"planning {len(graph.candidates)} saved tensors ({len(decidable)} with a choice) over "
-        f"{graph.num_steps} ops; cap {_fmt(memory_cap_bytes)} of unplanned peak {_fmt(profile.peak_bytes)}; "
+        f"{graph.num_steps} ops; cap {format_bytes(memory_cap_bytes)} of unplanned peak "
+        f"{format_bytes(profile.peak_bytes)}; "
         f"strategy {strategy}")
     notes: list[str] = []
     if strategy in MILP_STRATEGIES:
@@ -139,8 +141,9 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
         predicted_time, predicted_peak = sim.step_time_s, sim.peak_bytes
         if sim.peak_bytes > memory_cap_bytes:
             raise InfeasibleCapError(
-                f"strategy {strategy} reaches a peak of {_fmt(sim.peak_bytes)}, over the cap of "
-                f"{_fmt(memory_cap_bytes)}; use a cap of at least {_fmt(sim.peak_bytes)} or --strategy hybrid",
+                f"strategy {strategy} reaches a peak of {format_bytes(sim.peak_bytes)}, over the cap of "
+                f"{format_bytes(memory_cap_bytes)}; use a cap of at least {format_bytes(sim.peak_bytes)} "
+                "or --strategy hybrid",
                 smallest_feasible_cap_bytes=sim.peak_bytes)
     for ch in choices.values():  # copy-ins start where the runtime issues them (docs/internals.md)
         if ch.action == ACTION_SWAP and ch.swap_in_step is not None:
@@ -154,7 +157,7 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
                              f"{sim.peak_bytes} is over the cap {memory_cap_bytes}; not writing it")
     report.solve_time_s = time.perf_counter() - t0
     plan = build_plan(graph, choices, memory_cap_bytes, strategy, report, predicted_time, predicted_peak, sim, notes)
-    say(f"simulated: peak {_fmt(sim.peak_bytes)}, step {plan.simulated.step_time_s * 1e3:.3f} ms "
+    say(f"simulated: peak {format_bytes(sim.peak_bytes)}, step {plan.simulated.step_time_s * 1e3:.3f} ms "
         f"(predicted {plan.predicted.step_time_s * 1e3:.3f} ms, unplanned {plan.baseline.step_time_s * 1e3:.3f} ms)")
     return plan
 
@@ -209,8 +212,7 @@ def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
     if lower > cap:
         _raise_infeasible(graph, cap, allow_swap, allow_rec, time_limit_s, say, lower)
     warm, warm_values = _warm_start(graph, cap, strategy, time_limit_s, say)
-    options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec, time_limit_s=time_limit_s,
-                          rel_gap=rel_gap)
+    options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec, rel_gap=rel_gap)
     notes.append(f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit")
     result, timed_out = None, False
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
@@ -232,12 +234,11 @@ def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
         sim = simulate(graph, result.choices)
         if sim.peak_bytes <= cap and sim.valid:
             break
-        say(f"simulated peak {_fmt(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
+        say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         _add_repairs(graph, result.choices, sim, cap, options)
     final = result
-    if final is not None:
-        sim = simulate(graph, final.choices)
+    if final is not None:  # `sim` is the loop's simulation of final.choices
         if sim.peak_bytes <= cap and sim.valid:
             report = SolverReport(name=final.solver, status=final.status, objective_s=final.objective_s,
                                   bound_s=final.bound_s, gap=final.gap, solve_time_s=final.solve_time_s,
@@ -335,11 +336,12 @@ def _raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_re
                       say, lower: int) -> None:
     say("the cap is infeasible; searching for the smallest feasible cap")
     smallest = smallest_feasible_cap(graph, allow_swap, allow_rec, min(time_limit_s, MIN_CAP_TIME_LIMIT_S))
-    found = (f"the smallest feasible cap found is {_fmt(smallest)} ({smallest} bytes)" if smallest is not None
+    found = (f"the smallest feasible cap found is {format_bytes(smallest)} ({smallest} bytes)" if smallest is not None
              else "no feasible plan was found at any cap")
     raise InfeasibleCapError(
-        f"no plan meets the memory cap of {_fmt(cap)} ({cap} bytes): {found}; no plan can go below "
-        f"{_fmt(lower)} (memory that stays resident whatever the actions)", smallest_feasible_cap_bytes=smallest)
+        f"no plan meets the memory cap of {format_bytes(cap)} ({cap} bytes): {found}; no plan can go below "
+        f"{format_bytes(lower)} (memory that stays resident whatever the actions)",
+        smallest_feasible_cap_bytes=smallest)
 
 
 def smallest_feasible_cap(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True,
@@ -437,13 +439,3 @@ def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
         run += delta
         best = max(best, run)
     return best
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
