@@ -24,9 +24,9 @@ recorded decision, after checking the packed tensor's shape and dtype (and, for 
 saved more than once, that every entry views the one storage). A different shape or dtype, or a
 forward that saved fewer tensors by the time backward starts, is a mismatch as above; packs after the
 recorded count are kept. Plans with recompute decisions match packs the same way but keep the dispatch
-mode on later steps, doing the minimum per op (`_FastOps`): only the verified step's recipe ops (name
-checked, captured, references compared with the verified step's) and the producers of what they read
-(outputs noted in a small writer map) do more than count and run.
+mode on later steps until their last tracked op has run, doing the minimum per op (`_FastOps`): only the
+verified step's recipe ops (name checked, captured, references compared with the verified step's) and
+the producers of what they read (outputs noted in a small writer map) do more than count and run.
 
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
@@ -137,7 +137,7 @@ class _PackRecord:
     def __init__(self, shape, dtype, info):
         self.shape: torch.Size = shape
         self.dtype: torch.dtype = dtype
-        self.info: DecisionInfo | None = info  # None, or a keep decision: keep the tensor
+        self.info: DecisionInfo | None = info  # None: keep the tensor; else swap, recompute or a kept recipe anchor
 
 
 class _FastOps:
@@ -155,10 +155,9 @@ class _FastOps:
 
 
 class _Step:
-    def __init__(self, runtime: "RegenHandle", number: int):
+    def __init__(self, runtime: "RegenHandle"):
         self.runtime = runtime
         self.index: PlanIndex = runtime.index
-        self.number = number
         self.phase = PHASE_FORWARD
         self.planned = True
         self.failed = False
@@ -349,7 +348,7 @@ class _Step:
             return self._fast_pack(x)
 
     def _fast_pack(self, x: torch.Tensor):
-        """The pack hook of a step after the verified one (plans without recompute): by pack order."""
+        """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x.detach())
         if self.phase == PHASE_CLOSED:
@@ -669,7 +668,7 @@ class RegenHandle:
             if prev.phase != PHASE_CLOSED:
                 prev.end_forward()
             self._pop_hooks_of(prev)
-        step = _Step(self, self.stats.steps)
+        step = _Step(self)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,7 +57,6 @@ class PlanIndex:
     has_actions: bool  # any swap or recompute
     has_recompute: bool = False  # any recompute (fast steps then keep a minimal dispatch mode)
     swap_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 def index_plan(plan: Plan) -> PlanIndex:

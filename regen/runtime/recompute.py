@@ -185,7 +185,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
         for pos, cap in enumerate(caps):
             if is_inplace(cap.func):
                 for a in _written_args(cap):
-                    if isinstance(a, torch.Tensor) or isinstance(a, External) or (
+                    if isinstance(a, (torch.Tensor, External)) or (
                             isinstance(a, Ref) and (a.op, a.slot) not in table):
                         raise PlanMismatchError(
                             f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "

@@ -80,7 +80,6 @@ class HostPool:
         self.pin_memory = pin_memory
         self.chunks: list[_Chunk] = []
         self.checked_out_bytes = 0
-        self.peak_checked_out_bytes = 0
         self.grow_count = 0
         # CUDA: events of copy-ins that read ranges since given back; the next copy-out waits on them
         self.pending_read_events: list[object] = []
@@ -117,7 +116,6 @@ class HostPool:
                 else:
                     chunk.free[i][0] = start + need
                 self.checked_out_bytes += need
-                self.peak_checked_out_bytes = max(self.peak_checked_out_bytes, self.checked_out_bytes)
                 return HostSlot(chunk=chunk, start=start, nbytes=nbytes, reserved_bytes=need,
                                 tensor=chunk.tensor[start:start + nbytes])
         return None
@@ -204,13 +202,11 @@ class SwapEngine:
     # ---- backward ------------------------------------------------------------------------------
     def copy_in(self, out: CopyOut) -> CopyIn:
         """Start copying a host range back into a new device buffer allocated on the compute stream."""
-        nbytes = out.slot.nbytes
+        buf = torch.empty(out.slot.nbytes, dtype=torch.uint8, device=self.device)
         if not self.is_cuda:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             buf.copy_(out.slot.tensor)
             return CopyIn(buffer=buf, done_event=None)
         compute = torch.cuda.current_stream(self.device)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         ready = torch.cuda.Event()
         ready.record(compute)
         self.h2d_stream.wait_event(ready)
@@ -234,5 +230,6 @@ class SwapEngine:
     def drop_copy_in(self, cin: CopyIn) -> None:
         """Before the buffer goes back to the allocator, order the compute stream after the copy into it."""
         if cin.done_event is not None and not cin.waited_streams:
-            torch.cuda.current_stream(self.device).wait_event(cin.done_event)
-            cin.waited_streams.add(torch.cuda.current_stream(self.device).cuda_stream)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(cin.done_event)
+            cin.waited_streams.add(stream.cuda_stream)

@@ -11,6 +11,7 @@ from regen.workloads import build_workload, call_model, compute_loss
 from handmade import trace_workload
 
 STEP_SEED = 1234
+ACCUMULATE_SEED = 3
 # small sizes so each step takes milliseconds on a loaded CPU
 WORKLOAD_ARGS = {
     "mlp": {},
@@ -46,6 +47,29 @@ def step(w, seed: int = STEP_SEED) -> torch.Tensor:
 
 def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def other_batch(w):
+    """The same (gpt) model on a batch of another size (its own loss targets)."""
+    other = make("gpt", batch_size=2)
+    assert other.batch[0].shape != w.batch[0].shape
+    other.model = w.model
+    return other
+
+
+def accumulate_grads(w, interleaved: bool) -> dict[str, torch.Tensor]:
+    """Gradients of two accumulated micro-batches: forward/backward pairs, or (interleaved) two forwards
+    then one backward over both losses."""
+    w.model.zero_grad(set_to_none=True)
+    torch.manual_seed(ACCUMULATE_SEED)
+    if interleaved:
+        l1 = w.loss_fn(w.model(*w.batch), w.batch)
+        l2 = w.loss_fn(w.model(*w.batch), w.batch)
+        (l1 + l2).backward()
+    else:
+        for _ in range(2):
+            w.loss_fn(w.model(*w.batch), w.batch).backward()
+    return grads(w.model)
 
 
 def run_and_grads(w, seed: int = STEP_SEED):

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import regen
-from common import assert_same, grads, make, run_and_grads, step, traced
+from common import accumulate_grads, assert_same, other_batch, run_and_grads, step, traced
 from handmade import PLANS
 from regen.errors import PlanMismatchError
 from regen.runtime import PlanMismatchWarning
@@ -66,18 +66,10 @@ def test_recompute_plans_keep_the_mode_on_fast_steps():
     assert probe.seen == [True, True]
 
 
-def _other_batch(w):
-    """The same model on a batch of another size (its own loss targets)."""
-    other = make("gpt", batch_size=2)
-    assert other.batch[0].shape != w.batch[0].shape
-    other.model = w.model
-    return other
-
-
 def test_later_step_with_other_batch_shape_raises():
     w, trace = traced("gpt")
     plan = PLANS["swap"](trace)
-    other = _other_batch(w)
+    other = other_batch(w)
     with pytest.raises(PlanMismatchError, match="verified step"):
         with regen.apply(w.model, plan) as handle:
             run_and_grads(w)
@@ -92,7 +84,7 @@ def test_later_step_with_other_batch_shape_raises():
 def test_later_step_with_other_batch_shape_keep_runs_unplanned():
     w, trace = traced("gpt")
     plan = PLANS["swap"](trace)
-    other = _other_batch(w)
+    other = other_batch(w)
     reference_other = run_and_grads(other)
     reference = run_and_grads(w)
     with regen.apply(w.model, plan, on_mismatch="keep") as handle:
@@ -142,25 +134,12 @@ class _Stop(Exception):
 def test_gradient_accumulation_on_the_fast_path(interleaved, strategy):
     w, trace = traced("gpt")
     plan = PLANS[strategy](trace)
-
-    def accumulate():
-        w.model.zero_grad(set_to_none=True)
-        torch.manual_seed(3)
-        if interleaved:
-            l1 = w.loss_fn(w.model(*w.batch), w.batch)
-            l2 = w.loss_fn(w.model(*w.batch), w.batch)
-            (l1 + l2).backward()
-        else:
-            for _ in range(2):
-                w.loss_fn(w.model(*w.batch), w.batch).backward()
-        return grads(w.model)
-
-    reference = accumulate()
+    reference = accumulate_grads(w, interleaved)
     with regen.apply(w.model, plan) as handle:
         step(w)  # the verified step
         assert handle.pack_sequence is not None
         for _ in range(2):
-            planned = accumulate()
+            planned = accumulate_grads(w, interleaved)
             assert reference.keys() == planned.keys()
             assert all(torch.equal(reference[k], planned[k]) for k in reference)
     assert handle.stats.steps == 5 and handle.stats.planned_steps == 5

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import regen
-from common import assert_same, make, run_and_grads, traced
+from common import assert_same, other_batch, run_and_grads, traced
 from handmade import PLANS, trace_workload
 from regen.errors import PlanMismatchError
 from regen.runtime import PlanMismatchWarning
@@ -91,8 +91,7 @@ def test_the_mode_still_counts_on_fast_steps():
 
 def test_later_step_with_other_batch_shape_raises():
     w, trace = traced("gpt")
-    other = make("gpt", batch_size=2)
-    other.model = w.model
+    other = other_batch(w)
     with pytest.raises(PlanMismatchError, match="verified step"):
         with regen.apply(w.model, PLANS["hybrid"](trace)) as handle:
             run_and_grads(w)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import regen
-from common import assert_same, grads, make, run_and_grads, step, traced
+from common import accumulate_grads, assert_same, make, run_and_grads, step, traced
 from handmade import PLANS
 from regen.measure import measure_memory
 
@@ -88,22 +88,10 @@ def test_gradient_accumulation_forward_backward_pairs_and_interleaved():
     w, trace = traced("gpt")
     plan = PLANS["hybrid"](trace)
 
-    def accumulate(interleaved):
-        w.model.zero_grad(set_to_none=True)
-        torch.manual_seed(3)
-        if interleaved:  # two forwards, then one backward over both losses
-            l1 = w.loss_fn(w.model(*w.batch), w.batch)
-            l2 = w.loss_fn(w.model(*w.batch), w.batch)
-            (l1 + l2).backward()
-        else:
-            for _ in range(2):
-                w.loss_fn(w.model(*w.batch), w.batch).backward()
-        return grads(w.model)
-
     for interleaved in (False, True):
-        reference = accumulate(interleaved)
+        reference = accumulate_grads(w, interleaved)
         with regen.apply(w.model, plan) as handle:
-            planned = accumulate(interleaved)
+            planned = accumulate_grads(w, interleaved)
         assert reference.keys() == planned.keys()
         assert all(torch.equal(reference[k], planned[k]) for k in reference)
         assert handle.stats.steps == 2 and handle.stats.planned_steps == 2
