@@ -35,6 +35,7 @@ def _print_progress(message: str) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from regen.formats import save_profile
     from regen.profiler import profile_workload
+    from regen.profiler.environment import resolve_device
     from regen.workloads import build_workload, load_config
 
     spec, wargs, batch_size = args.model, {}, args.batch_size
@@ -52,7 +53,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         import yaml
 
         wargs[key] = yaml.safe_load(value)
-    device = _check_device(args.device)
+    device = str(resolve_device(args.device))  # a DeviceError before the workload is built
     _print_progress(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
     workload = build_workload(spec, batch_size=batch_size, args=wargs, device=device)
     profile = profile_workload(workload, device=device, repeats=args.repeats, warmup_steps=args.warmup,
@@ -61,20 +62,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _print_progress(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
                     f"unplanned peak {format_bytes(profile.peak_bytes)}")
     return 0
-
-
-def _check_device(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            from regen.errors import DeviceError
-
-            raise DeviceError(f"--device {device}: no CUDA device is available here "
-                              f"(torch {torch.__version__}, cuda build: {torch.version.cuda or 'no'})")
-    elif device != "cpu":
-        raise RegenError(f"--device {device}: expected cpu or cuda[:N]")
-    return device
 
 
 # ---- solve -------------------------------------------------------------------------------------
@@ -189,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra keyword argument for the factory (repeatable), e.g. --arg n_layer=4")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                   help=f"recorded steps; op times are their median (default {DEFAULT_REPEATS})")
+                   help=f"timed steps; step and op times are their medians (default {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS,
                    help=f"unrecorded warm-up steps (default {DEFAULT_WARMUP_STEPS})")
     p.add_argument("-o", "--output", required=True, help="where to write the profile (YAML)")

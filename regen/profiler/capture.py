@@ -41,7 +41,6 @@ from regen.formats.profile import (
     KIND_BUFFER,
     KIND_INPUT,
     KIND_PARAMETER,
-    PHASE_BACKWARD,
     PHASE_FORWARD,
     OpRecord,
     SavedEntry,
@@ -51,7 +50,6 @@ from regen.formats.profile import (
 from regen.profiler.memory import MemoryTracker
 
 NO_OP = -1  # pack_after_op of a pack that happened before any op of the step
-
 
 
 def _tensors_in(args, kwargs) -> list[torch.Tensor]:
@@ -112,7 +110,6 @@ class Capture:
     saved_entries: list[SavedEntry]
     saved_tensors: list[SavedTensor]
     memory_at_start_bytes: int
-    memory_at_end_bytes: int
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -120,7 +117,7 @@ class Capture:
         return [op.name for op in self.ops]
 
 
-def _storage_bytes_of(t: torch.Tensor) -> tuple[int, int] | None:
+def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int] | None:
     """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...)."""
     try:
         st = t.untyped_storage()
@@ -173,7 +170,7 @@ class StepRecorder:
         return info
 
     def _register_external(self, t: torch.Tensor, kind: str, permanent: bool = False) -> StorageInfo | None:
-        kb = _storage_bytes_of(t)
+        kb = storage_key_and_bytes(t)
         if kb is None or kb[0] == 0:
             return None
         key, nbytes = kb
@@ -186,7 +183,7 @@ class StepRecorder:
 
     def storage_of(self, t: torch.Tensor) -> StorageInfo:
         """The storage of a tensor seen as an input: known, or external (alive before the step)."""
-        kb = _storage_bytes_of(t)
+        kb = storage_key_and_bytes(t)
         if kb is None or kb[0] == 0:
             return self._new_storage(0, 0 if kb is None else kb[1], KIND_INPUT, None)
         info = self._live_storage(kb[0])
@@ -206,7 +203,7 @@ class StepRecorder:
         tid = self._ids.get(t)
         if tid is not None:
             rec = self.tensors[tid]
-            info = self._live_storage(_storage_bytes_of(t)[0]) if rec.storage_bytes else None
+            info = self._live_storage(storage_key_and_bytes(t)[0]) if rec.storage_bytes else None
             if info is not None and info.id == rec.storage:
                 return tid, info
         # A tensor object never seen as an op output: a parameter, buffer or batch tensor, or (rarely) an
@@ -247,7 +244,7 @@ class StepRecorder:
         for slot, t in enumerate(outputs):
             if t is None:
                 continue
-            kb = _storage_bytes_of(t)
+            kb = storage_key_and_bytes(t)
             if kb is None or kb[0] == 0:
                 info = self._new_storage(0, 0 if kb is None else kb[1], KIND_ACTIVATION, None)
             else:
@@ -366,7 +363,7 @@ class StepRecorder:
             notes.append(f"{self.unmatched_activation_inputs} activation tensors were met through a new Python "
                          f"object (named by their storage's writer)")
         return Capture(ops=ops, tensors=self.tensors, saved_entries=entries, saved_tensors=saved,
-                       memory_at_start_bytes=start, memory_at_end_bytes=start + level, notes=notes)
+                       memory_at_start_bytes=start, notes=notes)
 
 
 class CaptureMode(TorchDispatchMode):

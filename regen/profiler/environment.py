@@ -14,6 +14,7 @@ import regen
 from regen.errors import DeviceError
 from regen.formats.profile import DeviceInfo
 from regen.profiler.bandwidth import Bandwidth
+from regen.profiler.capture import storage_key_and_bytes
 
 OPTIONAL_LIBRARIES = ("transformers", "pulp", "highspy")
 
@@ -85,16 +86,10 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue
-        key = st.data_ptr()
-        if key and key not in seen:
-            seen.add(key)
-            total += st.nbytes()
+        kb = storage_key_and_bytes(t) if isinstance(t, torch.Tensor) else None
+        if kb is not None and kb[0] and kb[0] not in seen:
+            seen.add(kb[0])
+            total += kb[1]
     return total
 
 

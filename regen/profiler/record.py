@@ -47,7 +47,7 @@ from regen.profiler.environment import (
     unique_storage_bytes,
 )
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker
-from regen.workloads import Workload, forward_with_output
+from regen.workloads import Workload, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
 
@@ -78,7 +78,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
 
     for k in range(warmup_steps):
         say(f"warm-up step {k + 1}/{warmup_steps}")
-        _plain_step(workload)
+        training_step(workload)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -87,7 +87,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         say(f"timing plain step {k + 1}/{repeats}")
         sync()
         t0 = time.perf_counter()
-        _plain_step(workload)
+        training_step(workload)
         sync()
         t1 = time.perf_counter()
         optimizer.step()
@@ -167,12 +167,6 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
     if allocator_events is not None and not allocator_events.available:
         capture.notes.append("another torch.profiler was running: kernel-internal temporaries not measured")
     return capture
-
-
-def _plain_step(workload: Workload) -> None:
-    loss, output = forward_with_output(workload)
-    _backward(workload, loss)
-    del output
 
 
 def _backward(workload: Workload, loss: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import pytest
 from regen.measure import measure_memory
 from torch.utils._pytree import tree_flatten
 
+from regen.profiler.environment import unique_storage_bytes
 from regen.workloads import call_model, training_step
 
 WORKLOADS = ["mlp", "cnn", "gpt", "hf-gpt2"]
@@ -28,9 +29,7 @@ def _output_bytes(workload) -> int:
     with torch.no_grad():
         out = call_model(workload.model, workload.batch)
     leaves = [out] if isinstance(out, torch.Tensor) else list(out.values())
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tree_flatten(leaves)[0] if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
+    return unique_storage_bytes(tree_flatten(leaves)[0])
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
