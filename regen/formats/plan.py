@@ -95,6 +95,7 @@ class Plan:
     num_forward_ops: int
     decisions: list[Decision]
     recipe_ops: list[RecipeOp] = field(default_factory=list)
+    memory_at_start_bytes: int = 0  # the profile's: device bytes allocated when the step began
     baseline_timeline_bytes: list[int] = field(default_factory=list)  # unplanned, after each op
     planned_timeline_bytes: list[int] = field(default_factory=list)  # simulator's, after each op
     format: str = PLAN_FORMAT
@@ -148,6 +149,7 @@ def load_plan(path: str | Path) -> Plan:
             num_forward_ops=int(require(doc, "num_forward_ops", where)),
             decisions=decisions, recipe_ops=recipe_ops, format=str(doc["format"]),
             profile_path=doc.get("profile_path"), notes=list(doc.get("notes") or []),
+            memory_at_start_bytes=int(doc.get("memory_at_start_bytes") or 0),
             baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
             planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []),
         )
