@@ -68,5 +68,4 @@ def _cuda_bandwidth(device: torch.device) -> Bandwidth:
 
     d2h = best_rate(lambda: host.copy_(dev, non_blocking=True))
     h2d = best_rate(lambda: dev.copy_(host, non_blocking=True))
-    del host, dev
     return Bandwidth(d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, method=CUDA_METHOD)

@@ -85,3 +85,16 @@ def assert_same(a, b):
     assert g_a.keys() == g_b.keys()
     for k in g_a:
         assert torch.equal(g_a[k], g_b[k]), f"gradient of {k} differs"
+
+
+def assert_nothing_left(handle, model=None):
+    """After a `regen.apply` handle is gone: no hook, no dispatch mode, no host buffer, no live step."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not handle.hooks_installed
+    if model is not None:
+        assert not model._forward_pre_hooks and not model._forward_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert handle.tracker not in _get_current_dispatch_mode_stack()
+    assert handle.pool.checked_out_bytes == 0, "host buffers still checked out"
+    assert handle.active_steps == 0

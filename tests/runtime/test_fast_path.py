@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import regen
-from common import accumulate_grads, assert_same, other_batch, run_and_grads, step, traced
+from common import accumulate_grads, assert_nothing_left, assert_same, other_batch, run_and_grads, step, traced
 from handmade import PLANS
 from regen.errors import PlanMismatchError
 from regen.runtime import PlanMismatchWarning
@@ -76,9 +76,7 @@ def test_later_step_with_other_batch_shape_raises():
             run_and_grads(w)
             assert handle.pack_sequence is not None
             run_and_grads(other)
-    assert not handle.hooks_installed
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert handle.pool.checked_out_bytes == 0
+    assert_nothing_left(handle, w.model)
 
 
 def test_later_step_with_other_batch_shape_keep_runs_unplanned():
@@ -121,8 +119,7 @@ def test_fewer_saved_tensors_before_backward_is_a_mismatch():
             finally:
                 hook.remove()
             block_out.sum().backward()
-    assert not handle.hooks_installed
-    assert handle.pool.checked_out_bytes == 0
+    assert_nothing_left(handle, w.model)
 
 
 class _Stop(Exception):
@@ -167,9 +164,7 @@ def test_exception_in_a_fast_step_leaves_nothing_behind():
             finally:
                 hook.remove()
     assert handle.pack_sequence is not None
-    assert not handle.hooks_installed and handle.active_steps == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert handle.pool.checked_out_bytes == 0
+    assert_nothing_left(handle, w.model)
     with regen.apply(w.model, plan) as handle2:
         for _ in range(2):
             assert_same(reference, run_and_grads(w))

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import regen
-from common import assert_same, other_batch, run_and_grads, traced
+from common import assert_nothing_left, assert_same, other_batch, run_and_grads, traced
 from handmade import PLANS, trace_workload
 from regen.errors import PlanMismatchError
 from regen.runtime import PlanMismatchWarning
@@ -98,9 +98,7 @@ def test_later_step_with_other_batch_shape_raises():
             run_and_grads(w)
             assert handle.fast_ops is not None
             run_and_grads(other)
-    assert not handle.hooks_installed
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert handle.pool.checked_out_bytes == 0 and handle.active_steps == 0
+    assert_nothing_left(handle, w.model)
 
 
 class _SwitchMLP(torch.nn.Module):
@@ -131,7 +129,7 @@ def test_later_step_recipe_op_drift_raises():
             assert handle.fast_ops is not None
             w.model.act = torch.tanh  # same shapes and pack count: only the op names differ
             run_and_grads(w)
-    assert not handle.hooks_installed and handle.active_steps == 0
+    assert_nothing_left(handle, w.model)
 
 
 def test_later_step_recipe_op_drift_keep_runs_unplanned():

@@ -5,17 +5,10 @@ import pytest
 import torch
 
 import regen
-from common import assert_same, make, run_and_grads, step, traced
+from common import assert_nothing_left, assert_same, make, run_and_grads, step, traced
 from handmade import PLANS
 from regen.errors import FormatError, PlanMismatchError, RegenError
 from regen.runtime import PlanMismatchWarning
-
-
-def _no_hooks_left(handle, model):
-    assert not handle.hooks_installed
-    assert not model._forward_pre_hooks and not model._forward_hooks
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert handle.pool.checked_out_bytes == 0
 
 
 def test_other_batch_size_raises():
@@ -25,7 +18,7 @@ def test_other_batch_size_raises():
     with pytest.raises(PlanMismatchError, match="plan expects"):
         with regen.apply(other.model, plan) as handle:
             step(other)
-    _no_hooks_left(handle, other.model)
+    assert_nothing_left(handle, other.model)
     other.model.zero_grad(set_to_none=True)
     step(other)  # the model trains normally afterwards
 
@@ -41,7 +34,7 @@ def test_other_batch_size_keep_runs_unplanned():
     assert_same(reference, planned)
     assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 0
     assert handle.stats.swapped_tensors == 0 and handle.stats.dropped_tensors == 0
-    _no_hooks_left(handle, other.model)
+    assert_nothing_left(handle, other.model)
 
 
 def test_other_model_raises():

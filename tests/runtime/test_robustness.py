@@ -8,20 +8,9 @@ import pytest
 import torch
 
 import regen
-from common import accumulate_grads, assert_same, make, run_and_grads, step, traced
+from common import accumulate_grads, assert_nothing_left, assert_same, make, run_and_grads, step, traced
 from handmade import PLANS
 from regen.measure import measure_memory
-
-
-def _clean(handle, model):
-    assert not handle.hooks_installed
-    assert not model._forward_pre_hooks and not model._forward_hooks
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    assert handle.tracker not in _get_current_dispatch_mode_stack()
-    assert handle.pool.checked_out_bytes == 0, "host buffers still checked out"
-    assert handle.active_steps == 0
 
 
 class Boom(RuntimeError):
@@ -53,13 +42,13 @@ def test_exception_inside_a_step_leaves_nothing_behind(where):
                     loss.backward()
                 assert handle.pool.checked_out_bytes > 0  # swapped storages are out in the pool
                 raise Boom("after forward")
-    _clean(handle, w.model)
+    assert_nothing_left(handle, w.model)
     # the next planned step starts clean and is right
     reference = run_and_grads(w)
     with regen.apply(w.model, plan) as handle2:
         planned = run_and_grads(w)
     assert_same(reference, planned)
-    _clean(handle2, w.model)
+    assert_nothing_left(handle2, w.model)
 
 
 def test_handle_remove_and_reuse_across_steps():
@@ -72,7 +61,7 @@ def test_handle_remove_and_reuse_across_steps():
     handle.remove()
     handle.remove()  # idempotent
     assert handle.stats.steps == 3 and handle.stats.planned_steps == 3
-    _clean(handle, w.model)
+    assert_nothing_left(handle, w.model)
     assert_same(reference, run_and_grads(w))
 
 
@@ -95,7 +84,7 @@ def test_gradient_accumulation_forward_backward_pairs_and_interleaved():
         assert reference.keys() == planned.keys()
         assert all(torch.equal(reference[k], planned[k]) for k in reference)
         assert handle.stats.steps == 2 and handle.stats.planned_steps == 2
-        _clean(handle, w.model)
+        assert_nothing_left(handle, w.model)
 
 
 def test_fifty_steps_without_growth():
