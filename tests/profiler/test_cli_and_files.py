@@ -52,49 +52,46 @@ def test_quiet_profile_prints_no_progress(tmp_path, capsys):
     assert "recording" not in capsys.readouterr().err
 
 
-def test_a_forward_that_raises_is_one_clear_error(tmp_cwd, capsys):
-    write_module(tmp_cwd, "broken_fwd", """
-        import torch
-        from torch import nn
+# A model whose forward raises: ValueError from the user's own code, IndexError from an aten op.
+BROKEN_FORWARD_MODULE = """
+    import torch
+    from torch import nn
 
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = nn.Linear(4, 4)
+    class Net(nn.Module):
+        def __init__(self, fail):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.fail = fail
 
-            def forward(self, x):
+        def forward(self, x):
+            if self.fail == "python":
                 raise ValueError("shapes do not line up")
+            return self.lin(x)[:, 99].sum()
 
-        def build():
-            return Net(), (torch.randn(2, 4),)
-        """)
-    code = main(["profile", "--model", "broken_fwd:build", "-o", str(tmp_cwd / "p.yaml")])
+    def raises_in_python():
+        return Net("python"), (torch.randn(2, 4),)
+
+    def raises_in_an_op():
+        return Net("op"), (torch.randn(2, 4),)
+    """
+
+
+def test_a_forward_that_raises_is_one_clear_error(tmp_cwd, capsys):
+    write_module(tmp_cwd, "broken_fwd", BROKEN_FORWARD_MODULE)
+    code = main(["profile", "--model", "broken_fwd:raises_in_python", "-o", str(tmp_cwd / "p.yaml")])
     err = capsys.readouterr().err
     assert code != 0
-    assert "error: workload 'broken_fwd:build': the forward raised ValueError: shapes do not line up" in err
+    assert ("error: workload 'broken_fwd:raises_in_python': the forward raised ValueError: shapes do not line up"
+            in err)
     assert not (tmp_cwd / "p.yaml").exists()
 
 
 def test_a_forward_that_raises_exits_non_zero_without_traceback(tmp_cwd):
-    write_module(tmp_cwd, "broken_fwd2", """
-        import torch
-        from torch import nn
-
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = nn.Linear(4, 4)
-
-            def forward(self, x):
-                return self.lin(x)[:, 99].sum()
-
-        def build():
-            return Net(), (torch.randn(2, 4),)
-        """)
-    proc = subprocess.run([sys.executable, "-m", "regen.cli", "profile", "--model", "broken_fwd2:build",
+    write_module(tmp_cwd, "broken_fwd", BROKEN_FORWARD_MODULE)
+    proc = subprocess.run([sys.executable, "-m", "regen.cli", "profile", "--model", "broken_fwd:raises_in_an_op",
                            "-o", "p.yaml"], capture_output=True, text=True, cwd=tmp_cwd)
     assert proc.returncode != 0
-    assert "error: workload 'broken_fwd2:build': the forward raised IndexError" in proc.stderr
+    assert "error: workload 'broken_fwd:raises_in_an_op': the forward raised IndexError" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
