@@ -233,10 +233,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def reference_markdown() -> str:
     """docs/cli.md, generated from the parser itself so the reference cannot drift from the code:
     `python -c "from regen.cli import reference_markdown as r; print(r(), end='')" > docs/cli.md`."""
@@ -254,3 +250,7 @@ def reference_markdown() -> str:
     for name, subparser in sub.choices.items():
         parts += [f"## regen {name}", "", "```", subparser.format_help().rstrip(), "```", ""]
     return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

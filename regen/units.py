@@ -1,9 +1,11 @@
-"""Units shared by every stage's messages: bytes shown in binary units (KiB, MiB, GiB)."""
+"""Units shared by every stage: bytes shown in binary units (KiB, MiB, GiB), bandwidths in decimal GB/s."""
 
 from __future__ import annotations
 
 BYTES_PER_UNIT = 1024
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+BYTES_PER_GIB = BYTES_PER_UNIT ** 3
+BYTES_PER_GB = 1e9  # copy bandwidths are given and shown in decimal GB/s, as links are specified
 
 
 def format_bytes(n: float) -> str:

@@ -16,11 +16,11 @@ from pathlib import Path
 import networkx as nx
 
 from regen.errors import FormatError
+from regen.units import BYTES_PER_GB
 from regen.formats.profile import Profile
 from regen.planner.synthetic import ProfileBuilder
 
 DEFAULT_GRAPH_BANDWIDTH_GB_S = 16.0
-BYTES_PER_GB = 1e9
 
 
 def load_node_link(path, bandwidth_gb_s: float | None = None) -> Profile:

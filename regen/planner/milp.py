@@ -45,6 +45,8 @@ from regen.planner.simulator import Choice
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
 TIME_UNITS_PER_STEP = 1e3  # time unit = unplanned compute time / this
+# minimise-peak objective: one memory unit outweighs 100x the whole step time, so the peak comes first
+PEAK_WEIGHT_PER_MEMORY_UNIT = 100 * TIME_UNITS_PER_STEP
 DEFAULT_REL_GAP = 0.01  # stop once the incumbent is within 1% of the bound (issue 3's target)
 SOLVER_THREADS = 2
 BINARY_THRESHOLD = 0.5
@@ -173,7 +175,7 @@ class Model:
         time_obj = pulp.lpSum(objective_terms) + sum(g.time_s) / tu
         if opt.minimize_peak:
             # lexicographic enough: a unit of memory outweighs the whole step time
-            prob += self.cap_var * (10.0 * TIME_UNITS_PER_STEP * 10) + time_obj
+            prob += self.cap_var * PEAK_WEIGHT_PER_MEMORY_UNIT + time_obj
         else:
             prob += time_obj
 

@@ -26,11 +26,10 @@ from regen.planner.graph import PlanningGraph, build_graph
 from regen.planner.milp import (BLOCK_CANDIDATES, DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, improve_by_blocks,
                                 solve_model)
 from regen.planner.simulator import Choice, SimulationResult, simulate
-from regen.units import format_bytes
+from regen.units import BYTES_PER_GB, format_bytes
 
 STRATEGIES = ("hybrid", "recompute", "swap", "str", "keep-all", "chen")
 MILP_STRATEGIES = {"hybrid": (True, True), "recompute": (False, True), "swap": (True, False)}
-BYTES_PER_GB = 1e9
 MAX_REPAIR_ROUNDS = 4
 MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
 MIN_SOLVER_TIME_S = 1e-3  # a repair round gets at least this long even past the deadline

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from regen.errors import RegenError
-from regen.units import format_bytes
+from regen.units import BYTES_PER_GB, BYTES_PER_GIB, format_bytes
 from regen.formats.plan import ACTIONS, Plan
 
 PLOT_DPI = 120
@@ -36,7 +36,7 @@ def plan_summary(plan: Plan) -> str:
         f"  solver            {s.name}, {s.status}, gap {gap}, {s.solve_time_s:.2f} s"
         + (f" (limit {s.time_limit_s:g} s)" if s.time_limit_s else ""),
         f"  host pool         {format_bytes(plan.host_pool_bytes)} (pinned on CUDA); copy bandwidth d2h "
-        f"{plan.d2h_bytes_per_s / 1e9:.2f} GB/s, h2d {plan.h2d_bytes_per_s / 1e9:.2f} GB/s",
+        f"{plan.d2h_bytes_per_s / BYTES_PER_GB:.2f} GB/s, h2d {plan.h2d_bytes_per_s / BYTES_PER_GB:.2f} GB/s",
         f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
         + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),
     ]
@@ -76,14 +76,13 @@ def plot_timeline(plan: Plan, png_path) -> None:
         raise RegenError("--plot needs matplotlib: pip install 'regen[plot]'") from None
     if not plan.baseline_timeline_bytes:
         raise RegenError("this plan has no memory timelines to plot")
-    gib = 2**30
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
     xs = range(len(plan.baseline_timeline_bytes))
-    ax.plot(xs, [b / gib for b in plan.baseline_timeline_bytes], label="unplanned", color="tab:gray")
+    ax.plot(xs, [b / BYTES_PER_GIB for b in plan.baseline_timeline_bytes], label="unplanned", color="tab:gray")
     if plan.planned_timeline_bytes:
-        ax.plot(range(len(plan.planned_timeline_bytes)), [b / gib for b in plan.planned_timeline_bytes],
+        ax.plot(range(len(plan.planned_timeline_bytes)), [b / BYTES_PER_GIB for b in plan.planned_timeline_bytes],
                 label=f"planned ({plan.strategy})", color="tab:blue")
-    ax.axhline(plan.memory_cap_bytes / gib, color="tab:red", linestyle="--", label="cap")
+    ax.axhline(plan.memory_cap_bytes / BYTES_PER_GIB, color="tab:red", linestyle="--", label="cap")
     ax.axvline(plan.num_forward_ops - 0.5, color="black", linewidth=0.5, alpha=0.5)
     ax.set_xlabel("op (forward | backward)")
     ax.set_ylabel("device memory (GiB)")

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from regen.formats.profile import Profile, SavedTensor
-from regen.units import format_bytes
+from regen.units import BYTES_PER_GB, format_bytes
 
 LARGEST_SHOWN = 10  # saved tensors listed in the text summary and the JSON object
-GB = 1e9  # bandwidths are shown in decimal GB/s
 MS_PER_S = 1e3
 
 
@@ -36,7 +35,8 @@ def profile_summary(profile: Profile) -> str:
         f"profile {profile.format}: workload {w.get('name')} (batch size {w.get('batch_size')}, "
         f"args {w.get('args') or {}})",
         f"device: {dev.type} ({dev.name}), {format_bytes(dev.total_memory_bytes)}; "
-        f"d2h {dev.d2h_bytes_per_s / GB:.2f} GB/s, h2d {dev.h2d_bytes_per_s / GB:.2f} GB/s [{dev.bandwidth_method}]",
+        f"d2h {dev.d2h_bytes_per_s / BYTES_PER_GB:.2f} GB/s, h2d {dev.h2d_bytes_per_s / BYTES_PER_GB:.2f} GB/s "
+        f"[{dev.bandwidth_method}]",
         f"ops: {len(profile.ops)} ({num_fw} forward, {len(profile.ops) - num_fw} backward); "
         f"fingerprint {profile.fingerprint}",
         f"step time: {profile.step_time_s * MS_PER_S:.2f} ms forward+backward (median of {profile.repeats}; "

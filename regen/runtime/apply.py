@@ -200,10 +200,7 @@ class _Step:
                                                 index.recipe_op_random[idx])
         out = func(*args, **kwargs)
         outs = tensor_outputs(out)
-        writer = self.writer
-        for slot, key in written_outputs(func, args, kwargs, outs):
-            o = outs[slot]
-            writer[key] = (idx, slot, o.shape, o.dtype)
+        self._note_writes(idx, func, args, kwargs, outs)
         fp = self.fingerprint
         if fp is not None:
             fp.add(op_name(func), [(tuple(o.shape), str(o.dtype)) for o in outs if o is not None])
@@ -251,12 +248,15 @@ class _Step:
                     self.captures[idx] = cap
         out = func(*args, **kwargs)
         if idx in fast.producers:
-            outs = tensor_outputs(out)
-            writer = self.writer
-            for slot, key in written_outputs(func, args, kwargs, outs):
-                o = outs[slot]
-                writer[key] = (idx, slot, o.shape, o.dtype)
+            self._note_writes(idx, func, args, kwargs, tensor_outputs(out))
         return out
+
+    def _note_writes(self, idx, func, args, kwargs, outs):
+        """The writer map (docs/internals.md): each storage this op wrote -> (op, slot, shape, dtype)."""
+        writer = self.writer
+        for slot, key in written_outputs(func, args, kwargs, outs):
+            o = outs[slot]
+            writer[key] = (idx, slot, o.shape, o.dtype)
 
     def backward_began(self):
         """Backward started before the plan's forward ops had all run."""

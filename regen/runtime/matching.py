@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.errors import FormatError
 from regen.opinfo import is_counted
-from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan
+from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan
 
 PHASE_FORWARD = 0  # counting forward ops
 PHASE_TAIL = 1  # all of the plan's forward ops ran; the last one's outputs may still be packed
@@ -54,7 +54,6 @@ class PlanIndex:
     recipe_op_random: dict[int, bool]
     anchor_keys: frozenset  # candidates some recompute decision reads
     num_forward_ops: int
-    has_actions: bool  # any swap or recompute
     has_recompute: bool = False  # any recompute (fast steps then keep a minimal dispatch mode)
     swap_bytes: int = 0
 
@@ -105,10 +104,9 @@ def index_plan(plan: Plan) -> PlanIndex:
         info.anchors = tuple(keys)
         anchors.update(keys)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
-    has_actions = any(i.action != ACTION_KEEP for i in decisions.values())
     has_recompute = any(i.action == ACTION_RECOMPUTE for i in decisions.values())
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
-                     anchor_keys=frozenset(anchors), num_forward_ops=n_fwd, has_actions=has_actions,
+                     anchor_keys=frozenset(anchors), num_forward_ops=n_fwd,
                      has_recompute=has_recompute, swap_bytes=swap_bytes)
 
 
