@@ -50,8 +50,13 @@ PEAK_WEIGHT_PER_MEMORY_UNIT = 100 * TIME_UNITS_PER_STEP
 DEFAULT_REL_GAP = 0.01  # stop once the incumbent is within 1% of the bound (issue 3's target)
 SOLVER_THREADS = 2
 BINARY_THRESHOLD = 0.5
-BLOCK_CANDIDATES = 100  # candidates re-optimised together by the block improvement of large graphs
+BLOCK_CANDIDATES = 70  # candidates re-optimised together by the block improvement of large graphs
 MIN_BLOCK_TIME_S = 0.5
+# a block's sub-MIP stops at this gap, relative to the *whole* step time: a block can only move the
+# objective by a fraction of a percent, so the planner's 1% would stop every block at its warm start
+BLOCK_REL_GAP = 3e-4
+MAX_BLOCK_SWEEPS = 8
+SWEEP_MIN_GAIN = 1e-4  # another sweep only after one that lowered the objective by this fraction
 
 
 @dataclass
@@ -567,6 +572,14 @@ def highs_available() -> bool:
     return True
 
 
+def model_size_message(model: Model) -> str:
+    prob = model.prob
+    cons = constraints_of(prob)
+    binaries = sum(1 for v in prob.variables() if v.cat == pulp.LpInteger)
+    return (f"MILP: {len(prob.variables())} variables ({binaries} binary), {len(cons)} constraints, "
+            f"{sum(len(c) for c in cons)} nonzeros")
+
+
 def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_GAP,
                 warm_start: dict[int, Choice] | None = None,
                 progress: Callable[[str], None] | None = None, force_cbc: bool = False,
@@ -578,9 +591,7 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
     prob = model.prob
     nvars, ncons = len(prob.variables()), len(constraints_of(prob))
     if progress:
-        nz = sum(len(c) for c in constraints_of(prob))
-        progress(f"MILP: {nvars} variables ({sum(1 for v in prob.variables() if v.cat == pulp.LpInteger)} binary), "
-                 f"{ncons} constraints, {nz} nonzeros")
+        progress(model_size_message(model))
     warm = model.warm_start_values(warm_start) if warm_start is not None else None
     if warm_values is not None:
         warm = dict(warm or {}, **warm_values)
@@ -643,17 +654,22 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
 
 
 def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
-                      block_candidates: int = BLOCK_CANDIDATES, rel_gap: float = DEFAULT_REL_GAP,
-                      progress: Callable[[str], None] | None = None
-                      ) -> tuple[dict[int, Choice], dict[str, float]] | None:
+                      block_candidates: int = BLOCK_CANDIDATES, rel_gap: float = BLOCK_REL_GAP,
+                      progress: Callable[[str], None] | None = None, max_sweeps: int = MAX_BLOCK_SWEEPS,
+                      priority: dict[int, float] | None = None, target_objective: float | None = None
+                      ) -> tuple[dict[int, Choice], dict[str, float], float] | None:
     """Fix-and-optimize: re-solve the MILP one block of candidates (by producer) at a time, every other
     candidate's action fixed to the incumbent's, keeping each improvement.
 
     On large graphs HiGHS spends its time at the root and rarely improves a warm start; blocks of
     about BLOCK_CANDIDATES candidates solve to a small gap in a second or two, so sweeping them
-    gives the full solve a much better incumbent. One HiGHS model, only bounds change between blocks.
-    Returns the plan and the values of its discrete variables (a warm start for a model built with the
-    same options), or None when no block found a solution (or HiGHS is missing).
+    gives the full solve a much better incumbent. One HiGHS model, only bounds change between blocks;
+    each block starts from the previous block's complete solution (continuous values included, so
+    HiGHS need not solve a sub-MIP to complete a partial start).
+    Returns the plan, the values of its discrete variables (a warm start for a model built with the
+    same options) and its objective (model units; the model's variables hold the solution), or None
+    when no block found a solution (or HiGHS is missing). Stops early once the objective is at most
+    `target_objective` (model units), e.g. within the planner's gap of a known bound.
     """
     if not highs_available() or time_budget_s <= 0:
         return None
@@ -675,49 +691,117 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     values = {name: float(x) for name, x in warm.items()}
     actions = {i: v.rec + ([v.swap] if v.swap is not None else []) for i, v in model.vars.items()}
     order = sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i))
-    blocks = [order[k:k + block_candidates] for k in range(0, len(order), block_candidates)]
     best_obj, improved, solution = math.inf, False, None
-    for k, block in enumerate(blocks):
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+    integer_idx = np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64)
+    sweeps = 0
+    while time.perf_counter() < deadline:
+        # every other sweep shifts the block boundaries by half a block, so no pair of neighbours
+        # is always split; sweeps go on while one still improves the objective
+        shift = (block_candidates // 2) if sweeps % 2 else 0
+        cuts = [0] + list(range(shift or block_candidates, len(order), block_candidates)) + [len(order)]
+        blocks = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+        if priority is not None:  # the most promising blocks first: the time may run out mid-sweep
+            blocks.sort(key=lambda blk: -sum(priority.get(i, 0.0) for i in blk))
+        sweep_start_obj = best_obj
+        for k, block in enumerate(blocks):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0 or (target_objective is not None and best_obj <= target_objective):
+                break
+            free = set(block)
+            idx, lo, up = [], [], []
+            for i, xs in actions.items():
+                for x in xs:
+                    fixed = i not in free
+                    val = values.get(x.name, 0.0)
+                    idx.append(x.index)
+                    lo.append(round(val) if fixed else lower[x.index])
+                    up.append(round(val) if fixed else upper[x.index])
+            h.changeColsBounds(len(idx), np.array(idx, dtype=np.int32), np.array(lo, dtype=float),
+                               np.array(up, dtype=float))
+            if solution is not None:  # the best complete solution so far is feasible for this block
+                start = np.array(solution, dtype=float)
+                start[integer_idx] = np.round(start[integer_idx])
+                h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
+            else:
+                names = [n for n in values if n in by_name]
+                h.setSolution(len(names), np.array([by_name[n].index for n in names], dtype=np.int32),
+                              np.array([values[n] for n in names], dtype=float))
+            left = len(blocks) - k
+            h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, min(remaining, 2 * remaining / left))))
+            with solver_output_to_stderr():
+                h.run()
+            info = h.getInfo()
+            if info.primal_solution_status != 2:  # no feasible solution
+                continue
+            obj = info.objective_function_value
+            if obj < best_obj - 1e-9:
+                if math.isfinite(best_obj):
+                    improved = True
+                best_obj, solution = obj, list(h.getSolution().col_value)
+                for v in variables:
+                    if v.cat == pulp.LpInteger:
+                        values[v.name] = float(round(solution[v.index]))
+        sweeps += 1
+        if target_objective is not None and best_obj <= target_objective:
             break
-        free = set(block)
-        idx, lo, up = [], [], []
-        for i, xs in actions.items():
-            for x in xs:
-                fixed = i not in free
-                val = values.get(x.name, 0.0)
-                idx.append(x.index)
-                lo.append(round(val) if fixed else lower[x.index])
-                up.append(round(val) if fixed else upper[x.index])
-        h.changeColsBounds(len(idx), np.array(idx, dtype=np.int32), np.array(lo, dtype=float),
-                           np.array(up, dtype=float))
-        names = [n for n in values if n in by_name]
-        h.setSolution(len(names), np.array([by_name[n].index for n in names], dtype=np.int32),
-                      np.array([values[n] for n in names], dtype=float))
-        h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, min(remaining, 2 * remaining / (len(blocks) - k)))))
-        with solver_output_to_stderr():
-            h.run()
-        info = h.getInfo()
-        if info.primal_solution_status != 2:  # no feasible solution
-            continue
-        obj = info.objective_function_value
-        col = list(h.getSolution().col_value)
-        if obj < best_obj - 1e-9:
-            if math.isfinite(best_obj):
-                improved = True
-            best_obj, solution = obj, col
-            for v in variables:
-                if v.cat == pulp.LpInteger:
-                    values[v.name] = float(round(col[v.index]))
+        if sweeps >= max_sweeps or not best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(best_obj):
+            break
     if progress:
-        progress(f"block improvement: {len(blocks)} blocks of {block_candidates} candidates, objective "
+        progress(f"block improvement: {sweeps} sweep(s) over blocks of {block_candidates} candidates, objective "
                  f"{best_obj:.6g}" + ("" if improved else " (no improvement)"))
     if solution is None:
         return None
     for v in variables:
         v.varValue = solution[v.index]
-    return model.choices(), {v.name: float(round(solution[v.index])) for v in variables if v.cat == pulp.LpInteger}
+    return model.choices(), {v.name: float(round(solution[v.index])) for v in variables if v.cat == pulp.LpInteger}, \
+        best_obj
+
+
+def lp_bound(model: Model, time_limit_s: float) -> tuple[float, list[float]] | None:
+    """The LP relaxation's optimum (a valid lower bound on the MILP's objective, in model units) and its
+    solution (by variable index), or None when HiGHS is missing or the LP does not finish in time."""
+    if not highs_available() or time_limit_s <= 0:
+        return None
+    import highspy
+
+    lp = highs_model(model.prob, model.prob.variables())
+    lp.integrality_ = []
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", SOLVER_THREADS)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.passModel(lp)
+    with solver_output_to_stderr():
+        h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return h.getInfo().objective_function_value, list(h.getSolution().col_value)
+
+
+def lp_disagreement(model: Model, lp_values: list[float], plan: dict[int, Choice]) -> dict[int, float]:
+    """Per candidate, how far the plan's action is from the LP relaxation's (L1 over the action
+    variables, weighted by the candidate's bytes): where a better plan most likely differs."""
+    warm = model.warm_start_values(plan)
+    out = {}
+    for i, v in model.vars.items():
+        xs = v.rec + ([v.swap] if v.swap is not None else [])
+        out[i] = v.c.bytes * sum(abs(lp_values[x.index] - warm.get(x.name, 0.0)) for x in xs)
+    return out
+
+
+def result_from_values(model: Model, objective: float, bound: float | None, rel_gap: float,
+                       solve_time_s: float) -> MilpResult:
+    """A MilpResult for the solution already loaded into the model's variables (e.g. by
+    improve_by_blocks), judged against `bound` (model units): "optimal" when within `rel_gap`."""
+    gap = None
+    if bound is not None and objective > 0:
+        gap = max(0.0, (objective - bound) / objective)
+    prob = model.prob
+    return MilpResult(choices=model.choices(), objective_s=objective * model.time_unit,
+                      bound_s=None if bound is None else bound * model.time_unit, gap=gap,
+                      status="optimal" if gap is not None and gap <= rel_gap else "time_limit", solver="highs",
+                      solve_time_s=solve_time_s, predicted_peak_bytes=model.predicted_peak_bytes(),
+                      num_variables=len(prob.variables()), num_constraints=len(constraints_of(prob)))
 
 
 def _time_of(model: Model) -> float:

@@ -11,7 +11,6 @@ is an InfeasibleCapError naming the strategy's own peak.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from pathlib import Path
@@ -23,8 +22,9 @@ from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Deci
 from regen.formats.profile import Profile, load_profile
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph, build_graph
-from regen.planner.milp import (BLOCK_CANDIDATES, DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, improve_by_blocks,
-                                solve_model)
+from regen.planner.milp import (DEFAULT_REL_GAP, MilpOptions, MilpResult, Model, _Infeasible, highs_available,
+                                improve_by_blocks, lp_bound, lp_disagreement, model_size_message,
+                                result_from_values, solve_model)
 from regen.planner.simulator import Choice, SimulationResult, simulate
 from regen.units import BYTES_PER_GB, format_bytes
 
@@ -34,10 +34,10 @@ MAX_REPAIR_ROUNDS = 4
 MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
 MIN_SOLVER_TIME_S = 1e-3  # a repair round gets at least this long even past the deadline
 WARM_START_TIME_FRACTION = 0.2  # of the time limit, for the recompute-only warm start of hybrid
-BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates get the block improvement
-BLOCK_IMPROVE_TIME_FRACTION = 0.35  # of the time limit, for it
-BLOCK_IMPROVE_MIN_S_PER_BLOCK = 0.75  # ... when that gives each block at least this long (else the full
-# solve needs the time more: on 3,000 candidates HiGHS takes seconds just to load the warm start)
+BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are solved block by block
+LP_BOUND_TIME_FRACTION = 0.4  # of the time limit, at most, for their LP bound (~10 s on 3,000 candidates)
+FINAL_CHECK_TIME_FRACTION = 0.05  # ... kept back from the block sweeps for the simulator check
+FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
 
 _UNITS = {
     "": 1, "b": 1,
@@ -210,12 +210,20 @@ def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
     lower = lower_bound_peak(graph, allow_swap, allow_rec)
     if lower > cap:
         _raise_infeasible(graph, cap, allow_swap, allow_rec, time_limit_s, say, lower)
-    warm, warm_values = _warm_start(graph, cap, strategy, time_limit_s, say)
+    warm = _warm_start(graph, cap, strategy, time_limit_s, say)
+    warm_values = None
     options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec, rel_gap=rel_gap)
     notes.append(f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit")
     result, timed_out = None, False
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         model = Model(graph, cap, options)
+        if round_ == 0 and warm is not None and _is_large(graph) and highs_available():
+            result, warm_values = _solve_by_blocks(model, warm, deadline, time_limit_s, rel_gap, say)
+            if result is not None:
+                sim = simulate(graph, result.choices)
+                if sim.peak_bytes <= cap and sim.valid:
+                    break
+                result = None
         remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
         try:
             result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=warm, progress=say,
@@ -254,11 +262,45 @@ def _solve_milp(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
     raise AssertionError("internal error: no plan passed the simulator under the cap")
 
 
-def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say
-                ) -> tuple[dict[int, Choice] | None, dict[str, float] | None]:
+def _is_large(graph: PlanningGraph) -> bool:
+    return sum(1 for c in graph.candidates if c.can_swap or c.can_recompute) > BLOCK_IMPROVE_MIN_CANDIDATES
+
+
+def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time_limit_s: float, rel_gap: float,
+                     say) -> tuple[MilpResult | None, dict[str, float] | None]:
+    """Large graphs: the LP relaxation's bound, then fix-and-optimize sweeps over blocks of candidates
+    from the warm start for the rest of the time.
+
+    On a few hundred candidates and more, HiGHS's branch and bound spends the whole time limit at the
+    root (identical layers make many equivalent plans, so branching does not move the bound) and
+    rarely improves a warm start, while block sub-MIPs solve in a second or two each. The result is
+    judged against the LP bound; "optimal" means within `rel_gap` of it. When the sweeps stop early
+    (no sweep improves any more) above the gap, the caller's full solve gets the remaining time.
+    """
+    t0 = time.perf_counter()
+    say(model_size_message(model))
+    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, LP_BOUND_TIME_FRACTION * time_limit_s))
+    bound = relaxation[0] if relaxation is not None else None
+    priority = lp_disagreement(model, relaxation[1], warm) if relaxation is not None else None
+    say("LP relaxation: " + (f"bound {bound * model.time_unit * 1e3:.3f} ms" if bound is not None
+                             else "no bound within its time share"))
+    budget_s = deadline - time.perf_counter() - FINAL_CHECK_TIME_FRACTION * time_limit_s
+    target = bound / (1 - rel_gap) if bound is not None and bound > 0 else None
+    improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target)
+    if improved is None:
+        return None, None
+    choices, values, objective = improved
+    result = result_from_values(model, objective, bound, rel_gap, time.perf_counter() - t0)
+    if result.gap is not None:
+        say(f"block search: predicted step {result.objective_s * 1e3:.3f} ms, gap {100 * result.gap:.2f}% to the LP bound")
+    if result.status != "optimal" and deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s:
+        return None, values  # time left: the full MILP starts from this plan
+    return result, values
+
+
+def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: float, say) -> dict[int, Choice] | None:
     """The greedy plan, or for hybrid the recompute-only MILP's plan when it is cheaper (it solves fast:
-    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's; on large
-    graphs improved block by block (then with the MILP's own variable values, exact for the full model)."""
+    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's."""
     allow_swap, allow_rec = MILP_STRATEGIES[strategy]
     candidates = []
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_rec)
@@ -277,19 +319,7 @@ def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
         if sim.valid and sim.peak_bytes <= cap and (best is None or sim.step_time_s < best[0]):
             best = (sim.step_time_s, name, choices)
     say("warm start: " + (f"{best[1]} plan, {best[0] * 1e3:.3f} ms" if best else "none found under the cap"))
-    decidable = sum(1 for c in graph.candidates if c.can_swap or c.can_recompute)
-    budget_s = BLOCK_IMPROVE_TIME_FRACTION * time_limit_s
-    if (best is not None and decidable > BLOCK_IMPROVE_MIN_CANDIDATES
-            and budget_s / math.ceil(decidable / BLOCK_CANDIDATES) >= BLOCK_IMPROVE_MIN_S_PER_BLOCK):
-        # large graphs: HiGHS rarely improves a warm start from the root, so improve it block by block
-        model = Model(graph, cap, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_rec))
-        improved = improve_by_blocks(model, best[2], budget_s, progress=say)
-        if improved is not None:
-            sim = simulate(graph, improved[0])
-            if sim.valid and sim.peak_bytes <= cap:
-                say(f"warm start: block-improved plan, {sim.step_time_s * 1e3:.3f} ms simulated")
-                return improved
-    return (best[2] if best else None), None
+    return best[2] if best else None
 
 
 def _add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: SimulationResult, cap: int,

@@ -99,7 +99,7 @@ def test_time_limit_without_a_feasible_plan(profile_path, tmp_path, capsys, monk
     import importlib
 
     solve_module = importlib.import_module("regen.planner.solve")
-    monkeypatch.setattr(solve_module, "_warm_start", lambda *a, **k: (None, None))
+    monkeypatch.setattr(solve_module, "_warm_start", lambda *a, **k: None)
     monkeypatch.setattr(solve_module, "MAX_REPAIR_ROUNDS", 0)
     code = main(["solve", str(profile_path), "--memory-cap", "70%", "--time-limit", "1e-4", "-q",
                  "-o", str(tmp_path / "p.yaml")])

@@ -12,7 +12,7 @@ import pytest
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
-from regen.planner.milp import MilpOptions, Model, _Infeasible, solve_model
+from regen.planner.milp import DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, solve_model
 from regen.planner.simulator import simulate
 from regen.planner.synthetic import chain_profile
 
@@ -76,7 +76,6 @@ def test_minimum_peak_model_finds_a_cap_that_is_feasible():
 
 def test_solver_stops_at_the_requested_gap(small_transformer):
     """The default stopping gap is 1%; a looser gap stops sooner with a valid bound, a tight one goes further."""
-    from regen.planner.milp import DEFAULT_REL_GAP
 
     assert DEFAULT_REL_GAP == pytest.approx(0.01)
     graph = build_graph(small_transformer)
@@ -102,8 +101,9 @@ def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_
     cap = int(small_transformer.peak_bytes * 0.5)
     recompute_only = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 30, rel_gap=1e-6)
     model = Model(graph, cap, MilpOptions())
-    choices, values = improve_by_blocks(model, recompute_only.choices, 30, block_candidates=10)
+    choices, values, objective = improve_by_blocks(model, recompute_only.choices, 30, block_candidates=10)
     blocks_objective_s = pulp.value(model.prob.objective) * model.time_unit
+    assert objective * model.time_unit == pytest.approx(blocks_objective_s, rel=1e-6)
     exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
     assert exact.objective_s * (1 - 1e-6) <= blocks_objective_s <= recompute_only.objective_s * (1 + 1e-6)
     sim = simulate(graph, choices)
@@ -113,3 +113,41 @@ def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_
     # its values warm-start a fresh model of the same options: the solve ends no worse than the blocks
     again = solve_model(Model(graph, cap, MilpOptions()), 30, warm_values=values)
     assert again.objective_s <= blocks_objective_s * (1 + 1e-6)
+
+
+def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
+    from regen.planner.milp import lp_bound, lp_disagreement
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    model = Model(graph, cap, MilpOptions())
+    bound, values = lp_bound(model, 30)
+    exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
+    assert bound * model.time_unit <= exact.objective_s * (1 + 1e-9)
+    assert bound * model.time_unit > graph.compute_time_s  # the cap costs something: the bound sees it
+    # keep-all differs from the relaxation exactly where the relaxation swaps or recomputes
+    priority = lp_disagreement(model, values, {})
+    assert set(priority) == set(model.vars) and min(priority.values()) >= 0
+    acting = {i for i, v in model.vars.items()
+              if sum(values[x.index] for x in v.rec + ([v.swap] if v.swap is not None else [])) > 1e-6}
+    assert acting and {i for i, p in priority.items() if p > 0} == acting
+
+
+def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transformer, monkeypatch):
+    """The large-graph path (forced here on a small graph): a plan within the cap, no better than the
+    exact optimum, and a gap measured against a bound that is below that optimum."""
+    import importlib
+
+    solve_module = importlib.import_module("regen.planner.solve")
+    monkeypatch.setattr(solve_module, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    messages = []
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    plan = solve_module.solve(small_transformer, cap, "hybrid", time_limit_s=20, progress=messages.append)
+    assert any(m.startswith("LP relaxation: bound") for m in messages)
+    assert any(m.startswith("block improvement:") for m in messages)
+    exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
+    assert plan.solver.bound_s <= exact.objective_s * (1 + 1e-9) <= plan.solver.objective_s * (1 + 1e-6)
+    assert plan.solver.gap == pytest.approx(1 - plan.solver.bound_s / plan.solver.objective_s, abs=1e-9)
+    assert (plan.solver.status == "optimal") == (plan.solver.gap <= DEFAULT_REL_GAP)
+    assert plan.simulated.peak_bytes <= cap
