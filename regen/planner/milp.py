@@ -656,8 +656,8 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
 def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
                       block_candidates: int = BLOCK_CANDIDATES, rel_gap: float = BLOCK_REL_GAP,
                       progress: Callable[[str], None] | None = None, max_sweeps: int = MAX_BLOCK_SWEEPS,
-                      priority: dict[int, float] | None = None, target_objective: float | None = None
-                      ) -> tuple[dict[int, Choice], dict[str, float], float] | None:
+                      priority: dict[int, float] | None = None, target_objective: float | None = None,
+                      lp=None) -> tuple[dict[int, Choice], dict[str, float], float] | None:
     """Fix-and-optimize: re-solve the MILP one block of candidates (by producer) at a time, every other
     candidate's action fixed to the incumbent's, keeping each improvement.
 
@@ -669,7 +669,8 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     Returns the plan, the values of its discrete variables (a warm start for a model built with the
     same options) and its objective (model units; the model's variables hold the solution), or None
     when no block found a solution (or HiGHS is missing). Stops early once the objective is at most
-    `target_objective` (model units), e.g. within the planner's gap of a known bound.
+    `target_objective` (model units), e.g. within the planner's gap of a known bound. `lp`: the model
+    as highs_model built it, when the caller has it already.
     """
     if not highs_available() or time_budget_s <= 0:
         return None
@@ -683,7 +684,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", SOLVER_THREADS)
     h.setOptionValue("mip_rel_gap", rel_gap)
-    h.passModel(highs_model(prob, variables))
+    h.passModel(lp if lp is not None else highs_model(prob, variables))
     lower = np.array([-highspy.kHighsInf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
     upper = np.array([highspy.kHighsInf if v.upBound is None else v.upBound for v in variables], dtype=float)
     warm = model.warm_start_values(incumbent)
@@ -757,20 +758,23 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         best_obj
 
 
-def lp_bound(model: Model, time_limit_s: float) -> tuple[float, list[float]] | None:
+def lp_bound(model: Model, time_limit_s: float, lp=None) -> tuple[float, list[float]] | None:
     """The LP relaxation's optimum (a valid lower bound on the MILP's objective, in model units) and its
-    solution (by variable index), or None when HiGHS is missing or the LP does not finish in time."""
+    solution (by variable index), or None when HiGHS is missing or the LP does not finish in time.
+    `lp`: the model as highs_model built it, when the caller has it already."""
     if not highs_available() or time_limit_s <= 0:
         return None
     import highspy
 
-    lp = highs_model(model.prob, model.prob.variables())
+    lp = lp if lp is not None else highs_model(model.prob, model.prob.variables())
+    integrality = lp.integrality_
     lp.integrality_ = []
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", SOLVER_THREADS)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.passModel(lp)
+    lp.integrality_ = integrality
     with solver_output_to_stderr():
         h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:

@@ -23,7 +23,7 @@ from regen.formats.profile import Profile, load_profile
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph, build_graph
 from regen.planner.milp import (DEFAULT_REL_GAP, MilpOptions, MilpResult, Model, _Infeasible, highs_available,
-                                improve_by_blocks, lp_bound, lp_disagreement, model_size_message,
+                                highs_model, improve_by_blocks, lp_bound, lp_disagreement, model_size_message,
                                 result_from_values, solve_model)
 from regen.planner.simulator import Choice, SimulationResult, simulate
 from regen.units import BYTES_PER_GB, format_bytes
@@ -279,14 +279,16 @@ def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, tim
     """
     t0 = time.perf_counter()
     say(model_size_message(model))
-    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, LP_BOUND_TIME_FRACTION * time_limit_s))
+    lp = highs_model(model.prob, model.prob.variables())
+    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, LP_BOUND_TIME_FRACTION * time_limit_s), lp=lp)
     bound = relaxation[0] if relaxation is not None else None
     priority = lp_disagreement(model, relaxation[1], warm) if relaxation is not None else None
     say("LP relaxation: " + (f"bound {bound * model.time_unit * 1e3:.3f} ms" if bound is not None
                              else "no bound within its time share"))
     budget_s = deadline - time.perf_counter() - FINAL_CHECK_TIME_FRACTION * time_limit_s
     target = bound / (1 - rel_gap) if bound is not None and bound > 0 else None
-    improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target)
+    improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target,
+                                 lp=lp)
     if improved is None:
         return None, None
     choices, values, objective = improved
