@@ -53,6 +53,9 @@ class Decision:
     recompute_before_op: int | None = None
     recipe: list[int] = field(default_factory=list)
     recipe_inputs: list[int] = field(default_factory=list)  # SavedTensor ids that must be resident
+    # recompute: rebuilt on the way by the recipe of this SavedTensor id (kept from then until its use),
+    # not by a recipe run of its own; `recipe` is then the host's ops up to this tensor's producer
+    rebuilt_with: int | None = None
 
 
 @dataclass
@@ -162,4 +165,14 @@ def load_plan(path: str | Path) -> Plan:
             raise FormatError(f"{where}: decisions[{i}] is a swap without swap_out_after_op/swap_in_before_op")
         if d.action == ACTION_RECOMPUTE and (d.recompute_before_op is None or not d.recipe):
             raise FormatError(f"{where}: decisions[{i}] is a recompute without recompute_before_op/recipe")
+    by_id = {d.saved_tensor: d for d in plan.decisions}
+    for i, d in enumerate(plan.decisions):
+        if d.rebuilt_with is None:
+            continue
+        host = by_id.get(d.rebuilt_with)
+        if (d.action != ACTION_RECOMPUTE or host is None or host.action != ACTION_RECOMPUTE
+                or host.rebuilt_with is not None or not set(d.recipe) <= set(host.recipe) or d.recipe_inputs):
+            raise FormatError(f"{where}: decisions[{i}] is rebuilt with saved tensor {d.rebuilt_with}, which is not a "
+                              f"recompute decision whose recipe runs its ops (and a rebuilt tensor has no "
+                              f"recipe_inputs of its own)")
     return plan

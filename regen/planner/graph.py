@@ -41,6 +41,7 @@ MAX_RECIPE_OPS = 32  # longer chains are not recomputable
 MAX_RECIPE_DEPTH = 2  # recipe options walk through at most this many alive candidates on a path
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
 MAX_WINDOW_STEPS = 32  # ... and at most this many: keeps the MILP O(candidates x window)
+MAX_HOSTS = 3  # recipes of other candidates a candidate may be rebuilt with (see _set_hosts)
 MAX_WINDOW_BREAKS = 6  # steps of a window where the copy's state (done / started) may change
 WINDOW_TRANSFER_FACTOR = 2.0  # a window covers this many times the tensor's own transfer time
 FALLBACK_BANDWIDTH_BYTES_PER_S = 10e9  # when a profile records no bandwidth
@@ -73,6 +74,9 @@ class Candidate:
     in_breaks: list[int] = field(default_factory=list)  # window steps where the copy-in may start
     recipes: list[Recipe] = field(default_factory=list)  # recompute options, cheapest first
     not_recomputable: str | None = None
+    # recipes of other candidates that rebuild this one on the way, as (candidate index, recipe option),
+    # run at or before this one's first backward use: "rebuilt with" them, it costs no compute of its own
+    hosts: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def id(self) -> int:
@@ -186,7 +190,37 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
             continue
         _set_windows(graph, c)
     _set_recipes(graph)
+    _set_hosts(graph)
     return graph
+
+
+def byproduct_recipe(graph: PlanningGraph, c: Candidate, host: int, option: int) -> Recipe:
+    """The recipe of a candidate rebuilt with `host`'s recipe `option`: the host's ops up to this
+    candidate's producer, no inputs of its own, no time and no transient of its own (the host pays)."""
+    ops = [q for q in graph.candidates[host].recipes[option].ops if q <= c.producer]
+    return Recipe(ops=ops, anchors=[], time_s=0.0, transient_bytes=0)
+
+
+def _set_hosts(graph: PlanningGraph) -> None:
+    """For every recomputable candidate, the recipes of others that replay its producer op before its
+    first backward use (a rebuilt intermediate can be kept until its own use instead of recomputed
+    twice: what a checkpointed block does for all its intermediates). At most MAX_HOSTS, the latest
+    first (the shorter the wait, the less memory the kept intermediate holds)."""
+    by_op: dict[int, list[tuple[int, int]]] = {}
+    for g in graph.candidates:
+        if not g.can_recompute or g.bytes <= 0:
+            continue
+        for k, r in enumerate(g.recipes):
+            for q in r.ops[:-1]:  # the last op is g's own producer
+                by_op.setdefault(q, []).append((g.index, k))
+    for c in graph.candidates:
+        if not c.can_recompute or c.bytes <= 0:
+            continue
+        hosts = [(g, k) for g, k in by_op.get(c.producer, ())
+                 if g != c.index and graph.candidates[g].producer != c.producer
+                 and graph.candidates[g].first_backward <= c.first_backward]
+        hosts.sort(key=lambda h: (-graph.candidates[h[0]].first_backward, graph.candidates[h[0]].recipes[h[1]].time_s))
+        c.hosts = hosts[:MAX_HOSTS]
 
 
 def _op_graph(profile: Profile) -> nx.DiGraph:

@@ -40,7 +40,7 @@ import pulp
 
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
-from regen.planner.graph import Candidate, PlanningGraph, anchor_resident_without_plan
+from regen.planner.graph import Candidate, PlanningGraph, anchor_resident_without_plan, byproduct_recipe
 from regen.planner.simulator import Choice
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
@@ -66,6 +66,7 @@ class MilpOptions:
     rel_gap: float = DEFAULT_REL_GAP
     minimize_peak: bool = False  # the cap becomes a variable: find the smallest feasible cap
     fixed_actions: dict[int, str] | None = None  # candidate index -> action (brute-force evaluation)
+    allow_byproducts: bool = True  # a candidate may be rebuilt with another's recipe (Candidate.hosts)
     fifo_pairs: list[tuple[int, int]] = field(default_factory=list)  # (issued first, issued later)
     step_margin_bytes: dict[int, int] = field(default_factory=dict)  # extra headroom at steps (repair)
 
@@ -94,6 +95,11 @@ class _Vars:
     is_: dict = field(default_factory=dict)
     yout: dict = field(default_factory=dict)
     yin: dict = field(default_factory=dict)
+    bp: list = field(default_factory=list)  # (host candidate, its recipe option, binary): rebuilt with it
+
+    def actions(self) -> list:
+        """The binaries of every non-keep action (their sum is at most 1)."""
+        return self.rec + [x for _, _, x in self.bp] + ([self.swap] if self.swap is not None else [])
 
     def od_expr(self, j: int):
         """Copy-out complete by the end of step j: 0 before the first break, swap_t from the last."""
@@ -160,7 +166,21 @@ class Model:
                 for s in c.in_breaks[:-1]:
                     v.is_[s] = _var(f"is_{i}_{s}", 0, 1, cat=pulp.LpBinary)
             self.vars[i] = v
-            chosen = v.rec + ([v.swap] if v.swap is not None else [])
+        if opt.allow_byproducts:
+            for i, v in self.vars.items():
+                if not v.rec:
+                    continue
+                for gi, k in v.c.hosts:
+                    host = self.vars.get(gi)
+                    # rebuilt with host's recipe k: only if host runs it (checked again: callers may prune recipes)
+                    if (host is not None and k < len(host.rec)
+                            and v.c.producer in host.c.recipes[k].ops[:-1]):
+                        x = _var(f"bp_{i}_{gi}_{k}", 0, 1, cat=pulp.LpBinary)
+                        v.bp.append((gi, k, x))
+                        prob += x <= host.rec[k], f"bp_host_{i}_{gi}_{k}"
+        for i, v in self.vars.items():
+            want = fixed.get(i)
+            chosen = v.actions()
             if want is not None and want != ACTION_KEEP:
                 prob += pulp.lpSum(chosen) == 1, f"fix_{i}"
             elif want == ACTION_KEEP:
@@ -229,7 +249,7 @@ class Model:
                     av = self.vars.get(a_idx)
                     if av is None:
                         continue  # always kept
-                    keep = 1 - pulp.lpSum(av.rec + ([av.swap] if av.swap is not None else []))
+                    keep = 1 - pulp.lpSum(av.actions())  # a rebuilt-with anchor counts as gone (conservative)
                     back = self._fraction_in_before(av, b) if av.swap is not None else []
                     prob += r <= keep + pulp.lpSum(back), f"anchor_{i}_{k}_{a_idx}"
 
@@ -280,6 +300,7 @@ class Model:
             c = v.c
             f, b = c.last_forward, c.first_backward
             points = {f + 1, b}
+            points.update(g.candidates[gi].first_backward for gi, _, _ in v.bp)
             if v.swap is not None:
                 points.update(s + 1 for s in c.out_breaks)
                 points.update(c.in_breaks)
@@ -334,10 +355,14 @@ class Model:
                          >= (g.peak_bytes[s0] + margin - cap) / mu), f"memt_{s0}"
 
     def _nonresident(self, v: _Vars, s: int) -> dict:
-        """N_t(s) as {variable: coefficient} for a step s of the gap (rec + od(s-1) - is(s))."""
+        """N_t(s) as {variable: coefficient} for a step s of the gap (rec + od(s-1) - is(s), plus each
+        "rebuilt with" option until its host's recipe runs)."""
         out: dict = {}
         for r in v.rec:
             out[r] = out.get(r, 0) + 1
+        for gi, _, x in v.bp:
+            if s < self.graph.candidates[gi].first_backward:
+                out[x] = out.get(x, 0) + 1
         od = v.od_expr(s - 1)
         if od is not None:
             out[od] = out.get(od, 0) + 1
@@ -353,6 +378,10 @@ class Model:
             for k, r in enumerate(v.rec):
                 if (r.varValue or 0) > BINARY_THRESHOLD:
                     out[i] = Choice(ACTION_RECOMPUTE, recipe=v.c.recipes[k])
+            for gi, k, x in v.bp:
+                if (x.varValue or 0) > BINARY_THRESHOLD:
+                    out[i] = Choice(ACTION_RECOMPUTE, recipe=byproduct_recipe(self.graph, v.c, gi, k),
+                                    rebuilt_with=gi)
             if v.swap is not None and (v.swap.varValue or 0) > BINARY_THRESHOLD:
                 start = next(s for s in v.c.in_breaks if _value(v.is_expr(s)) > BINARY_THRESHOLD)
                 out[i] = Choice(ACTION_SWAP, swap_in_step=start)
@@ -424,6 +453,10 @@ class Model:
             ch = choices.get(i, Choice())
             for k, r in enumerate(v.rec):
                 values[r.name] = 1.0 if (ch.action == ACTION_RECOMPUTE and ch.recipe is v.c.recipes[k]) else 0.0
+            for gi, k, x in v.bp:
+                host = choices.get(gi, Choice())
+                values[x.name] = 1.0 if (ch.rebuilt_with == gi and host.recipe is self.graph.candidates[gi].recipes[k]) \
+                    else 0.0
             if v.swap is not None:
                 on = ch.action == ACTION_SWAP
                 values[v.swap.name] = 1.0 if on else 0.0
@@ -690,7 +723,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     warm = model.warm_start_values(incumbent)
     by_name = {v.name: v for v in variables}
     values = {name: float(x) for name, x in warm.items()}
-    actions = {i: v.rec + ([v.swap] if v.swap is not None else []) for i, v in model.vars.items()}
+    actions = {i: v.actions() for i, v in model.vars.items()}
     order = sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i))
     best_obj, improved, solution = math.inf, False, None
     integer_idx = np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64)
@@ -788,7 +821,7 @@ def lp_disagreement(model: Model, lp_values: list[float], plan: dict[int, Choice
     warm = model.warm_start_values(plan)
     out = {}
     for i, v in model.vars.items():
-        xs = v.rec + ([v.swap] if v.swap is not None else [])
+        xs = v.actions()
         out[i] = v.c.bytes * sum(abs(lp_values[x.index] - warm.get(x.name, 0.0)) for x in xs)
     return out
 

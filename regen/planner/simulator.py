@@ -37,6 +37,7 @@ class Choice:
     action: str = ACTION_KEEP
     recipe: Recipe | None = None
     swap_in_step: int | None = None  # the copy-in starts before this op
+    rebuilt_with: int | None = None  # recompute: rebuilt by this candidate's recipe (graph.Candidate.hosts)
 
 
 @dataclass
@@ -85,6 +86,11 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
             if ch.recipe is None:
                 errors.append(f"candidate {c.id}: recompute without a recipe")
                 continue
+            if ch.rebuilt_with is not None:
+                why = _byproduct_error(graph, choices, c, ch.rebuilt_with)
+                if why:
+                    errors.append(f"candidate {c.id}: {why}")
+                continue  # no time and no transient of its own: resident from its host's recipe on
             recompute_at.setdefault(c.first_backward, []).append(c)
         else:
             errors.append(f"candidate {c.id}: unknown action {ch.action}")
@@ -147,6 +153,8 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
             continue
         f, b = c.last_forward, c.first_backward
         if ch.action == ACTION_RECOMPUTE:
+            if ch.rebuilt_with is not None:  # resident once the host's recipe has run (before op b_host)
+                b = min(b, cands[ch.rebuilt_with].first_backward)
             _add(saved_during, f + 1, b, c.bytes)
             _add(saved_after, f, b, c.bytes)
         elif ch.action == ACTION_SWAP and c.index in out_done:
@@ -167,6 +175,18 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
     peak = max(max(peaks), max(timeline))
     return SimulationResult(peak_bytes=int(peak), step_time_s=now, timeline_bytes=timeline, peak_timeline_bytes=peaks,
                             op_start_s=start, op_end_s=end, stall_s=stall, recompute_s=recompute_time, errors=errors)
+
+
+def _byproduct_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate, host: int) -> str | None:
+    """Why `c` cannot be rebuilt with `host`'s recipe in this plan, or None."""
+    h = choices.get(host)
+    if h is None or h.action != ACTION_RECOMPUTE or h.recipe is None or h.rebuilt_with is not None:
+        return f"rebuilt with candidate {graph.candidates[host].id}, which is not recomputed by a recipe of its own"
+    if c.producer not in h.recipe.ops:
+        return f"rebuilt with candidate {graph.candidates[host].id}, whose recipe does not run op {c.producer}"
+    if graph.candidates[host].first_backward > c.first_backward:
+        return f"rebuilt with candidate {graph.candidates[host].id}, whose recipe runs after this one's first use"
+    return None
 
 
 def _add(diff: list[int], lo: int, hi: int, value: int) -> None:
@@ -197,6 +217,14 @@ def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
             raise RegenError(f"plan decision for saved tensor {d.saved_tensor}, which the profile does not have")
         if d.action == ACTION_SWAP:
             choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op)
+        elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
+            host = by_id.get(d.rebuilt_with)
+            if host is None:
+                raise RegenError(f"plan decision for saved tensor {d.saved_tensor} is rebuilt with saved tensor "
+                                 f"{d.rebuilt_with}, which the profile does not have")
+            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), anchors=[], time_s=0.0,
+                                                                      transient_bytes=0),
+                                      rebuilt_with=host.index)
         elif d.action == ACTION_RECOMPUTE:
             anchors = [by_id[a].index for a in d.recipe_inputs if a in by_id]
             recipe = Recipe(ops=list(d.recipe), anchors=anchors, time_s=float(sum(graph.time_s[q] for q in d.recipe)),

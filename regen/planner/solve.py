@@ -421,6 +421,10 @@ def build_plan(graph: PlanningGraph, choices: dict[int, Choice], cap: int, strat
             host_intervals.append((c.issue_after, c.first_backward, c.bytes))
         elif ch.action == ACTION_RECOMPUTE:
             d.recompute_before_op = c.first_backward
+            if ch.rebuilt_with is not None:
+                host = graph.candidates[ch.rebuilt_with]
+                d.rebuilt_with = host.id
+                d.recompute_before_op = host.first_backward
             d.recipe = list(ch.recipe.ops)
             d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.anchors]
             for q in ch.recipe.ops:
@@ -433,7 +437,9 @@ def build_plan(graph: PlanningGraph, choices: dict[int, Choice], cap: int, strat
     notes = list(notes) + [
         "step times are the profile's measured step time plus the plan's added time over the sum of op times "
         f"({compute:.6g} s)",
-        f"actions: keep {counts[ACTION_KEEP]}, swap {counts[ACTION_SWAP]}, recompute {counts[ACTION_RECOMPUTE]}",
+        f"actions: keep {counts[ACTION_KEEP]}, swap {counts[ACTION_SWAP]}, recompute {counts[ACTION_RECOMPUTE]}"
+        + (f" ({rebuilt} of them rebuilt with another's recipe)"
+           if (rebuilt := sum(1 for d in decisions if d.rebuilt_with is not None)) else ""),
     ]
     return Plan(
         fingerprint=profile.fingerprint, workload=dict(profile.workload), strategy=strategy, memory_cap_bytes=int(cap),

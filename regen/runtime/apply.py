@@ -499,6 +499,11 @@ class _Step:
                                         f"modified in place after it was saved")
             return cand.storage
         if cand.mode == ACTION_RECOMPUTE:
+            if cand.info.host is not None:
+                raise PlanMismatchError(
+                    f"regen.apply: op {cand.key[0]}'s saved tensor is rebuilt by the recipe of op "
+                    f"{cand.info.host[0]}'s, which had not run when backward first read it: backward ran in "
+                    f"another order than profiled; the plan does not fit this run")
             return self._recompute(cand)
         raise PlanMismatchError(f"regen.apply: a recompute recipe reads op {cand.key[0]} output {cand.key[1]}, "
                                 f"which this step never saved; the plan does not fit this model")
@@ -520,9 +525,20 @@ class _Step:
             used.append(a)
             return self._materialize(a, consumer=False)
 
-        result = replay_recipe(cand.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype)
+        keep = tuple(k for k in info.byproducts if (b := self.cands.get(k)) is not None and b.storage is None
+                     and not b.released and b.mode == ACTION_RECOMPUTE)
+        result, kept = replay_recipe(cand.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype,
+                                     keep=keep)
         self.runtime.stats.recomputes += 1
         cand.storage = result
+        for key, tensor in kept.items():  # rebuilt on the way: held until their own use
+            b = self.cands[key]
+            if tensor.shape != b.info.shape or tensor.dtype != b.info.dtype:
+                raise PlanMismatchError(f"regen.apply: op {key[0]}'s output, rebuilt with op {cand.key[0]}'s recipe, "
+                                        f"is {tuple(tensor.shape)} {tensor.dtype}; the plan expects "
+                                        f"{tuple(b.info.shape)} {b.info.dtype}")
+            b.storage = tensor
+        del kept
         if not cand.recipe_ran:
             cand.recipe_ran = True
             for a in info.anchors:

@@ -44,6 +44,8 @@ class DecisionInfo:
     dtype: torch.dtype
     action: str
     anchors: tuple[tuple[int, int], ...] = ()  # recipe_inputs as (producer_op, output_slot)
+    host: tuple[int, int] | None = None  # rebuilt by this decision's recipe (Decision.rebuilt_with)
+    byproducts: tuple[tuple[int, int], ...] = ()  # decisions rebuilt by this one's recipe, kept for their use
 
 
 @dataclass
@@ -103,6 +105,18 @@ def index_plan(plan: Plan) -> PlanIndex:
             keys.append((src.producer_op, src.output_slot))
         info.anchors = tuple(keys)
         anchors.update(keys)
+    for info in decisions.values():
+        d = info.decision
+        if d.rebuilt_with is None:
+            continue
+        host = by_saved.get(d.rebuilt_with)
+        host_info = decisions.get((host.producer_op, host.output_slot)) if host is not None else None
+        if (info.action != ACTION_RECOMPUTE or host_info is None or host_info.action != ACTION_RECOMPUTE
+                or host.rebuilt_with is not None or info.key[0] not in host.recipe or info.anchors):
+            raise FormatError(f"{where}: saved tensor {d.saved_tensor} is rebuilt with saved tensor {d.rebuilt_with}, "
+                              f"which is not a recompute decision whose recipe runs op {d.producer_op}")
+        info.host = host_info.key
+        host_info.byproducts = host_info.byproducts + (info.key,)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
     has_recompute = any(i.action == ACTION_RECOMPUTE for i in decisions.values())
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,

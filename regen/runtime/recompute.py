@@ -145,8 +145,10 @@ def _written_args(cap: Capture) -> list:
 
 def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[int, Capture],
                   anchor: Callable[[tuple[int, int]], torch.Tensor],
-                  expect_shape: torch.Size, expect_dtype: torch.dtype) -> torch.Tensor:
-    """Run `recipe` and return a tensor over the rebuilt storage of `candidate` (op, slot).
+                  expect_shape: torch.Size, expect_dtype: torch.dtype,
+                  keep: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
+    """Run `recipe`; return a tensor over the rebuilt storage of `candidate` (op, slot), and those of the
+    intermediates named in `keep` (other candidates rebuilt on the way, held for their own use).
 
     `anchor(key)` returns a tensor over the storage of a resident candidate the recipe may read
     (the decision's recipe_inputs), or raises PlanMismatchError when `key` is not one of them.
@@ -197,7 +199,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             for slot, _ in written_outputs(cap.func, args, kwargs, outs):
                 table[(cap.index, slot)] = outs[slot]
             del args, kwargs, out, outs
-            for key in [k for k in table if k != candidate and last_use.get(k, -1) <= pos]:
+            for key in [k for k in table if k != candidate and k not in keep and last_use.get(k, -1) <= pos]:
                 del table[key]  # free intermediates right after their last use
     result = table.get(candidate)
     if result is None:
@@ -207,7 +209,13 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
         raise PlanMismatchError(
             f"recomputing op {candidate[0]} gave {tuple(result.shape)} {result.dtype}, the plan expects "
             f"{tuple(expect_shape)} {expect_dtype}")
-    return result
+    kept = {}
+    for key in keep:
+        if key not in table:
+            raise PlanMismatchError(f"the recipe {recipe} of op {candidate[0]} did not rebuild op {key[0]} output "
+                                    f"{key[1]}, which the plan rebuilds with it; the plan does not fit this model")
+        kept[key] = table[key]
+    return result, kept
 
 
 def check_captured_name(index: int, func, expected_name: str) -> str | None:

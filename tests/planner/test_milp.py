@@ -129,7 +129,7 @@ def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
     priority = lp_disagreement(model, values, {})
     assert set(priority) == set(model.vars) and min(priority.values()) >= 0
     acting = {i for i, v in model.vars.items()
-              if sum(values[x.index] for x in v.rec + ([v.swap] if v.swap is not None else [])) > 1e-6}
+              if sum(values[x.index] for x in v.actions()) > 1e-6}
     assert acting and {i for i, p in priority.items() if p > 0} == acting
 
 

@@ -83,6 +83,26 @@ def test_real_plan_gives_unplanned_gradients(name, strategy):
     assert handle.stats.planned_steps == 1
     counts = plan.action_counts()
     assert handle.stats.swapped_tensors == counts["swap"] and handle.stats.dropped_tensors == counts["recompute"]
+    # one recipe run per recompute decision, none for those rebuilt with another's recipe
+    rebuilt = sum(1 for d in plan.decisions if d.rebuilt_with is not None)
+    assert handle.stats.recomputes == counts["recompute"] - rebuilt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "hf-gpt2"])
+def test_transformer_recompute_plans_share_rebuilt_intermediates(name):
+    """On transformers the planner rebuilds some tensors as by-products of another's recipe (a chain
+    fc -> gelu recomputes fc once, not twice); the tests above then check gradients and memory."""
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    _, _, plan, _ = _profiled_plan(name, "recompute")
+    rebuilt = [d for d in plan.decisions if d.rebuilt_with is not None]
+    assert rebuilt, "no tensor rebuilt with another's recipe"
+    by_id = {d.saved_tensor: d for d in plan.decisions}
+    for d in rebuilt:
+        host = by_id[d.rebuilt_with]
+        assert host.action == "recompute" and d.producer_op in host.recipe
+        assert host.recompute_before_op == d.recompute_before_op
 
 
 @_params
