@@ -95,7 +95,7 @@ def test_transformer_recompute_plans_share_rebuilt_intermediates(name):
     fc -> gelu recomputes fc once, not twice); the tests above then check gradients and memory."""
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
-    _, _, plan, _ = _profiled_plan(name, "recompute")
+    w, _, plan, _ = _profiled_plan(name, "recompute")
     rebuilt = [d for d in plan.decisions if d.rebuilt_with is not None]
     assert rebuilt, "no tensor rebuilt with another's recipe"
     by_id = {d.saved_tensor: d for d in plan.decisions}
@@ -103,6 +103,14 @@ def test_transformer_recompute_plans_share_rebuilt_intermediates(name):
         host = by_id[d.rebuilt_with]
         assert host.action == "recompute" and d.producer_op in host.recipe
         assert host.recompute_before_op == d.recompute_before_op
+    # the first step is verified op by op, the second runs on the pack-order fast path: both exact
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan) as handle:
+        first = run_and_grads(w)
+        second = run_and_grads(w)
+    assert_same(reference, first)
+    assert_same(reference, second)
+    assert handle.stats.planned_steps == 2
 
 
 @_params
