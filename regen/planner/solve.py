@@ -310,7 +310,8 @@ def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
         candidates.append(("greedy", greedy))
     if strategy == "hybrid":
         try:
-            model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True))
+            # without rebuilt-with options: fewer binaries, a start in seconds; the hybrid search adds them
+            model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True, allow_byproducts=False))
             result = solve_model(model, max(1.0, WARM_START_TIME_FRACTION * time_limit_s))
             candidates.append(("recompute-only MILP", result.choices))
         except (_Infeasible, SolverError):
