@@ -727,6 +727,22 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     order = sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i))
     best_obj, improved, solution = math.inf, False, None
     integer_idx = np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64)
+    # the warm plan's own complete solution (every discrete variable fixed: an LP), so that blocks start
+    # from it and keep only what improves on it
+    known = [by_name[n] for n in values if n in by_name]
+    if known:
+        h.changeColsBounds(len(known), np.array([v.index for v in known], dtype=np.int32),
+                           np.array([values[v.name] for v in known], dtype=float),
+                           np.array([values[v.name] for v in known], dtype=float))
+        h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, deadline - time.perf_counter())))
+        with solver_output_to_stderr():
+            h.run()
+        info = h.getInfo()
+        if info.primal_solution_status == 2:
+            best_obj, solution = info.objective_function_value, list(h.getSolution().col_value)
+        h.changeColsBounds(len(known), np.array([v.index for v in known], dtype=np.int32),
+                           np.array([lower[v.index] for v in known], dtype=float),
+                           np.array([upper[v.index] for v in known], dtype=float))
     sweeps = 0
     while time.perf_counter() < deadline:
         # every other sweep shifts the block boundaries by half a block, so no pair of neighbours

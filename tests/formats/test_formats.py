@@ -70,3 +70,26 @@ def test_plan_with_unknown_action_is_refused(tmp_path):
         load_plan(tmp_path / "plan.yaml")
     with pytest.raises(FormatError, match="no such file"):
         load_plan(tmp_path / "missing.yaml")
+
+
+def test_plan_with_a_rebuilt_with_that_does_not_hold_is_refused(tmp_path):
+    plan = tiny_plan()
+    host = plan.decisions[0]
+    host.action, host.recompute_before_op, host.recipe = "recompute", 1, [0]
+    rebuilt = Decision(saved_tensor=1, producer_op=0, output_slot=1, shape=[10], dtype="torch.float32", bytes=40,
+                       action="recompute", recompute_before_op=1, recipe=[0], rebuilt_with=0)
+    plan.decisions.append(rebuilt)
+    save_plan(plan, tmp_path / "ok.yaml")
+    assert load_plan(tmp_path / "ok.yaml").decisions[1].rebuilt_with == 0  # round trip
+    for breakage in ("host keeps", "recipe outside the host's", "own inputs"):
+        bad = tiny_plan()
+        bad.decisions = [Decision(**vars(host)), Decision(**vars(rebuilt))]
+        if breakage == "host keeps":
+            bad.decisions[0].action = "keep"
+        elif breakage == "recipe outside the host's":
+            bad.decisions[1].recipe = [0, 1]
+        else:
+            bad.decisions[1].recipe_inputs = [0]
+        save_plan(bad, tmp_path / "bad.yaml")
+        with pytest.raises(FormatError, match="rebuilt with saved tensor 0"):
+            load_plan(tmp_path / "bad.yaml")

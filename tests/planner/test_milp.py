@@ -151,3 +151,28 @@ def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transforme
     assert plan.solver.gap == pytest.approx(1 - plan.solver.bound_s / plan.solver.objective_s, abs=1e-9)
     assert (plan.solver.status == "optimal") == (plan.solver.gap <= DEFAULT_REL_GAP)
     assert plan.simulated.peak_bytes <= cap
+
+
+def test_rebuilt_with_options_share_recompute_work(small_transformer):
+    """Recompute-only on a transformer: letting a tensor that another recipe rebuilds on the way be
+    kept until its own use never costs more, is used, and the simulator (which charges no recipe run
+    for such a tensor but holds it from its host's rebuild on) agrees with the MILP."""
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.6)
+    plain = solve_model(Model(graph, cap, MilpOptions(allow_swap=False, allow_byproducts=False)), 60, rel_gap=1e-6)
+    shared = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 60, rel_gap=1e-6)
+    assert shared.objective_s <= plain.objective_s * (1 + 1e-9)
+    rebuilt = {i: ch for i, ch in shared.choices.items() if ch.rebuilt_with is not None}
+    assert rebuilt and shared.objective_s < plain.objective_s
+    for i, ch in rebuilt.items():
+        host = shared.choices[ch.rebuilt_with]
+        assert host.rebuilt_with is None and graph.candidates[i].producer in host.recipe.ops
+        assert graph.candidates[ch.rebuilt_with].first_backward <= graph.candidates[i].first_backward
+    sim = simulate(graph, shared.choices)
+    assert sim.valid and sim.peak_bytes <= cap
+    assert sim.step_time_s == pytest.approx(shared.objective_s, rel=0.05)
+    # a rebuilt tensor whose host is not recomputed is an inconsistent plan for the simulator
+    i, ch = next(iter(rebuilt.items()))
+    broken = dict(shared.choices)
+    broken.pop(ch.rebuilt_with)
+    assert not simulate(graph, broken).valid
