@@ -675,8 +675,8 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
         obj_s = objective * tu
         bound_s = bound * tu if bound is not None and math.isfinite(bound) else None
     if progress:
-        progress(f"solver done in {elapsed:.2f} s: {'optimal' if optimal else 'time limit'}, predicted step "
-                 f"{obj_s * 1e3:.3f} ms" + (f", gap {100 * gap:.2f}%" if gap is not None else ""))
+        progress(f"solver done in {elapsed:.2f} s: {'optimal' if optimal else 'time limit'}, objective "
+                 f"{obj_s * 1e3:.3f} ms (profiled op times)" + (f", gap {100 * gap:.2f}%" if gap is not None else ""))
     result = MilpResult(choices=model.choices(), objective_s=obj_s, bound_s=bound_s, gap=gap,
                         status="optimal" if optimal else "time_limit", solver=name, solve_time_s=elapsed,
                         predicted_peak_bytes=model.predicted_peak_bytes(), num_variables=nvars,

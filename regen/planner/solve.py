@@ -294,7 +294,7 @@ def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, tim
     choices, values, objective = improved
     result = result_from_values(model, objective, bound, rel_gap, time.perf_counter() - t0)
     if result.gap is not None:
-        say(f"block search: predicted step {result.objective_s * 1e3:.3f} ms, gap {100 * result.gap:.2f}% to the LP bound")
+        say(f"block search: objective {result.objective_s * 1e3:.3f} ms (profiled op times), gap {100 * result.gap:.2f}% to the LP bound")
     if result.status != "optimal" and deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s:
         return None, values  # time left: the full MILP starts from this plan
     return result, values
