@@ -309,20 +309,20 @@ def _warm_start(graph: PlanningGraph, cap: int, strategy: str, time_limit_s: flo
     if greedy is not None:
         candidates.append(("greedy", greedy))
     if strategy == "hybrid":
-        # the recompute-only MILP: first without rebuilt-with options (few binaries, a plan in seconds
-        # even on thousands of candidates), then with them from that plan (sharing rebuilt work is
-        # often most of what recompute-only plans can gain), each within its share of the time
-        deadline = time.perf_counter() + max(1.0, WARM_START_TIME_FRACTION * time_limit_s)
-        plain = None
-        try:
-            model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True, allow_byproducts=False))
-            plain = solve_model(model, max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())).choices
-            candidates.append(("recompute-only MILP", plain))
-            model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True))
-            shared = solve_model(model, max(MIN_SOLVER_TIME_S, deadline - time.perf_counter()), warm_start=plain)
-            candidates.append(("recompute-only MILP with rebuilt-with options", shared.choices))
-        except (_Infeasible, SolverError):
-            pass
+        # the recompute-only MILP (few binaries: a plan in seconds), with the rebuilt-with options
+        # (sharing rebuilt work is often most of what recompute-only plans gain) or, when that finds
+        # no plan within its share of the time, without them
+        for label, byproducts in (("recompute-only MILP", True), ("recompute-only MILP without sharing", False)):
+            try:
+                model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True,
+                                                      allow_byproducts=byproducts))
+                result = solve_model(model, max(1.0, WARM_START_TIME_FRACTION * time_limit_s))
+            except SolverError:
+                continue
+            except _Infeasible:
+                break
+            candidates.append((label, result.choices))
+            break
     best = None
     for name, choices in candidates:
         sim = simulate(graph, choices)
