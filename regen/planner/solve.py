@@ -24,7 +24,7 @@ from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph, build_graph
 from regen.planner.milp import (DEFAULT_REL_GAP, MilpOptions, MilpResult, Model, _Infeasible, highs_available,
                                 highs_model, improve_by_blocks, lp_bound, lp_disagreement, model_size_message,
-                                result_from_values, solve_model)
+                                reset_solver_threads, result_from_values, solve_model)
 from regen.planner.simulator import Choice, SimulationResult, simulate
 from regen.units import BYTES_PER_GB, format_bytes
 
@@ -116,6 +116,7 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     if not 0 <= rel_gap < 1:
         raise RegenError(f"the relative gap must be in [0, 1) (got {rel_gap})")
     bw = bandwidth_gb_s * BYTES_PER_GB if bandwidth_gb_s else None
+    reset_solver_threads()
     t0 = time.perf_counter()
     graph = build_graph(profile, bw, bw)
     say = progress or (lambda _m: None)
