@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from regen.errors import RegenError
 from regen.units import BYTES_PER_GB, BYTES_PER_GIB, format_bytes
-from regen.formats.plan import ACTIONS, Plan
+from regen.formats.plan import ACTION_RECOMPUTE, ACTIONS, Plan
 
 PLOT_DPI = 120
 PLOT_SIZE_IN = (10, 4.5)
@@ -29,8 +29,10 @@ def plan_summary(plan: Plan) -> str:
         f"simulated {plan.simulated.step_time_s * 1e3:.3f} ms",
         "  actions:",
     ]
+    rebuilt = sum(1 for d in plan.decisions if d.rebuilt_with is not None)
     for a in ACTIONS:
-        lines.append(f"    {a:<10} {counts[a]:>6} tensors  {format_bytes(nbytes[a]):>12}")
+        extra = f"  ({rebuilt} rebuilt with another's recipe)" if a == ACTION_RECOMPUTE and rebuilt else ""
+        lines.append(f"    {a:<10} {counts[a]:>6} tensors  {format_bytes(nbytes[a]):>12}{extra}")
     gap = "n/a" if s.gap is None else f"{100 * s.gap:.2f}%"
     lines += [
         f"  solver            {s.name}, {s.status}, gap {gap}, {s.solve_time_s:.2f} s"
@@ -61,6 +63,7 @@ def plan_summary_json(plan: Plan) -> dict:
         "gap": plan.solver.gap,
         "actions": plan.action_counts(),
         "action_bytes": plan.action_bytes(),
+        "rebuilt_with_another": sum(1 for d in plan.decisions if d.rebuilt_with is not None),
         "host_pool_bytes": plan.host_pool_bytes,
     }
 
