@@ -132,3 +132,4 @@ def test_real_plan_measured_peak(name, strategy):
         f"measured peak increase {peak} B over the cap's {cap_increase} B (+5%); pool {handle.pool.capacity_bytes} B apart")
     assert abs(peak - simulated_increase) <= SIMULATOR_TOLERANCE * simulated_increase, (
         f"measured peak increase {peak} B vs simulated {simulated_increase} B")
+
