@@ -2,7 +2,9 @@
 
 The formulation of DESIGN.md "Planner: the MILP", O(candidates x window) in size:
 
-* actions: binaries `swap_t` and `rec_{t,k}` (one per recipe option k), keep = 1 - their sum;
+* actions: binaries `swap_t`, `rec_{t,k}` (one per recipe option k) and `bp_{t,g,k}` ("rebuilt with"
+  candidate g's recipe k, which replays t's producer on the way: `bp <= rec_{g,k}`, no time of its
+  own, t resident from g's rebuild on; graph.Candidate.hosts), keep = 1 - their sum;
 * copy-out: fractions `yout_{t,s}` over the bounded window after the pack, per-step channel capacity
   `sum_t m_t yout_{t,s} <= d2h x c_s` (copy-outs never stall compute in the runtime, so they get the
   op's compute time only; late copy-outs cost memory, not time), and monotone binaries
@@ -708,10 +710,11 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     candidate's action fixed to the incumbent's, keeping each improvement.
 
     On large graphs HiGHS spends its time at the root and rarely improves a warm start; blocks of
-    about BLOCK_CANDIDATES candidates solve to a small gap in a second or two, so sweeping them
-    gives the full solve a much better incumbent. One HiGHS model, only bounds change between blocks;
-    each block starts from the previous block's complete solution (continuous values included, so
-    HiGHS need not solve a sub-MIP to complete a partial start).
+    about BLOCK_CANDIDATES candidates solve to a small gap in a second or two, so sweeping them is
+    the search itself (solve._solve_by_blocks). One HiGHS model, only bounds change between blocks.
+    The warm plan is first solved as an LP with its discrete values fixed, and every block starts from
+    the best complete solution so far (continuous values included, so HiGHS need not solve a sub-MIP
+    to complete a partial start) and is kept only if it improves on it.
     Returns the plan, the values of its discrete variables (a warm start for a model built with the
     same options) and its objective (model units; the model's variables hold the solution), or None
     when no block found a solution (or HiGHS is missing). Stops early once the objective is at most
