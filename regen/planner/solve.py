@@ -38,6 +38,7 @@ BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are 
 LP_BOUND_TIME_FRACTION = 0.4  # of the time limit, at most, for their LP bound (~10 s on 3,000 candidates)
 FINAL_CHECK_TIME_FRACTION = 0.05  # ... kept back from the block sweeps for the simulator check
 FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
+NO_BOUND_BLOCK_TIME_FRACTION = 0.5  # of the time left, for the sweeps when the LP was too slow for a bound
 
 _UNITS = {
     "": 1, "b": 1,
@@ -276,7 +277,8 @@ def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, tim
     root (identical layers make many equivalent plans, so branching does not move the bound) and
     rarely improves a warm start, while block sub-MIPs solve in a second or two each. The result is
     judged against the LP bound; "optimal" means within `rel_gap` of it. When the sweeps stop early
-    (no sweep improves any more) above the gap, the caller's full solve gets the remaining time.
+    (no sweep improves any more) above the gap, or the LP did not finish in its share of the time
+    (thousands of candidates), the caller's full solve continues from the plan and reports its bound.
     """
     t0 = time.perf_counter()
     say(model_size_message(model))
@@ -287,6 +289,8 @@ def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, tim
     say("LP relaxation: " + (f"bound {bound * model.time_unit * 1e3:.3f} ms" if bound is not None
                              else "no bound within its time share"))
     budget_s = deadline - time.perf_counter() - FINAL_CHECK_TIME_FRACTION * time_limit_s
+    if bound is None:  # no bound to judge the plan against: leave the full MILP (and its bound) half the rest
+        budget_s = NO_BOUND_BLOCK_TIME_FRACTION * budget_s
     target = bound / (1 - rel_gap) if bound is not None and bound > 0 else None
     improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target,
                                  lp=lp)
@@ -296,8 +300,9 @@ def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, tim
     result = result_from_values(model, objective, bound, rel_gap, time.perf_counter() - t0)
     if result.gap is not None:
         say(f"block search: objective {result.objective_s * 1e3:.3f} ms (profiled op times), gap {100 * result.gap:.2f}% to the LP bound")
-    if result.status != "optimal" and deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s:
-        return None, values  # time left: the full MILP starts from this plan
+    if bound is None or (result.status != "optimal"
+                         and deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s):
+        return None, values  # the full MILP starts from this plan (and reports its own bound)
     return result, values
 
 
