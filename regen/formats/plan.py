@@ -105,6 +105,10 @@ class Plan:
     profile_path: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    def rebuilt_count(self) -> int:
+        """Recompute decisions rebuilt with another's recipe (Decision.rebuilt_with)."""
+        return sum(1 for d in self.decisions if d.rebuilt_with is not None)
+
     def action_counts(self) -> dict[str, int]:
         counts = {a: 0 for a in ACTIONS}
         for d in self.decisions:
@@ -167,12 +171,21 @@ def load_plan(path: str | Path) -> Plan:
             raise FormatError(f"{where}: decisions[{i}] is a recompute without recompute_before_op/recipe")
     by_id = {d.saved_tensor: d for d in plan.decisions}
     for i, d in enumerate(plan.decisions):
-        if d.rebuilt_with is None:
-            continue
-        host = by_id.get(d.rebuilt_with)
-        if (d.action != ACTION_RECOMPUTE or host is None or host.action != ACTION_RECOMPUTE
-                or host.rebuilt_with is not None or not set(d.recipe) <= set(host.recipe) or d.recipe_inputs):
-            raise FormatError(f"{where}: decisions[{i}] is rebuilt with saved tensor {d.rebuilt_with}, which is not a "
-                              f"recompute decision whose recipe runs its ops (and a rebuilt tensor has no "
-                              f"recipe_inputs of its own)")
+        why = rebuilt_with_error(d, by_id)
+        if why:
+            raise FormatError(f"{where}: decisions[{i}] {why}")
     return plan
+
+
+def rebuilt_with_error(d: Decision, by_saved_id: dict[int, Decision]) -> str | None:
+    """Why decision `d`'s `rebuilt_with` does not hold in its plan (decisions by SavedTensor id), or None:
+    it must be a recompute decision without recipe_inputs of its own, and its host a recompute decision
+    with a recipe of its own that runs all of d's recipe ops."""
+    if d.rebuilt_with is None:
+        return None
+    host = by_saved_id.get(d.rebuilt_with)
+    if (d.action != ACTION_RECOMPUTE or host is None or host.action != ACTION_RECOMPUTE
+            or host.rebuilt_with is not None or not set(d.recipe) <= set(host.recipe) or d.recipe_inputs):
+        return (f"is rebuilt with saved tensor {d.rebuilt_with}, which is not a recompute decision whose recipe "
+                f"runs its ops (and a rebuilt tensor has no recipe_inputs of its own)")
+    return None

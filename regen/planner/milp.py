@@ -858,15 +858,16 @@ def lp_disagreement(model: Model, lp_values: list[float], plan: dict[int, Choice
     return out
 
 
-def result_from_values(model: Model, objective: float, bound: float | None, rel_gap: float,
-                       solve_time_s: float) -> MilpResult:
+def result_from_values(model: Model, choices: dict[int, Choice], objective: float, bound: float | None,
+                       rel_gap: float, solve_time_s: float) -> MilpResult:
     """A MilpResult for the solution already loaded into the model's variables (e.g. by
-    improve_by_blocks), judged against `bound` (model units): "optimal" when within `rel_gap`."""
+    improve_by_blocks, which read `choices` from them), judged against `bound` (model units):
+    "optimal" when within `rel_gap`."""
     gap = None
     if bound is not None and objective > 0:
         gap = max(0.0, (objective - bound) / objective)
     prob = model.prob
-    return MilpResult(choices=model.choices(), objective_s=objective * model.time_unit,
+    return MilpResult(choices=choices, objective_s=objective * model.time_unit,
                       bound_s=None if bound is None else bound * model.time_unit, gap=gap,
                       status="optimal" if gap is not None and gap <= rel_gap else "time_limit", solver="highs",
                       solve_time_s=solve_time_s, predicted_peak_bytes=model.predicted_peak_bytes(),

@@ -297,7 +297,7 @@ def _solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, tim
     if improved is None:
         return None, None
     choices, values, objective = improved
-    result = result_from_values(model, objective, bound, rel_gap, time.perf_counter() - t0)
+    result = result_from_values(model, choices, objective, bound, rel_gap, time.perf_counter() - t0)
     if result.gap is not None:
         say(f"block search: objective {result.objective_s * 1e3:.3f} ms (profiled op times), gap {100 * result.gap:.2f}% to the LP bound")
     if bound is None or (result.status != "optimal"

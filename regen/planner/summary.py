@@ -29,7 +29,7 @@ def plan_summary(plan: Plan) -> str:
         f"simulated {plan.simulated.step_time_s * 1e3:.3f} ms",
         "  actions:",
     ]
-    rebuilt = sum(1 for d in plan.decisions if d.rebuilt_with is not None)
+    rebuilt = plan.rebuilt_count()
     for a in ACTIONS:
         extra = f"  ({rebuilt} rebuilt with another's recipe)" if a == ACTION_RECOMPUTE and rebuilt else ""
         lines.append(f"    {a:<10} {counts[a]:>6} tensors  {format_bytes(nbytes[a]):>12}{extra}")
@@ -63,7 +63,7 @@ def plan_summary_json(plan: Plan) -> dict:
         "gap": plan.solver.gap,
         "actions": plan.action_counts(),
         "action_bytes": plan.action_bytes(),
-        "rebuilt_with_another": sum(1 for d in plan.decisions if d.rebuilt_with is not None),
+        "rebuilt_with_another": plan.rebuilt_count(),
         "host_pool_bytes": plan.host_pool_bytes,
     }
 

@@ -538,7 +538,6 @@ class _Step:
                                         f"is {tuple(tensor.shape)} {tensor.dtype}; the plan expects "
                                         f"{tuple(b.info.shape)} {b.info.dtype}")
             b.storage = tensor
-        del kept
         if not cand.recipe_ran:
             cand.recipe_ran = True
             for a in info.anchors:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.errors import FormatError
 from regen.opinfo import is_counted
-from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan
+from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, rebuilt_with_error
 
 PHASE_FORWARD = 0  # counting forward ops
 PHASE_TAIL = 1  # all of the plan's forward ops ran; the last one's outputs may still be packed
@@ -109,12 +109,11 @@ def index_plan(plan: Plan) -> PlanIndex:
         d = info.decision
         if d.rebuilt_with is None:
             continue
-        host = by_saved.get(d.rebuilt_with)
-        host_info = decisions.get((host.producer_op, host.output_slot)) if host is not None else None
-        if (info.action != ACTION_RECOMPUTE or host_info is None or host_info.action != ACTION_RECOMPUTE
-                or host.rebuilt_with is not None or info.key[0] not in host.recipe or info.anchors):
-            raise FormatError(f"{where}: saved tensor {d.saved_tensor} is rebuilt with saved tensor {d.rebuilt_with}, "
-                              f"which is not a recompute decision whose recipe runs op {d.producer_op}")
+        why = rebuilt_with_error(d, by_saved)
+        if why:
+            raise FormatError(f"{where}: saved tensor {d.saved_tensor} {why}")
+        host = by_saved[d.rebuilt_with]
+        host_info = decisions[(host.producer_op, host.output_slot)]
         info.host = host_info.key
         host_info.byproducts = host_info.byproducts + (info.key,)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)

@@ -34,7 +34,7 @@ def test_solve_then_show_text_json_and_plot(profile_path, tmp_path, capsys):
                 "baseline_peak_bytes", "baseline_step_time_s", "solve_time_s", "gap", "actions"):
         assert key in summary
     assert sum(summary["actions"].values()) == len(plan.decisions)
-    rebuilt = sum(1 for d in plan.decisions if d.rebuilt_with is not None)
+    rebuilt = plan.rebuilt_count()
     assert summary["rebuilt_with_another"] == rebuilt <= summary["actions"]["recompute"]
     assert (f"({rebuilt} rebuilt with another's recipe)" in text) == (rebuilt > 0)
     assert summary["predicted_peak_bytes"] <= summary["memory_cap_bytes"] < summary["baseline_peak_bytes"]

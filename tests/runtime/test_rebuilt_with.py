@@ -31,7 +31,7 @@ def _workload():
     return Workload(name="branches", model=Branches(), batch=(torch.randn(8, 16),), loss_fn=None)
 
 
-def _rebuild_plan(w, trace, victim_name: str, host_name: str):
+def _rebuild_plan(trace, victim_name: str, host_name: str):
     """Recompute everything; then mark the candidate produced by `victim_name` as rebuilt with the one
     produced by `host_name` (whose recipe must run the victim's producer)."""
     plan = build_plan(trace, lambda i, c: "recompute", "recompute")
@@ -63,7 +63,7 @@ def test_rebuilt_with_host_gives_exact_gradients_and_skips_its_own_recipe():
     trace = trace_workload(w)
     reference = run_and_grads(w)
     plain = build_plan(trace, lambda i, c: "recompute", "recompute")
-    shared = _rebuild_plan(w, trace, "aten.relu.default", "aten.sin.default")
+    shared = _rebuild_plan(trace, "aten.relu.default", "aten.sin.default")
     with regen.apply(w.model, plain) as handle_plain:
         assert_same(reference, run_and_grads(w))
     with regen.apply(w.model, shared) as handle_shared:
@@ -76,7 +76,7 @@ def test_rebuilt_tensor_read_before_its_host_ran_is_a_clear_error():
     w = _workload()
     trace = trace_workload(w)
     # backward reads y (for y*y*y) before it reads h (for h*h): the autograd engine runs the later branch first
-    bad = _rebuild_plan(w, trace, "aten.relu.default", "aten.sin.default")
+    bad = _rebuild_plan(trace, "aten.relu.default", "aten.sin.default")
     with pytest.raises(PlanMismatchError, match="had not run"):
         with regen.apply(w.model, bad):
             run_and_grads(w)
