@@ -54,7 +54,7 @@ class Decision:
     recipe: list[int] = field(default_factory=list)
     recipe_inputs: list[int] = field(default_factory=list)  # SavedTensor ids that must be resident
     # recompute: rebuilt on the way by the recipe of this SavedTensor id (kept from then until its use),
-    # not by a recipe run of its own; `recipe` is then the host's ops up to this tensor's producer
+    # not by a recipe run of its own; `recipe` is then that decision's ops up to this tensor's producer
     rebuilt_with: int | None = None
 
 
@@ -179,13 +179,13 @@ def load_plan(path: str | Path) -> Plan:
 
 def rebuilt_with_error(d: Decision, by_saved_id: dict[int, Decision]) -> str | None:
     """Why decision `d`'s `rebuilt_with` does not hold in its plan (decisions by SavedTensor id), or None:
-    it must be a recompute decision without recipe_inputs of its own, and its host a recompute decision
-    with a recipe of its own that runs all of d's recipe ops."""
+    it must be a recompute decision without recipe_inputs of its own, and the decision it is rebuilt with a
+    recompute decision with a recipe of its own that runs all of d's recipe ops."""
     if d.rebuilt_with is None:
         return None
-    host = by_saved_id.get(d.rebuilt_with)
-    if (d.action != ACTION_RECOMPUTE or host is None or host.action != ACTION_RECOMPUTE
-            or host.rebuilt_with is not None or not set(d.recipe) <= set(host.recipe) or d.recipe_inputs):
+    rebuilder = by_saved_id.get(d.rebuilt_with)
+    if (d.action != ACTION_RECOMPUTE or rebuilder is None or rebuilder.action != ACTION_RECOMPUTE
+            or rebuilder.rebuilt_with is not None or not set(d.recipe) <= set(rebuilder.recipe) or d.recipe_inputs):
         return (f"is rebuilt with saved tensor {d.rebuilt_with}, which is not a recompute decision whose recipe "
                 f"runs its ops (and a rebuilt tensor has no recipe_inputs of its own)")
     return None

@@ -51,7 +51,7 @@ from regen.formats.profile import OpFingerprint
 from regen.opinfo import op_name, storage_key, tensor_outputs, written_outputs
 from regen.runtime.matching import (PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL, DecisionInfo, ForwardTracker,
                                     PlanIndex, index_plan)
-from regen.runtime.recompute import Capture, capture_op, check_captured_name, replay_recipe
+from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name, replay_recipe
 from regen.runtime.swap import CopyIn, CopyOut, Geometry, HostPool, SwapEngine, view_of
 
 ON_MISMATCH_CHOICES = ("raise", "keep")
@@ -146,7 +146,7 @@ class _FastOps:
 
     __slots__ = ("tracked", "producers", "refs", "last_tracked")
 
-    def __init__(self, captures: dict[int, Capture], recipe_ops):
+    def __init__(self, captures: dict[int, CapturedOp], recipe_ops):
         self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
         self.producers = frozenset(op for refs in self.refs.values() for op, _ in refs)
         self.tracked = frozenset(recipe_ops) | self.producers  # every other op: count it and run it
@@ -166,7 +166,7 @@ class _Step:
         self.op_count = 0
         self.writer: dict[int, tuple] = {}
         self.fingerprint = None if runtime.verified else OpFingerprint()
-        self.captures: dict[int, Capture] = {}
+        self.captures: dict[int, CapturedOp] = {}
         self.cands: dict[tuple[int, int], _Candidate] = {}
         self.unpack_count = 0
         self.copy_in_schedule: list = []  # heap of (unpack_order, seq, candidate)
@@ -499,10 +499,10 @@ class _Step:
                                         f"modified in place after it was saved")
             return cand.storage
         if cand.mode == ACTION_RECOMPUTE:
-            if cand.info.host is not None:
+            if cand.info.rebuilt_with is not None:
                 raise PlanMismatchError(
                     f"regen.apply: op {cand.key[0]}'s saved tensor is rebuilt by the recipe of op "
-                    f"{cand.info.host[0]}'s, which had not run when backward first read it: backward ran in "
+                    f"{cand.info.rebuilt_with[0]}'s, which had not run when backward first read it: backward ran in "
                     f"another order than profiled; the plan does not fit this run")
             return self._recompute(cand)
         raise PlanMismatchError(f"regen.apply: a recompute recipe reads op {cand.key[0]} output {cand.key[1]}, "
@@ -525,7 +525,7 @@ class _Step:
             used.append(a)
             return self._materialize(a, consumer=False)
 
-        keep = tuple(k for k in info.byproducts if (b := self.cands.get(k)) is not None and b.storage is None
+        keep = tuple(k for k in info.rebuilds if (b := self.cands.get(k)) is not None and b.storage is None
                      and not b.released and b.mode == ACTION_RECOMPUTE)
         result, kept = replay_recipe(cand.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype,
                                      keep=keep)

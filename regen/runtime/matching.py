@@ -44,8 +44,8 @@ class DecisionInfo:
     dtype: torch.dtype
     action: str
     anchors: tuple[tuple[int, int], ...] = ()  # recipe_inputs as (producer_op, output_slot)
-    host: tuple[int, int] | None = None  # rebuilt by this decision's recipe (Decision.rebuilt_with)
-    byproducts: tuple[tuple[int, int], ...] = ()  # decisions rebuilt by this one's recipe, kept for their use
+    rebuilt_with: tuple[int, int] | None = None  # the decision whose recipe rebuilds this one (Decision.rebuilt_with)
+    rebuilds: tuple[tuple[int, int], ...] = ()  # decisions rebuilt with this one's recipe, kept for their use
 
 
 @dataclass
@@ -112,10 +112,10 @@ def index_plan(plan: Plan) -> PlanIndex:
         why = rebuilt_with_error(d, by_saved)
         if why:
             raise FormatError(f"{where}: saved tensor {d.saved_tensor} {why}")
-        host = by_saved[d.rebuilt_with]
-        host_info = decisions[(host.producer_op, host.output_slot)]
-        info.host = host_info.key
-        host_info.byproducts = host_info.byproducts + (info.key,)
+        rebuilder = by_saved[d.rebuilt_with]
+        rebuilder_info = decisions[(rebuilder.producer_op, rebuilder.output_slot)]
+        info.rebuilt_with = rebuilder_info.key
+        rebuilder_info.rebuilds = rebuilder_info.rebuilds + (info.key,)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
     has_recompute = any(i.action == ACTION_RECOMPUTE for i in decisions.values())
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,

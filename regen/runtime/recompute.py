@@ -62,7 +62,9 @@ class Like:
 
 
 @dataclass
-class Capture:
+class CapturedOp:
+    """A recipe op as it ran in forward, with its tensor arguments templated (Ref / External / Like)."""
+
     index: int
     func: Any  # an OpOverload
     args: tuple
@@ -81,7 +83,7 @@ def _op_device(args, kwargs) -> torch.device:
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
-def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Capture:
+def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> CapturedOp:
     """Record an op for later replay; call it before the op runs (the RNG state is the one it will use)."""
     refs: list[tuple[int, int]] = []
 
@@ -99,7 +101,7 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
     if captured_args and isinstance(captured_args[0], torch.Tensor) and reads_first_arg_metadata_only(op_name(func)):
         a = captured_args[0]  # only its metadata matters: hold none of its memory
         captured_args[0] = Like(tuple(a.shape), tuple(a.stride()), a.dtype, a.device)
-    cap = Capture(index=index, func=func, args=tree_map(template, tuple(captured_args)),
+    cap = CapturedOp(index=index, func=func, args=tree_map(template, tuple(captured_args)),
                   kwargs=tree_map(template, dict(kwargs)), refs=tuple(refs))
     if random:
         cap.cpu_rng_state = torch.get_rng_state()
@@ -109,7 +111,7 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
     return cap
 
 
-def _run_with_rng(cap: Capture, args, kwargs):
+def _run_with_rng(cap: CapturedOp, args, kwargs):
     if cap.cpu_rng_state is None:
         return cap.func(*args, **kwargs)
     ambient_cpu = torch.get_rng_state()
@@ -127,7 +129,7 @@ def _run_with_rng(cap: Capture, args, kwargs):
             torch.cuda.set_rng_state(ambient_cuda, cap.cuda_rng_state[0])
 
 
-def _written_args(cap: Capture) -> list:
+def _written_args(cap: CapturedOp) -> list:
     """The arguments an in-place op writes (schema alias info), as captured (Ref / External / value)."""
     schema = cap.func._schema
     written = []
@@ -143,7 +145,7 @@ def _written_args(cap: Capture) -> list:
     return written
 
 
-def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[int, Capture],
+def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[int, CapturedOp],
                   anchor: Callable[[tuple[int, int]], torch.Tensor],
                   expect_shape: torch.Size, expect_dtype: torch.dtype,
                   keep: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:

@@ -11,7 +11,7 @@ import pytest
 import regen
 from common import assert_same, make, run_and_grads
 from regen.errors import PlanMismatchError
-from regen.runtime.recompute import Capture, Ref, replay_recipe
+from regen.runtime.recompute import CapturedOp, Ref, replay_recipe
 from regen.runtime.swap import Geometry
 
 STEPS = 3
@@ -55,9 +55,9 @@ def test_inplace_recipe_op_on_a_tensor_the_recipe_did_not_create_is_refused():
 
     x = torch.ones(4)
     geometry = Geometry.of(x)
-    caps = {0: Capture(index=0, func=torch.ops.aten.mul.Tensor, args=(Ref(9, 0, geometry), 2.0), kwargs={},
+    caps = {0: CapturedOp(index=0, func=torch.ops.aten.mul.Tensor, args=(Ref(9, 0, geometry), 2.0), kwargs={},
                        refs=((9, 0),)),
-            1: Capture(index=1, func=torch.ops.aten.add_.Tensor, args=(Ref(9, 0, geometry), Ref(0, 0, geometry)),
+            1: CapturedOp(index=1, func=torch.ops.aten.add_.Tensor, args=(Ref(9, 0, geometry), Ref(0, 0, geometry)),
                        kwargs={}, refs=((9, 0), (0, 0)))}
     with pytest.raises(PlanMismatchError, match="writes in place"):
         replay_recipe((1, 0), [0, 1], caps, lambda key: x, x.shape, x.dtype)

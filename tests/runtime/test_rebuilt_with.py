@@ -1,6 +1,6 @@
 """Rebuilt-with decisions in the runtime, on hand-made plans (docs/internals.md, "Rebuilt with another's
-recipe"): the host's recipe hands over the intermediate, gradients stay exact, and a rebuilt tensor that
-backward reads before its host's recipe ran is a PlanMismatchError, never a stale or missing tensor."""
+recipe"): the rebuilding decision's recipe hands over the intermediate, gradients stay exact, and a rebuilt
+tensor that backward reads before that recipe ran is a PlanMismatchError, never a stale or missing tensor."""
 
 import pytest
 import torch
@@ -31,25 +31,25 @@ def _workload():
     return Workload(name="branches", model=Branches(), batch=(torch.randn(8, 16),), loss_fn=None)
 
 
-def _rebuild_plan(trace, victim_name: str, host_name: str):
+def _rebuild_plan(trace, victim_name: str, rebuilder_name: str):
     """Recompute everything; then mark the candidate produced by `victim_name` as rebuilt with the one
-    produced by `host_name` (whose recipe must run the victim's producer)."""
+    produced by `rebuilder_name` (whose recipe must run the victim's producer)."""
     plan = build_plan(trace, lambda i, c: "recompute", "recompute")
     name_of = {op.index: op.name for op in trace.ops}
-    host = next(d for d in plan.decisions if name_of[d.producer_op] == host_name and d.action == "recompute")
+    rebuilder = next(d for d in plan.decisions if name_of[d.producer_op] == rebuilder_name and d.action == "recompute")
     victim = next(d for d in plan.decisions if name_of[d.producer_op] == victim_name)
-    # the host's recipe walks through the victim instead of reading it: it rebuilds the victim on the way
-    assert host.recipe_inputs == [victim.saved_tensor] and victim.action == "recompute"
-    host.recipe = sorted(set(victim.recipe) | set(host.recipe))
-    host.recipe_inputs = list(victim.recipe_inputs)
-    victim.action, victim.rebuilt_with = "recompute", host.saved_tensor
-    victim.recipe = [q for q in host.recipe if q <= victim.producer_op]
-    victim.recipe_inputs, victim.recompute_before_op = [], host.recompute_before_op
+    # the rebuilder's recipe walks through the victim instead of reading it: it rebuilds the victim on the way
+    assert rebuilder.recipe_inputs == [victim.saved_tensor] and victim.action == "recompute"
+    rebuilder.recipe = sorted(set(victim.recipe) | set(rebuilder.recipe))
+    rebuilder.recipe_inputs = list(victim.recipe_inputs)
+    victim.action, victim.rebuilt_with = "recompute", rebuilder.saved_tensor
+    victim.recipe = [q for q in rebuilder.recipe if q <= victim.producer_op]
+    victim.recipe_inputs, victim.recompute_before_op = [], rebuilder.recompute_before_op
     victim.swap_out_after_op = victim.swap_in_before_op = victim.swap_in_at_unpack = None
     return plan
 
 
-def test_rebuilt_with_host_gives_exact_gradients_and_skips_its_own_recipe():
+def test_rebuilt_with_another_recipe_gives_exact_gradients_and_skips_its_own_recipe():
     # relu's output is read by sin's backward after sin's output (h) is rebuilt for mul's backward:
     # with y rebuilt with h's recipe, one recipe run fewer, the same gradients
     class Chain(Branches):
@@ -72,7 +72,7 @@ def test_rebuilt_with_host_gives_exact_gradients_and_skips_its_own_recipe():
     assert handle_shared.stats.recomputes == handle_plain.stats.recomputes * 2 - 2
 
 
-def test_rebuilt_tensor_read_before_its_host_ran_is_a_clear_error():
+def test_rebuilt_tensor_read_before_its_rebuilder_ran_is_a_clear_error():
     w = _workload()
     trace = trace_workload(w)
     # backward reads y (for y*y*y) before it reads h (for h*h): the autograd engine runs the later branch first

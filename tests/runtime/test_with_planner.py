@@ -100,9 +100,9 @@ def test_transformer_recompute_plans_share_rebuilt_intermediates(name):
     assert rebuilt, "no tensor rebuilt with another's recipe"
     by_id = {d.saved_tensor: d for d in plan.decisions}
     for d in rebuilt:
-        host = by_id[d.rebuilt_with]
-        assert host.action == "recompute" and d.producer_op in host.recipe
-        assert host.recompute_before_op == d.recompute_before_op
+        rebuilder = by_id[d.rebuilt_with]
+        assert rebuilder.action == "recompute" and d.producer_op in rebuilder.recipe
+        assert rebuilder.recompute_before_op == d.recompute_before_op
     # the first step is verified op by op, the second runs on the pack-order fast path: both exact
     reference = run_and_grads(w)
     with regen.apply(w.model, plan) as handle:
