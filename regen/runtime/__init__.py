@@ -1,11 +1,18 @@
 """regen.runtime: replay a plan in an unmodified training loop (`regen.apply(model, plan)`).
 
-* apply.py: the handle (context manager / `.remove()`), step boundaries, pack and unpack hooks;
-* matching.py: the plan's lookup tables and the dispatch mode that numbers forward ops;
-* swap.py: the host pool and the copies (CUDA streams and events, synchronous on CPU);
-* recompute.py: capture of recipe ops in forward and their replay in backward.
+* apply.py: the handle (context manager / `.remove()`): hooks, step boundaries, what steps found;
+* step.py: one step: its phases, pack and unpack hooks, the end of its forward, its release;
+* tracker.py: the dispatch mode that numbers forward ops;
+* forward_ops.py: what a step does per forward op: writer map, fingerprint, recipe captures;
+* packing.py: which decision a saved tensor gets (through the writer map, or by pack order);
+* candidates.py: one step's candidates: keep, swap or drop at pack, resident again at unpack;
+* swap_queue.py: one step's copy-outs, copy-in schedule and release; swap.py: the host pool and copies;
+* recompute.py: capture of recipe ops in forward and their replay in backward;
+* plan_index.py: the plan's lookup tables; stats.py: the handle's counters.
 """
 
-from regen.runtime.apply import PlanMismatchWarning, RegenHandle, RuntimeStats, apply
+from regen.runtime.apply import RegenHandle, apply
+from regen.runtime.stats import RuntimeStats
+from regen.runtime.step import PlanMismatchWarning
 
 __all__ = ["PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]

@@ -84,7 +84,8 @@ def _op_device(args, kwargs) -> torch.device:
 
 
 def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> CapturedOp:
-    """Record an op for later replay; call it before the op runs (the RNG state is the one it will use)."""
+    """Record an op for later replay; call it before the op runs (the RNG state is the one it will use).
+    `writer` is the step's writer map (forward_ops.py): storage_key -> Writer (op, slot, shape, dtype)."""
     refs: list[tuple[int, int]] = []
 
     def template(a):
@@ -94,8 +95,8 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
         w = writer.get(key) if key else None
         if w is None:
             return External(a, a._version)
-        refs.append((w[0], w[1]))
-        return Ref(w[0], w[1], Geometry.of(a))
+        refs.append((w.op, w.slot))
+        return Ref(w.op, w.slot, Geometry.of(a))
 
     captured_args = list(args)
     if captured_args and isinstance(captured_args[0], torch.Tensor) and reads_first_arg_metadata_only(op_name(func)):

@@ -169,3 +169,17 @@ def test_exception_in_a_fast_step_leaves_nothing_behind():
         for _ in range(2):
             assert_same(reference, run_and_grads(w))
     assert handle2.stats.planned_steps == 2
+
+
+def test_only_a_verified_planned_step_records_the_pack_sequence():
+    """A step that ran unplanned leaves the handle unverified, without a pack sequence; the next
+    matching step verifies the plan and records it."""
+    w, trace = traced("gpt")
+    other = other_batch(w)
+    with regen.apply(w.model, PLANS["swap"](trace), on_mismatch="keep") as handle:
+        with pytest.warns(PlanMismatchWarning):
+            run_and_grads(other)
+        assert not handle.verified and handle.pack_sequence is None
+        run_and_grads(w)
+        assert handle.verified and handle.pack_sequence is not None
+    assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 1

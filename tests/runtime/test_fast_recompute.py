@@ -16,7 +16,7 @@ from regen.runtime import PlanMismatchWarning
 from regen.workloads import Workload
 from test_equivalence import noisy_workload
 
-apply_module = importlib.import_module("regen.runtime.apply")
+forward_ops_module = importlib.import_module("regen.runtime.forward_ops")
 STEPS = 4
 
 
@@ -25,13 +25,13 @@ class _WrittenOutputsSpy:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = apply_module.written_outputs
+        real = forward_ops_module.written_outputs
 
         def spy(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(apply_module, "written_outputs", spy)
+        monkeypatch.setattr(forward_ops_module, "written_outputs", spy)
 
 
 def _workload(name):

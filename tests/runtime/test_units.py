@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from regen.errors import FormatError
-from regen.runtime.matching import index_plan
+from regen.runtime.plan_index import index_plan
 from regen.runtime.swap import MIN_CHUNK_BYTES, Geometry, HostPool, SwapEngine, view_of
 
 from common import traced

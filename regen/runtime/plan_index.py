@@ -1,14 +1,9 @@
-"""Matching: how the runtime finds each saved tensor's plan entry.
+"""The plan read once into the lookup tables the runtime matches against.
 
-* `PlanIndex` is the plan read once into lookup tables (decisions by `(producer_op, output_slot)`,
-  recipe op names, anchors) and checked for internal consistency; a malformed plan is a FormatError.
-* `ForwardTracker` is the dispatch mode that counts forward ops (docs/internals.md "Op numbering"):
-  it hands every op to the current step, which updates its writer map with
-  `regen.opinfo.written_outputs`, feeds the fingerprint during the first planned step and captures
-  recipe ops (on steps after the verified one of a recompute plan, only the recipe ops and the
-  producers of their inputs do more than count). Once the step's forward is over it passes ops
-  straight through; regen's own copies and
-  replays run with it paused so they are never counted.
+`PlanIndex` holds the decisions by `(producer_op, output_slot)` (each a `DecisionInfo`: shape and dtype
+parsed, recipe anchors and the rebuilt-with link as keys), the recipe op names and randomness, and the
+anchors some recipe reads. `index_plan` checks the plan for internal consistency: a plan that
+contradicts itself is a FormatError.
 """
 
 from __future__ import annotations
@@ -16,15 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.errors import FormatError
-from regen.opinfo import is_counted
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, rebuilt_with_error
-
-PHASE_FORWARD = 0  # counting forward ops
-PHASE_TAIL = 1  # all of the plan's forward ops ran; the last one's outputs may still be packed
-PHASE_CLOSED = 2  # forward over: every later pack keeps
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -50,6 +39,8 @@ class DecisionInfo:
 
 @dataclass
 class PlanIndex:
+    """A plan's lookup tables (see the module doc)."""
+
     plan: Plan
     decisions: dict[tuple[int, int], DecisionInfo]
     recipe_op_names: dict[int, str]
@@ -121,52 +112,3 @@ def index_plan(plan: Plan) -> PlanIndex:
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
                      anchor_keys=frozenset(anchors), num_forward_ops=n_fwd,
                      has_recompute=has_recompute, swap_bytes=swap_bytes)
-
-
-class ForwardTracker(TorchDispatchMode):
-    """The dispatch mode of one `regen.apply` handle; `step` is the step whose forward it counts.
-
-    The step's `phase` says what to do: FORWARD counts the op; TAIL (all planned forward ops seen)
-    closes matching at the next op; CLOSED passes ops straight through.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.step = None
-        self.paused = 0
-        self._counted: dict = {}  # func -> opinfo.is_counted(func), cached (this runs on every op)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        step = self.step
-        if kwargs is None:
-            kwargs = {}
-        if step is None or self.paused or step.phase == PHASE_CLOSED:
-            return func(*args, **kwargs)
-        counted = self._counted.get(func)
-        if counted is None:
-            counted = self._counted[func] = is_counted(func)
-        if not counted:
-            return func(*args, **kwargs)
-        if step.phase == PHASE_TAIL:  # an op after the planned forward: nothing more is matched
-            step.end_forward()
-            return func(*args, **kwargs)
-        if torch._C._current_graph_task_id() != -1:
-            step.backward_began()
-            return func(*args, **kwargs)
-        return step.forward_op(func, args, kwargs)
-
-    def pause(self):
-        return _Paused(self)
-
-
-class _Paused:
-    __slots__ = ("tracker",)
-
-    def __init__(self, tracker: ForwardTracker):
-        self.tracker = tracker
-
-    def __enter__(self):
-        self.tracker.paused += 1
-
-    def __exit__(self, *exc):
-        self.tracker.paused -= 1

@@ -1,0 +1,225 @@
+"""One step's candidates: what the runtime did with each planned storage, and what it still owes.
+
+A `Candidate` is one storage of one step, named by its decision's `(producer_op, output_slot)`. When a
+matched tensor is packed (`CandidateTable.pack`) it is kept (`x.detach()`; a recipe anchor also keeps a
+tensor over its storage), swapped (the `SwapQueue` copies it out) or dropped for recompute (its recipe
+ops were captured as they ran); a swapped or dropped entry is packed as a `Saved`. In backward
+`materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
+by its recipe (`recompute.replay_recipe`), which also hands over the candidates rebuilt with it
+(docs/internals.md "Rebuilt with another's recipe"), held until their own use. A resident storage is
+dropped after its last use (its first unpacks and the recipes reading it); everything else the
+candidate holds goes when autograd frees its last handle, or when the step is released.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from regen.errors import PlanMismatchError, RegenError
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.opinfo import storage_key
+from regen.runtime.plan_index import DecisionInfo, PlanIndex
+from regen.runtime.recompute import CapturedOp, replay_recipe
+from regen.runtime.stats import RuntimeStats
+from regen.runtime.swap import CopyIn, CopyOut, Geometry
+from regen.runtime.swap_queue import SwapQueue
+
+
+class Candidate:
+    """One storage of one step: what the runtime did with it and what it still owes."""
+
+    __slots__ = ("key", "info", "mode", "pending", "live", "storage", "copy_out", "copy_in", "recipe_ran",
+                 "version", "released", "storage_key")
+
+    def __init__(self, key, info):
+        self.key = key
+        self.info: DecisionInfo | None = info
+        self.mode: str | None = None  # keep | swap | recompute, as actually done this step
+        self.pending = 0  # first unpacks not yet done + dependent recipes not yet run
+        self.live = 0  # handles autograd still holds
+        self.storage: torch.Tensor | None = None  # a tensor over the resident storage (kept/restored/rebuilt)
+        self.copy_out: CopyOut | None = None
+        self.copy_in: CopyIn | None = None
+        self.recipe_ran = False
+        self.version = 0  # kept anchors: version counter when packed
+        self.released = False
+        self.storage_key: int | None = None  # swapped: the storage copied out (fast-path check)
+
+
+class Saved:
+    """What autograd stores for a swapped or dropped entry: the candidate and the entry's geometry."""
+
+    __slots__ = ("table", "cand", "geometry", "unpacked")
+
+    def __init__(self, table: "CandidateTable", cand: Candidate, geometry: Geometry):
+        self.table = table
+        self.cand = cand
+        self.geometry = geometry
+        self.unpacked = False
+
+    def __del__(self):
+        try:
+            self.table.handle_died(self.cand)
+        except Exception:  # interpreter shutdown; never raise from a finaliser
+            pass
+
+
+class CandidateTable:
+    """The candidates of one step by key, with the handles autograd holds on them."""
+
+    def __init__(self, index: PlanIndex, captures: dict[int, CapturedOp], swaps: SwapQueue, stats: RuntimeStats,
+                 mismatch: Callable[[str], None], handles_gone: Callable[[], None]):
+        """`captures`: the step's recipe captures (forward_ops.py); `mismatch(message)`: the step's
+        mismatch; `handles_gone()`: called when autograd has freed every handle of the step."""
+        self.index = index
+        self.captures = captures
+        self.swaps = swaps
+        self.stats = stats
+        self._mismatch = mismatch
+        self._handles_gone = handles_gone
+        self.cands: dict[tuple[int, int], Candidate] = {}
+        self.live = 0  # handles autograd still holds, over all candidates
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def pack(self, x: torch.Tensor, info: DecisionInfo, planned: bool, check_storage: bool):
+        """Pack tensor `x` whose decision is `info`: keep it, or start its swap or drop and return a
+        `Saved`. `planned`: the step still follows the plan (else keep); `check_storage`: the pack was
+        matched by order, so check that a swapped candidate is saved from the storage copied out."""
+        key = info.key
+        cand = self.cands.get(key)
+        if cand is None:
+            cand = self.cands[key] = Candidate(key, info)
+        elif check_storage and cand.storage_key is not None and storage_key(x) != cand.storage_key:
+            self._mismatch(f"op {key[0]} output {key[1]} was saved from two storages (the plan's verified step "
+                           f"saved one)")
+            return x.detach()
+        if cand.mode is None:
+            if not planned or info.action == ACTION_KEEP:
+                cand.mode = ACTION_KEEP
+            elif info.action == ACTION_SWAP:
+                self.swaps.start(cand, x)
+                cand.mode = ACTION_SWAP
+                cand.storage_key = storage_key(x)
+            elif self._start_drop(cand):
+                cand.mode = ACTION_RECOMPUTE
+            else:  # its recipe was not captured: keep
+                cand.mode = ACTION_KEEP
+        if cand.mode == ACTION_KEEP:
+            if key in self.index.anchor_keys and cand.storage is None:
+                cand.storage = x.detach()
+                cand.version = x._version
+            return x.detach()
+        cand.pending += 1
+        cand.live += 1
+        self.live += 1
+        return Saved(self, cand, Geometry.of(x))
+
+    def _start_drop(self, cand: Candidate) -> bool:
+        info = cand.info
+        missing = [r for r in info.decision.recipe if r not in self.captures]
+        if missing:
+            self._mismatch(f"the recipe of op {cand.key[0]} needs ops {missing}, which were not captured")
+            return False
+        for a in info.anchors:
+            anchor = self.cands.get(a)
+            if anchor is None:
+                anchor = self.cands[a] = Candidate(a, self.index.decisions.get(a))
+            anchor.pending += 1
+        self.stats.dropped_tensors += 1
+        return True
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def materialize(self, cand: Candidate) -> torch.Tensor:
+        """A tensor over the candidate's storage, resident now (restored or rebuilt if needed)."""
+        if cand.released:
+            raise RegenError(f"regen.apply: op {cand.key[0]}'s saved tensor was released; it was unpacked "
+                             f"after autograd freed it (a retained graph over an aborted step?)")
+        if cand.mode == ACTION_SWAP:
+            return self.swaps.restored(cand)
+        if cand.storage is not None:
+            if cand.mode == ACTION_KEEP and cand.storage._version != cand.version:
+                raise PlanMismatchError(f"regen.apply: op {cand.key[0]}'s output, read by a recompute recipe, was "
+                                        f"modified in place after it was saved")
+            return cand.storage
+        if cand.mode == ACTION_RECOMPUTE:
+            if cand.info.rebuilt_with is not None:
+                raise PlanMismatchError(
+                    f"regen.apply: op {cand.key[0]}'s saved tensor is rebuilt by the recipe of op "
+                    f"{cand.info.rebuilt_with[0]}'s, which had not run when backward first read it: backward ran "
+                    f"in another order than profiled; the plan does not fit this run")
+            return self._recompute(cand)
+        raise PlanMismatchError(f"regen.apply: a recompute recipe reads op {cand.key[0]} output {cand.key[1]}, "
+                                f"which this step never saved; the plan does not fit this model")
+
+    def _recompute(self, cand: Candidate) -> torch.Tensor:
+        info = cand.info
+        allowed = set(info.anchors)
+
+        def anchor(key):
+            if key not in allowed:
+                raise PlanMismatchError(
+                    f"regen.apply: the recipe of op {cand.key[0]} reads op {key[0]} output {key[1]}, which is "
+                    f"neither in its recipe nor among its recipe_inputs; the plan does not fit this model")
+            a = self.cands.get(key)
+            if a is None:
+                raise PlanMismatchError(f"regen.apply: recipe input op {key[0]} output {key[1]} was never saved "
+                                        f"in this step")
+            return self.materialize(a)
+
+        keep = tuple(k for k in info.rebuilds if (b := self.cands.get(k)) is not None and b.storage is None
+                     and not b.released and b.mode == ACTION_RECOMPUTE)
+        result, kept = replay_recipe(cand.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype,
+                                     keep=keep)
+        self.stats.recomputes += 1
+        cand.storage = result
+        for key, tensor in kept.items():  # rebuilt with this recipe: held until their own use
+            b = self.cands[key]
+            if tensor.shape != b.info.shape or tensor.dtype != b.info.dtype:
+                raise PlanMismatchError(f"regen.apply: op {key[0]}'s output, rebuilt with op {cand.key[0]}'s recipe, "
+                                        f"is {tuple(tensor.shape)} {tensor.dtype}; the plan expects "
+                                        f"{tuple(b.info.shape)} {b.info.dtype}")
+            b.storage = tensor
+        if not cand.recipe_ran:
+            cand.recipe_ran = True
+            for a in info.anchors:
+                a_cand = self.cands.get(a)
+                if a_cand is not None:
+                    self.used(a_cand)
+        return result
+
+    def used(self, cand: Candidate) -> None:
+        """One use of the candidate is done (a first unpack, a recipe that read it); after its last one
+        its resident storage goes (backward has begun: the forward is closed)."""
+        cand.pending -= 1
+        if cand.pending <= 0:
+            self._drop_device_copy(cand)
+
+    def _drop_device_copy(self, cand: Candidate) -> None:
+        if cand.copy_in is not None:
+            self.swaps.drop_copy_in(cand)
+        cand.storage = None
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    def handle_died(self, cand: Candidate) -> None:
+        """Autograd freed a `Saved` of this candidate."""
+        cand.live -= 1
+        self.live -= 1
+        if cand.live == 0 and not cand.released:
+            self._release(cand)
+        if self.live <= 0:
+            self._handles_gone()
+
+    def _release(self, cand: Candidate) -> None:
+        cand.released = True
+        self._drop_device_copy(cand)
+        if cand.copy_out is not None:
+            self.swaps.release(cand)
+
+    def release_all(self) -> None:
+        """The step is released: every candidate gives back what it holds."""
+        for cand in list(self.cands.values()):
+            if not cand.released:
+                self._release(cand)
+        self.cands = {}

@@ -1,0 +1,175 @@
+"""Forward ops of one step: what the runtime does at each op the `ForwardTracker` counts.
+
+* The writer map (docs/internals.md "Naming a saved tensor"): `storage_key -> Writer`, the op output
+  that last wrote the storage, with its shape and dtype, updated with `opinfo.written_outputs`. Packs
+  are matched through it (packing.py) and recipe captures reference its entries.
+* The fingerprint of the forward ops, fed until the handle has verified a step.
+* Recipe captures: an op whose index is in `Plan.recipe_ops` has its name checked and is captured
+  (`recompute.capture_op`) before it runs.
+
+`ForwardOps.slow_op` does all of it on every op. `ForwardOps.fast_op` serves the steps after the
+verified one of a plan with recompute decisions (docs/internals.md "Pack-order fast path"): packs then
+match by order, so only the `FastOps.tracked` ops (the recipe ops and the producers of what their
+captures read, taken from the verified step) do more than count and run, and the writer map only holds
+the producers' outputs. The step learns what happened through callbacks: a mismatch, the last planned
+op (with whether the fingerprint matched), and, on fast steps, the last tracked op.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from regen.formats.plan import Plan
+from regen.formats.profile import OpFingerprint
+from regen.opinfo import op_name, tensor_outputs, written_outputs
+from regen.runtime.plan_index import PlanIndex
+from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
+
+
+class Writer(NamedTuple):
+    """An entry of the writer map: the forward op output that last wrote a storage."""
+
+    op: int
+    slot: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class FastOps:
+    """What a fast step of a plan with recompute decisions must still do per forward op (taken from the
+    verified step): capture the recipe ops, and note the outputs of the ops those captures read."""
+
+    __slots__ = ("tracked", "producers", "refs", "last_tracked")
+
+    def __init__(self, captures: dict[int, CapturedOp], recipe_ops):
+        self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
+        self.producers = frozenset(op for refs in self.refs.values() for op, _ in refs)
+        self.tracked = frozenset(recipe_ops) | self.producers  # every other op: count it and run it
+        # after this op the dispatch mode has nothing left to do: the next pack pops it
+        self.last_tracked = max(self.tracked, default=-1)
+
+
+class ForwardOps:
+    """One step's forward ops: their count, the writer map, the fingerprint and the recipe captures."""
+
+    __slots__ = ("index", "count", "writer", "captures", "fingerprint", "fast", "_mismatch", "_last_op_ran",
+                 "_tracking_done")
+
+    def __init__(self, index: PlanIndex, fingerprint: bool, fast: FastOps | None,
+                 mismatch: Callable[[str], None], last_op_ran: Callable[[bool], None],
+                 tracking_done: Callable[[], None]):
+        """`fingerprint`: hash the ops and check the plan's fingerprint; `fast`: the verified step's
+        tracking (use `fast_op`); `last_op_ran(fingerprint_matched)` is called after the plan's last
+        forward op, `tracking_done()` after a fast step's last tracked op."""
+        self.index = index
+        self.count = 0
+        self.writer: dict[int, Writer] = {}
+        self.captures: dict[int, CapturedOp] = {}
+        self.fingerprint: OpFingerprint | None = OpFingerprint() if fingerprint else None
+        self.fast = fast
+        self._mismatch = mismatch
+        self._last_op_ran = last_op_ran
+        self._tracking_done = tracking_done
+
+    def slow_op(self, func, args, kwargs):
+        """Every forward op of a step matched through the writer map: writer map, fingerprint, captures."""
+        idx = self.count
+        self.count = idx + 1
+        index = self.index
+        if idx in index.recipe_op_names:
+            problem = check_captured_name(idx, func, index.recipe_op_names[idx])
+            if problem:
+                self._mismatch(problem)
+            else:
+                self.captures[idx] = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
+        out = func(*args, **kwargs)
+        outs = tensor_outputs(out)
+        self._note_writes(idx, func, args, kwargs, outs)
+        fp = self.fingerprint
+        if fp is not None:
+            fp.add(op_name(func), [(tuple(o.shape), str(o.dtype)) for o in outs if o is not None])
+        if idx + 1 == index.num_forward_ops:
+            matched = False
+            if fp is not None:
+                self.fingerprint = None
+                problem = fingerprint_mismatch(fp, index.plan)
+                if problem:
+                    self._mismatch(problem)
+                else:
+                    matched = True
+            self._last_op_ran(matched)
+        return out
+
+    def fast_op(self, func, args, kwargs):
+        """A forward op of a step after the verified one (plan with recompute): packs match by order, so
+        only the recipe ops and the producers of what they read do more than count and run."""
+        idx = self.count
+        self.count = idx + 1
+        if idx in self.fast.tracked:
+            out = self._tracked_op(idx, func, args, kwargs)
+            if idx >= self.fast.last_tracked:
+                self._tracking_done()
+        else:
+            out = func(*args, **kwargs)
+        if idx + 1 == self.index.num_forward_ops:
+            self._last_op_ran(False)
+        return out
+
+    def _tracked_op(self, idx, func, args, kwargs):
+        index = self.index
+        fast = self.fast
+        expected = index.recipe_op_names.get(idx)
+        if expected is not None:
+            problem = check_captured_name(idx, func, expected)
+            if problem:
+                self._mismatch(problem)
+            else:
+                cap = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
+                if cap.refs != fast.refs[idx]:
+                    self._mismatch(f"recipe op {idx} ({expected}) reads the outputs {list(cap.refs)} (op, slot), "
+                                   f"the plan's verified step read {list(fast.refs[idx])}")
+                else:
+                    self.captures[idx] = cap
+        out = func(*args, **kwargs)
+        if idx in fast.producers:
+            self._note_writes(idx, func, args, kwargs, tensor_outputs(out))
+        return out
+
+    def _note_writes(self, idx, func, args, kwargs, outs):
+        """The writer map (docs/internals.md): each storage this op wrote -> its `Writer`."""
+        writer = self.writer
+        for slot, key in written_outputs(func, args, kwargs, outs):
+            o = outs[slot]
+            writer[key] = Writer(idx, slot, o.shape, o.dtype)
+
+    @property
+    def all_ran(self) -> bool:
+        """Every forward op of the plan has run."""
+        return self.count >= self.index.num_forward_ops
+
+    def fast_ops_for_later_steps(self) -> FastOps | None:
+        """What later steps must track, from this (verified) step's captures; None if a recipe op was not
+        captured."""
+        if self.captures.keys() != self.index.recipe_op_names.keys():
+            return None
+        return FastOps(self.captures, self.index.recipe_op_names)
+
+    def end_forward(self) -> None:
+        """No more forward ops to follow: drop the fingerprint and the writer map (captures stay)."""
+        self.fingerprint = None
+        self.writer.clear()
+
+    def release(self) -> None:
+        self.end_forward()
+        self.captures.clear()
+
+
+def fingerprint_mismatch(fp: OpFingerprint, plan: Plan) -> str | None:
+    """A mismatch message when the hashed forward ops are not the ones the plan was made for."""
+    got = fp.hexdigest()
+    if got == plan.fingerprint:
+        return None
+    return (f"the forward ops differ from the plan's (fingerprint {got}, the plan was made for {plan.fingerprint}, "
+            f"workload {plan.workload.get('name')!r})")

@@ -1,0 +1,69 @@
+"""Pack matching: which plan decision a tensor saved in a step's forward gets.
+
+* Through the writer map (`WriterMatch`, every step until one is verified): the packed tensor's storage
+  names the op output that last wrote it, whose decision `(producer_op, output_slot)` is checked against
+  that output's shape and dtype. Such a step also records its packs in order (`PackRecord`: shape,
+  dtype, and the decision, or None for "keep": not a candidate, or a keep decision no recipe reads).
+* By order (docs/internals.md "Pack-order fast path"): once a step is verified, the k-th pack of a later
+  step gets the verified step's k-th record after its shape and dtype are checked. That check runs in
+  the step's pack hook itself (step.py: it runs for every saved tensor, so it costs no call); the
+  messages of its mismatches are here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from regen.formats.plan import ACTION_KEEP
+from regen.opinfo import storage_key
+from regen.runtime.forward_ops import Writer
+from regen.runtime.plan_index import DecisionInfo, PlanIndex
+
+
+class PackRecord:
+    """One forward pack of the verified step: what later steps must pack at the same position."""
+
+    __slots__ = ("shape", "dtype", "info")
+
+    def __init__(self, shape, dtype, info):
+        self.shape: torch.Size = shape
+        self.dtype: torch.dtype = dtype
+        self.info: DecisionInfo | None = info  # None: keep the tensor; else swap, recompute or a kept recipe anchor
+
+
+class WriterMatch:
+    """Matches a step's packs through its writer map and records them in order."""
+
+    __slots__ = ("decisions", "anchor_keys", "writer", "recording")
+
+    def __init__(self, index: PlanIndex, writer: dict[int, Writer]):
+        self.decisions = index.decisions
+        self.anchor_keys = index.anchor_keys
+        self.writer = writer  # the step's (forward_ops.py), filled as its forward ops run
+        self.recording: list[PackRecord] = []
+
+    def match(self, x: torch.Tensor) -> tuple[DecisionInfo | None, str | None]:
+        """The decision of packed tensor `x` (None: keep it, it is no candidate) and a mismatch message
+        when its writer's output does not have the decision's shape and dtype."""
+        w = self.writer.get(storage_key(x))
+        info = None if w is None else self.decisions.get((w.op, w.slot))
+        self.recording.append(PackRecord(x.shape, x.dtype, None if info is None or (
+            info.action == ACTION_KEEP and info.key not in self.anchor_keys) else info))
+        if info is None:
+            return None, None
+        if w.shape != info.shape or w.dtype != info.dtype:
+            return None, (f"op {w.op} output {w.slot} is {tuple(w.shape)} {w.dtype}, the plan expects "
+                          f"{tuple(info.shape)} {info.dtype} (another batch shape or model?)")
+        return info, None
+
+
+def order_mismatch(k: int, x: torch.Tensor, rec: PackRecord) -> str:
+    """The k-th pack of a later step does not have the shape and dtype the verified step packed there."""
+    return (f"saved tensor {k} of the forward is {tuple(x.shape)} {x.dtype}, the plan's verified step saved "
+            f"{tuple(rec.shape)} {rec.dtype} there (another batch shape or model?)")
+
+
+def fewer_packs_mismatch(pack_count: int, sequence: tuple[PackRecord, ...]) -> str:
+    """Backward began before a later step saved as many tensors as the verified step."""
+    return (f"the forward saved {pack_count} tensors before backward began, the plan's verified step saved "
+            f"{len(sequence)}")

@@ -1,0 +1,19 @@
+"""`RuntimeStats`: what a `regen.apply` handle did so far, counted by its steps as they run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RuntimeStats:
+    """What the handle did so far (cumulative over steps)."""
+
+    steps: int = 0  # steps started (training forwards with grad)
+    planned_steps: int = 0  # steps whose every pack followed the plan
+    unplanned_steps: int = 0  # steps that fell back to keep (on_mismatch="keep")
+    swapped_tensors: int = 0
+    swapped_bytes: int = 0
+    dropped_tensors: int = 0  # dropped in forward for recompute
+    recomputes: int = 0  # recipe replays
+    synchronous_copy_ins: int = 0  # copy-ins issued at their consumer instead of their planned unpack

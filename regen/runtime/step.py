@@ -1,0 +1,277 @@
+"""One step of `regen.apply`: its phases, its pack and unpack hooks, the end of its forward, its release.
+
+A step begins at a training forward (the handle's root pre-hook) in PHASE_FORWARD. Its `ForwardOps`
+follow the forward ops the `ForwardTracker` counts (forward_ops.py); its pack hook finds each saved
+tensor's decision (packing.py: through the writer map, or by pack order once a step was verified) and
+hands the candidates to its `CandidateTable` (keep, swap, drop for recompute). After the plan's last
+forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHASE_CLOSED): later packs
+keep, pending copy-outs let go of their device storage, and the step hands its handle `StepFindings`
+(what it verified and recorded for later steps). In backward the unpack hook counts the unpacks (the
+backward clock of docs/internals.md), issues the copy-ins due (swap_queue.py) and rebuilds each entry
+over its restored or recomputed storage.
+
+A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
+and keeps every later tensor of the step. The step is released (host ranges, device copies, captures)
+once its forward has ended and autograd has freed every handle, or at once when aborted.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from regen.errors import PlanMismatchError, RegenError
+from regen.runtime.candidates import CandidateTable, Saved
+from regen.runtime.forward_ops import FastOps, ForwardOps
+from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch
+from regen.runtime.plan_index import PlanIndex
+from regen.runtime.stats import RuntimeStats
+from regen.runtime.swap import HostPool, SwapEngine, view_of
+from regen.runtime.swap_queue import SwapQueue
+from regen.runtime.tracker import PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL
+
+# regen's own small ops (detach, set_, copies) skip every Python dispatch mode: they are never counted and
+# cost no Python round trip. Recipe replays run with only the tracker paused (other modes still see them).
+_regen_ops = torch._C._DisableTorchDispatch
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # no __torch_dispatch__ of their own
+
+
+class PlanMismatchWarning(UserWarning):
+    """A step ran unplanned because the plan did not fit it (on_mismatch="keep")."""
+
+
+@dataclass(frozen=True)
+class StepFindings:
+    """What a step's forward established for the later steps of its handle."""
+
+    verified: bool  # the forward ops matched the plan's fingerprint while the step followed the plan
+    pack_sequence: tuple[PackRecord, ...] | None = None  # its packs in order: later steps match by order
+    fast_ops: FastOps | None = None  # with recompute decisions: what later steps still track per op
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a handle gives each of its steps: the plan, shared resources, and where to report."""
+
+    index: PlanIndex
+    on_mismatch: str
+    stats: RuntimeStats
+    pause_tracker: Callable  # () -> a context manager during which the tracker counts nothing
+    engine_for: Callable[[torch.device], SwapEngine]
+    pool: HostPool
+    forward_ended: Callable  # (step, StepFindings, in_pack_hook: bool): pop what the step needs no more
+    tracking_done: Callable  # (step): a fast step's forward needs the dispatch mode no more
+    released: Callable  # (step, followed_plan: bool)
+
+
+class _Untracked:
+    """A tensor packed outside the step's forward (e.g. in backward): kept, not counted."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class Step:
+    """One training step under a plan; `pack_fn` and `unpack_fn` are its saved-tensor hooks and
+    `forward_op` what the tracker calls for each counted forward op."""
+
+    def __init__(self, ctx: StepContext, verified: bool, pack_sequence: tuple[PackRecord, ...] | None,
+                 fast_ops: FastOps | None):
+        """`verified`, `pack_sequence`, `fast_ops`: what the handle's earlier steps found (StepFindings)."""
+        self.ctx = ctx
+        self.index = ctx.index
+        self.phase = PHASE_FORWARD
+        self.planned = True
+        self.failed = False
+        self.aborted = False
+        self.released = False
+        self.was_verified = verified  # by an earlier step
+        self.verified = False  # by this one
+        # pack-order fast path: the verified step's packs (None: match through the writer map)
+        self.sequence = pack_sequence
+        self.pack_count = 0
+        fast = fast_ops if pack_sequence is not None else None
+        self.ops = ForwardOps(ctx.index, fingerprint=not verified, fast=fast, mismatch=self.mismatch,
+                              last_op_ran=self._last_op_ran, tracking_done=self._tracking_done)
+        self.forward_op = self.ops.slow_op if fast is None else self.ops.fast_op
+        # plans with recompute decisions keep the dispatch mode on fast steps, doing the minimum per op
+        self.needs_tracker = pack_sequence is None or fast is not None
+        self.tracking_done = False  # fast step with recompute: every tracked op has run
+        self.matcher = WriterMatch(ctx.index, self.ops.writer) if pack_sequence is None else None
+        self.swaps = SwapQueue(ctx.engine_for, ctx.pool, ctx.stats)
+        self._pending_copy_outs = self.swaps.pending_copy_outs
+        self._copy_ins = self.swaps.copy_ins
+        self.cands = CandidateTable(ctx.index, self.ops.captures, self.swaps, ctx.stats, self.mismatch,
+                                    self._maybe_release)
+        self.unpack_count = 0
+        self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
+        self.unpack_fn = self.unpack
+
+    # ---- forward ops (called back by ForwardOps) --------------------------------------------------
+    def _last_op_ran(self, fingerprint_matched: bool):
+        self.phase = PHASE_TAIL
+        if fingerprint_matched and self.planned:
+            self.verified = True
+
+    def _tracking_done(self):
+        self.tracking_done = True
+
+    def backward_began(self):
+        """Backward started before the plan's forward ops had all run."""
+        if self.phase == PHASE_FORWARD and not self.ops.all_ran:
+            count = self.ops.count
+            self.end_forward()
+            self.mismatch(f"the forward ran {count} ops, the plan expects {self.index.num_forward_ops}")
+        self.end_forward()
+
+    def end_forward(self, in_pack_hook: bool = False):
+        """No more matching: later packs keep. Pending copy-outs let go of their device storage, and the
+        handle gets this step's findings (and pops what the step needs no more; inside a pack hook, not
+        the saved-tensor hooks). Also what closes a step at once (the handle's remove())."""
+        if self.phase == PHASE_CLOSED:
+            return
+        self.phase = PHASE_CLOSED
+        findings = self._findings()
+        self.ops.end_forward()
+        self.matcher = None
+        self.swaps.flush(wait_all=True)
+        self.ctx.forward_ended(self, findings, in_pack_hook)
+        self._maybe_release()
+
+    def _findings(self) -> StepFindings:
+        """What later steps may use: the recorded packs once the forward ran in full, as planned and
+        verified (with recompute decisions, only if every recipe op was captured)."""
+        verified = self.was_verified or self.verified
+        if self.matcher is None or not self.planned or self.failed or not verified or not self.ops.all_ran:
+            return StepFindings(verified=self.verified)
+        if not self.index.has_recompute:
+            return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording))
+        fast_ops = self.ops.fast_ops_for_later_steps()
+        if fast_ops is None:
+            return StepFindings(verified=self.verified)
+        return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording), fast_ops=fast_ops)
+
+    def mismatch(self, message: str):
+        if self.ctx.on_mismatch == "raise":
+            self.failed = True
+            self.planned = False
+            self.end_forward()
+            raise PlanMismatchError(f"regen.apply: {message}. Profile and solve for this model and batch "
+                                    f"shape, or pass on_mismatch='keep' to run such steps unplanned")
+        if self.planned:
+            self.planned = False
+            self.ctx.stats.unplanned_steps += 1
+            warnings.warn(f"regen.apply: {message}; running this step unplanned (on_mismatch='keep')",
+                          PlanMismatchWarning, stacklevel=3)
+
+    # ---- pack ---------------------------------------------------------------------------------------
+    def pack(self, x: torch.Tensor):
+        with _regen_ops():  # regen's own ops (detach, copies) are never counted
+            return self._pack(x)
+
+    def _pack(self, x: torch.Tensor):
+        """The pack hook of a step matching through the writer map."""
+        phase = self.phase
+        if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
+            return _Untracked(x.detach())
+        if phase == PHASE_CLOSED:
+            return x.detach()
+        if self._pending_copy_outs:
+            self.swaps.flush(wait_all=False)
+        info, problem = self.matcher.match(x)
+        if problem is not None:
+            self.mismatch(problem)
+            result = x.detach()
+        elif info is None:
+            result = x.detach()
+        else:
+            result = self.cands.pack(x, info, self.planned, False)
+        if phase == PHASE_TAIL:  # the last planned op's outputs: match this one, then close
+            self.end_forward(in_pack_hook=True)
+        return result
+
+    def fast_pack(self, x: torch.Tensor):
+        if _dispatch_stack_len() == 0 and type(x) in _PLAIN_TENSOR_TYPES:  # nothing Python to skip
+            return self._fast_pack(x)
+        with _regen_ops():
+            return self._fast_pack(x)
+
+    def _fast_pack(self, x: torch.Tensor):
+        """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
+        if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
+            return _Untracked(x.detach())
+        if self.phase == PHASE_CLOSED:
+            return x.detach()
+        if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
+            self.tracking_done = False
+            self.ctx.tracking_done(self)
+        k = self.pack_count
+        sequence = self.sequence
+        if k >= len(sequence):  # nothing left to match (a plan whose forward saves nothing)
+            self.end_forward(in_pack_hook=True)
+            return x.detach()
+        self.pack_count = k + 1
+        if self._pending_copy_outs:
+            self.swaps.flush(wait_all=False)
+        rec = sequence[k]
+        if x.dtype != rec.dtype or x.shape != rec.shape:
+            self.mismatch(order_mismatch(k, x, rec))
+            result = x.detach()
+        elif rec.info is None:
+            result = x.detach()
+        else:
+            result = self.cands.pack(x, rec.info, self.planned, True)
+        if k + 1 == len(sequence):  # the verified step's last forward pack: matching is over
+            self.end_forward(in_pack_hook=True)
+        return result
+
+    # ---- unpack -------------------------------------------------------------------------------------
+    def unpack(self, obj):
+        if isinstance(obj, _Untracked):
+            return obj.tensor
+        if self.aborted:
+            raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
+        k = self.unpack_count
+        self.unpack_count = k + 1
+        if k == 0 and self.phase != PHASE_CLOSED:
+            self.end_forward()
+            if self.sequence is not None and self.pack_count < len(self.sequence):
+                self.mismatch(fewer_packs_mismatch(self.pack_count, self.sequence))
+        copy_ins = self._copy_ins
+        if copy_ins and copy_ins[0][0] <= k:
+            self.swaps.issue_due(k)
+        if not isinstance(obj, Saved):
+            return obj
+        cand = obj.cand
+        with self.ctx.pause_tracker():
+            base = self.cands.materialize(cand)
+        with _regen_ops():
+            out = view_of(base, obj.geometry)
+        del base
+        if not obj.unpacked:
+            obj.unpacked = True
+            self.cands.used(cand)
+        return out
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def _maybe_release(self):
+        if self.cands.live <= 0 and self.phase == PHASE_CLOSED and not self.released:
+            self.release()
+
+    def release(self, aborted: bool = False):
+        """Return everything the step holds: host ranges, device copies, captures, anchors."""
+        self.aborted = self.aborted or aborted
+        self.phase = PHASE_CLOSED
+        self.swaps.flush(wait_all=True)
+        self.cands.release_all()
+        self.ops.release()
+        self.swaps.clear()
+        self.released = True
+        self.ctx.released(self, self.planned and not self.failed and not self.aborted)
