@@ -3,7 +3,7 @@
     .venv/bin/python bench/solver_scaling.py [--sizes 100 300 1000 3000] [--time-limit 30] [--cap 0.5]
                                              [--rel-gap 0.01]
 
-Profiles come from regen.planner.synthetic.transformer_profile (about 15 candidates per layer); the
+Profiles come from regen.graphs.synthetic.transformer_profile (about 15 candidates per layer); the
 cap is a fraction of the unplanned peak. The solver stops at --rel-gap (default: the planner's
 DEFAULT_REL_GAP, 1%) or the time limit. Target: 1,000 candidates to a 1% gap within 30 s on 2 cores.
 """
@@ -14,7 +14,7 @@ import time
 from regen.errors import RegenError
 from regen.planner import solve
 from regen.planner.milp import DEFAULT_REL_GAP
-from regen.planner.synthetic import transformer_profile
+from regen.graphs.synthetic import transformer_profile
 
 CANDIDATES_PER_LAYER = 15
 

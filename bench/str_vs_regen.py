@@ -20,7 +20,7 @@ from regen.planner import solve
 from regen.planner.graph import build_graph
 from regen.planner.simulator import simulate
 from regen.planner.str_milp import solve_str
-from regen.planner.synthetic import chain_profile, transformer_profile
+from regen.graphs.synthetic import chain_profile, transformer_profile
 
 
 def graphs():

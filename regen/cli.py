@@ -69,74 +69,59 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats import save_plan
-    from regen.planner import load_solver_input, parse_memory_cap, solve
+    from regen.planner import solve
+    from regen.units import format_duration, parse_memory_cap
 
-    profile = load_solver_input(args.input, bandwidth_gb_s=args.bandwidth)
+    profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
     plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
                  bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
     plan.profile_path = str(args.input)
     save_plan(plan, args.output)
     counts = plan.action_counts()
+    time_unit = plan.workload.get("time_unit")
     _print_progress(
         f"wrote {args.output}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
         f"peak {format_bytes(plan.simulated.peak_bytes)} under cap {format_bytes(plan.memory_cap_bytes)} "
         f"(unplanned {format_bytes(plan.baseline.peak_bytes)}); step time "
-        f"{plan.simulated.step_time_s * 1e3:.2f} ms vs {plan.baseline.step_time_s * 1e3:.2f} ms unplanned")
+        f"{format_duration(plan.simulated.step_time_s, time_unit)} vs "
+        f"{format_duration(plan.baseline.step_time_s, time_unit)} unplanned")
     return 0
+
+
+def _load_solver_input(path: Path, bandwidth_gb_s: float | None):
+    """What `regen solve` reads: a profile file, or a training graph in node-link JSON."""
+    from regen.errors import FormatError
+    from regen.formats import load_profile
+    from regen.graphs import is_node_link_file, load_node_link
+
+    if bandwidth_gb_s is not None and not bandwidth_gb_s > 0:
+        raise RegenError(f"--bandwidth {bandwidth_gb_s}: must be a positive number of GB/s")
+    if not path.exists():
+        raise FormatError(f"{path}: no such file")
+    if is_node_link_file(path):
+        return load_node_link(path, bandwidth_gb_s)
+    return load_profile(path)
 
 
 # ---- show --------------------------------------------------------------------------------------
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from regen.formats.yamlio import load_document
-    from regen.errors import FormatError
+    from regen.formats import Plan, load_profile_or_plan
+    from regen.show import plan_summary, plan_summary_json, plot_timeline, profile_summary, profile_summary_json
 
-    path = Path(args.file)
-    kind = _file_kind(path)
-    if kind == "profile":
-        from regen.formats import load_profile
-        from regen.profiler import profile_summary, profile_summary_json
-
-        profile = load_profile(path)
+    document = load_profile_or_plan(Path(args.file))
+    if not isinstance(document, Plan):
         if args.plot:
             raise RegenError("--plot draws a plan's timelines; give it a plan file")
-        print(json.dumps(profile_summary_json(profile)) if args.json else profile_summary(profile))
+        print(json.dumps(profile_summary_json(document)) if args.json else profile_summary(document))
         return 0
-    if kind == "plan":
-        from regen.formats import load_plan
-        from regen.planner import plan_summary, plan_summary_json, plot_timeline
-
-        plan = load_plan(path)
-        if args.plot:
-            plot_timeline(plan, args.plot)
-            _print_progress(f"wrote {args.plot}")
-        print(json.dumps(plan_summary_json(plan)) if args.json else plan_summary(plan))
-        return 0
-    load_document(path, "profile", (1,))  # raises a FormatError that names what was found
-    raise FormatError(f"{path}: neither a regen profile nor a regen plan")
-
-
-def _file_kind(path: Path) -> str | None:
-    """'profile' or 'plan' from the file's format line, read without parsing the whole file."""
-    from regen.errors import FormatError
-
-    if not path.exists():
-        raise FormatError(f"{path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            head = f.read(4096)
-    except UnicodeDecodeError:
-        raise FormatError(f"{path}: not a text file") from None
-    for line in head.splitlines():
-        if line.startswith("format:"):
-            value = line.split(":", 1)[1].strip().strip("'\"")
-            if value.startswith("regen-profile/"):
-                return "profile"
-            if value.startswith("regen-plan/"):
-                return "plan"
-    return None
+    if args.plot:
+        plot_timeline(document, args.plot)
+        _print_progress(f"wrote {args.plot}")
+    print(json.dumps(plan_summary_json(document)) if args.json else plan_summary(document))
+    return 0
 
 
 # ---- demo --------------------------------------------------------------------------------------

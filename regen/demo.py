@@ -64,7 +64,8 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     from regen.errors import InfeasibleCapError
     from regen.formats import save_plan, save_profile
     from regen.measure import measure_memory
-    from regen.planner import plot_timeline, solve
+    from regen.planner import solve
+    from regen.show import plot_timeline
     from regen.profiler import profile_workload
     from regen.runtime import apply
     from regen.workloads import build_workload, load_config, training_step

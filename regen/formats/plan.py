@@ -134,8 +134,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     """Read a plan file; malformed files and unknown versions raise FormatError."""
-    doc = load_document(path, "plan", PLAN_VERSIONS)
-    where = str(path)
+    return plan_from_document(load_document(path, "plan", PLAN_VERSIONS), str(path))
+
+
+def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
+    """The Plan of a parsed document whose format was checked (load_document)."""
     try:
         decisions = [build_dataclass(Decision, d, f"{where}: decisions[{i}]")
                      for i, d in enumerate(require(doc, "decisions", where))]

@@ -216,8 +216,11 @@ def save_profile(profile: Profile, path: str | Path) -> None:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile file; malformed files and unknown versions raise FormatError."""
-    doc = load_document(path, "profile", PROFILE_VERSIONS)
-    where = str(path)
+    return profile_from_document(load_document(path, "profile", PROFILE_VERSIONS), str(path))
+
+
+def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
+    """The Profile of a parsed document whose format was checked (load_document)."""
     try:
         ops = [build_dataclass(OpRecord, o, f"{where}: ops[{i}]") for i, o in enumerate(require(doc, "ops", where))]
         tensors = [build_dataclass(TensorRecord, t, f"{where}: tensors[{i}]")

@@ -34,8 +34,8 @@ def dump_document(document: dict[str, Any], path: str | Path) -> None:
     tmp.replace(path)
 
 
-def load_document(path: str | Path, kind: str, supported_versions: tuple[int, ...]) -> dict[str, Any]:
-    """Read a YAML document of `kind` ("profile" or "plan") and check its format version."""
+def read_document(path: str | Path, kind: str = "file") -> dict[str, Any]:
+    """Parse the YAML document at `path`: a mapping with a `format` key, whatever its kind."""
     path = Path(path)
     if not path.exists():
         raise FormatError(f"{path}: no such file")
@@ -49,6 +49,20 @@ def load_document(path: str | Path, kind: str, supported_versions: tuple[int, ..
         raise FormatError(f"{path}: not a text file") from None
     if not isinstance(document, dict) or "format" not in document:
         raise FormatError(f"{path}: not a regen {kind} (no 'format' key at the top)")
+    return document
+
+
+def document_kind(document: dict[str, Any]) -> str | None:
+    """'profile' or 'plan' from a document's `format` (`regen-<kind>/<version>`), None for anything else."""
+    fmt = str(document.get("format", ""))
+    for kind in ("profile", "plan"):
+        if fmt.startswith(f"regen-{kind}/"):
+            return kind
+    return None
+
+
+def check_format(document: dict[str, Any], path: str | Path, kind: str, supported_versions: tuple[int, ...]) -> None:
+    """A FormatError unless `document` is a `kind` ("profile" or "plan") of a supported version."""
     fmt = str(document["format"])
     prefix = f"regen-{kind}/"
     if not fmt.startswith(prefix):
@@ -63,6 +77,12 @@ def load_document(path: str | Path, kind: str, supported_versions: tuple[int, ..
             f"{path}: format '{fmt}' is not supported by this regen (it reads {known}); "
             f"regenerate the file with this version of regen or upgrade regen"
         )
+
+
+def load_document(path: str | Path, kind: str, supported_versions: tuple[int, ...]) -> dict[str, Any]:
+    """Read a YAML document of `kind` ("profile" or "plan") and check its format version."""
+    document = read_document(path, kind)
+    check_format(document, path, kind, supported_versions)
     return document
 
 

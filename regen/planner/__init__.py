@@ -2,12 +2,10 @@
 
 Modules: graph (candidates, lifetimes, windows, recipes), milp (regen's MILP on HiGHS), str_milp
 (STR's formulation, for comparison), heuristics (keep-all, chen, greedy warm start), simulator (the
-judge of every plan), solve (strategy dispatch, caps, the Plan), graph_json (node-link JSON input),
-synthetic (profiles for tests and benchmarks), summary (`regen show PLAN`).
+judge of every plan), solve (strategy dispatch, the Plan). It reads a `regen.formats.Profile` (from
+the profiler, or from regen.graphs) and returns a `regen.formats.Plan`.
 """
 
-from regen.planner.solve import STRATEGIES, load_solver_input, parse_memory_cap, solve
-from regen.planner.summary import plan_summary, plan_summary_json, plot_timeline
+from regen.planner.solve import STRATEGIES, solve
 
-__all__ = ["STRATEGIES", "load_solver_input", "parse_memory_cap", "solve", "plan_summary", "plan_summary_json",
-           "plot_timeline"]
+__all__ = ["STRATEGIES", "solve"]

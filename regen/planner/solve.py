@@ -11,15 +11,13 @@ is an InfeasibleCapError naming the strategy's own peak.
 
 from __future__ import annotations
 
-import re
 import time
-from pathlib import Path
 from typing import Callable
 
-from regen.errors import FormatError, InfeasibleCapError, RegenError, SolverError
+from regen.errors import InfeasibleCapError, RegenError, SolverError
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
                                 SolverReport)
-from regen.formats.profile import Profile, load_profile
+from regen.formats.profile import Profile
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph, build_graph
 from regen.planner.milp import (DEFAULT_REL_GAP, MilpOptions, MilpResult, Model, _Infeasible, highs_available,
@@ -40,63 +38,7 @@ FINAL_CHECK_TIME_FRACTION = 0.05  # ... kept back from the block sweeps for the 
 FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
 NO_BOUND_BLOCK_TIME_FRACTION = 0.5  # of the time left, for the sweeps when the LP was too slow for a bound
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_CAP_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")
-
 Progress = Callable[[str], None] | None
-
-
-# ---- inputs ------------------------------------------------------------------------------------
-
-
-def parse_memory_cap(text: str, baseline_peak_bytes: int) -> int:
-    """'6GiB', '512MB', '1.5e9' (bytes), '60%' (of the unplanned peak) -> bytes."""
-    m = _CAP_RE.match(str(text))
-    if not m:
-        raise RegenError(f"--memory-cap '{text}': expected a number with a unit (6GiB, 512MB, 1.5e9) "
-                         f"or a percentage of the unplanned peak (60%)")
-    value, unit = float(m.group(1)), m.group(2)
-    if unit == "%":
-        if not 0 < value:
-            raise RegenError(f"--memory-cap '{text}': a percentage must be positive")
-        return int(baseline_peak_bytes * value / 100.0)
-    factor = _UNITS.get(unit.lower())
-    if factor is None:
-        known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %"
-        raise RegenError(f"--memory-cap '{text}': unknown unit '{unit}' (use {known})")
-    cap = int(value * factor)
-    if cap <= 0:
-        raise RegenError(f"--memory-cap '{text}': the cap must be positive")
-    return cap
-
-
-def load_solver_input(path, bandwidth_gb_s: float | None = None) -> Profile:
-    """A profile YAML, or a networkx node-link JSON graph turned into a synthetic profile."""
-    path = Path(path)
-    if bandwidth_gb_s is not None and not bandwidth_gb_s > 0:
-        raise RegenError(f"--bandwidth {bandwidth_gb_s}: must be a positive number of GB/s")
-    if not path.exists():
-        raise FormatError(f"{path}: no such file")
-    if path.suffix.lower() == ".json" or _starts_with_brace(path):
-        from regen.planner.graph_json import load_node_link
-
-        return load_node_link(path, bandwidth_gb_s)
-    profile = load_profile(path)
-    if bandwidth_gb_s is not None:
-        profile.device.d2h_bytes_per_s = profile.device.h2d_bytes_per_s = bandwidth_gb_s * BYTES_PER_GB
-    return profile
-
-
-def _starts_with_brace(path: Path) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read(64).lstrip().startswith("{")
-    except (UnicodeDecodeError, OSError):
-        return False
 
 
 # ---- solve -------------------------------------------------------------------------------------

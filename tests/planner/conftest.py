@@ -2,7 +2,7 @@
 
 import pytest
 
-from regen.planner.synthetic import chain_profile, transformer_profile
+from regen.graphs.synthetic import chain_profile, transformer_profile
 
 
 @pytest.fixture(scope="session")

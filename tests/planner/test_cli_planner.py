@@ -2,13 +2,12 @@
 
 import json
 
-import networkx as nx
 import pytest
 
 from regen.cli import main
 from regen.errors import InfeasibleCapError, SolverError
 from regen.formats import load_plan, save_profile
-from regen.planner.synthetic import chain_profile
+from regen.graphs.synthetic import chain_profile
 
 
 @pytest.fixture
@@ -43,28 +42,6 @@ def test_solve_then_show_text_json_and_plot(profile_path, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_node_link_json_graph_solves(tmp_path, capsys):
-    g = nx.DiGraph()
-    n = 6
-    for i in range(n):
-        g.add_node(i, cost_cpu=1e-3, cost_ram=(i + 1) * 10**6, backward=False)
-        g.add_node(n + i, cost_cpu=2e-3, cost_ram=10**6, backward=True)
-    for i in range(n - 1):
-        g.add_edge(i, i + 1)
-        g.add_edge(n + i, n + i + 1)
-    g.add_edge(n - 1, n)
-    for i in range(n):
-        g.add_edge(n - 1 - i, n + i)
-    graph_path = tmp_path / "graph.json"
-    graph_path.write_text(json.dumps(nx.node_link_data(g, edges="links")))
-    plan_path = tmp_path / "graph.plan.yaml"
-    assert main(["solve", str(graph_path), "--memory-cap", "70%", "--bandwidth", "2", "-o", str(plan_path), "-q"]) == 0
-    plan = load_plan(plan_path)
-    assert plan.d2h_bytes_per_s == 2e9
-    assert len(plan.decisions) == n and plan.action_counts()["keep"] < n
-    assert plan.simulated.peak_bytes <= plan.memory_cap_bytes
-
-
 @pytest.mark.parametrize("content,match", [
     ("format: regen-profile/7\n", "not supported by this regen"),
     ("format: regen-profile/1\nops: [\n", "not valid YAML"),
@@ -76,13 +53,6 @@ def test_bad_profiles_are_one_line_errors(tmp_path, capsys, content, match):
     code = main(["solve", str(bad), "--memory-cap", "1GiB", "-o", str(tmp_path / "p.yaml")])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error:") and match in err and "Traceback" not in err
-
-
-def test_bad_graph_json_is_a_clear_error(tmp_path, capsys):
-    bad = tmp_path / "g.json"
-    bad.write_text(json.dumps({"directed": True, "nodes": [{"id": 0, "cost_cpu": 1}], "links": []}))
-    assert main(["solve", str(bad), "--memory-cap", "1GiB", "-o", str(tmp_path / "p.yaml")]) != 0
-    assert "has no 'cost_ram'" in capsys.readouterr().err
 
 
 def test_unknown_cap_unit(profile_path, tmp_path, capsys):

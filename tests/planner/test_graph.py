@@ -2,7 +2,8 @@
 
 from regen.formats.profile import KIND_INPUT
 from regen.planner.graph import MAX_WINDOW_STEPS, build_graph
-from regen.planner.synthetic import ProfileBuilder, chain_profile
+from regen.graphs.builder import ProfileBuilder
+from regen.graphs.synthetic import chain_profile
 
 
 def test_lifetimes_and_gaps_follow_the_profile():

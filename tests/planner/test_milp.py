@@ -14,7 +14,7 @@ from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
 from regen.planner.milp import DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, solve_model
 from regen.planner.simulator import simulate
-from regen.planner.synthetic import chain_profile
+from regen.graphs.synthetic import chain_profile
 
 EXACT_GAP = 1e-9
 

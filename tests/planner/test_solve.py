@@ -3,11 +3,12 @@
 import pytest
 
 from regen.errors import InfeasibleCapError, RegenError
-from regen.planner import parse_memory_cap, solve
+from regen.planner import solve
+from regen.units import parse_memory_cap
 from regen.planner.graph import build_graph
 from regen.planner.milp import DEFAULT_REL_GAP
 from regen.planner.simulator import choices_from_plan, simulate
-from regen.planner.synthetic import chain_profile
+from regen.graphs.synthetic import chain_profile
 
 AGREEMENT = 0.05  # MILP prediction vs simulator
 SOLVER_GAP = DEFAULT_REL_GAP  # strategies are compared up to the solver's stopping gap
@@ -139,7 +140,7 @@ def test_real_gpt_profile_solves_within_cap(real_gpt_profile):
 
 def test_str_strategy_on_a_small_graph_and_coarsening():
     from regen.planner.str_milp import STR_TARGET_NODES, coarsen
-    from regen.planner.synthetic import transformer_profile
+    from regen.graphs.synthetic import transformer_profile
 
     profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
     cap = int(profile.peak_bytes * 0.85)
@@ -157,7 +158,7 @@ def test_str_strategy_on_a_small_graph_and_coarsening():
 def test_str_in_stage_peak_keeps_its_plan_within_the_cap():
     """STR's published model counts memory per stage only; with the in-stage peak its plan meets the cap."""
     from regen.planner.str_milp import solve_str
-    from regen.planner.synthetic import transformer_profile
+    from regen.graphs.synthetic import transformer_profile
 
     profile = transformer_profile(n_layers=1, batch=4, seq=256, d_model=256, n_head=4)
     graph = build_graph(profile)

@@ -10,7 +10,7 @@ import pytest
 
 from regen.cli import main
 from regen.formats import load_profile, save_profile
-from regen.profiler import profile_summary, profile_summary_json
+from regen.show import profile_summary, profile_summary_json
 
 JSON_KEYS = {"ops", "saved_tensors", "candidate_bytes", "peak_bytes", "step_time_s", "device"}
 LOAD_BOUND_S = 3.0  # about a second measured (C loader); the pure-Python loader is ~3x slower and fails this

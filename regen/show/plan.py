@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from regen.errors import RegenError
-from regen.units import BYTES_PER_GB, BYTES_PER_GIB, format_bytes
+from regen.units import BYTES_PER_GB, BYTES_PER_GIB, format_bytes, format_duration
 from regen.formats.plan import ACTION_RECOMPUTE, ACTIONS, Plan
 
 PLOT_DPI = 120
@@ -17,16 +17,21 @@ def _ratio(a: float, b: float) -> str:
 def plan_summary(plan: Plan) -> str:
     counts, nbytes = plan.action_counts(), plan.action_bytes()
     s = plan.solver
+    time_unit = plan.workload.get("time_unit")
+
+    def duration(seconds: float) -> str:
+        return format_duration(seconds, time_unit)
+
     lines = [
         f"regen plan ({plan.format}) for {plan.workload.get('name', '?')}: strategy {plan.strategy}",
         f"  memory cap        {format_bytes(plan.memory_cap_bytes)} "
         f"({_ratio(plan.memory_cap_bytes, plan.baseline.peak_bytes)} of the unplanned peak)",
         f"  peak memory       unplanned {format_bytes(plan.baseline.peak_bytes)}, predicted "
         f"{format_bytes(plan.predicted.peak_bytes)}, simulated {format_bytes(plan.simulated.peak_bytes)}",
-        f"  step time         unplanned {plan.baseline.step_time_s * 1e3:.3f} ms, predicted "
-        f"{plan.predicted.step_time_s * 1e3:.3f} ms "
+        f"  step time         unplanned {duration(plan.baseline.step_time_s)}, predicted "
+        f"{duration(plan.predicted.step_time_s)} "
         f"(+{_ratio(plan.predicted.step_time_s - plan.baseline.step_time_s, plan.baseline.step_time_s)}), "
-        f"simulated {plan.simulated.step_time_s * 1e3:.3f} ms",
+        f"simulated {duration(plan.simulated.step_time_s)}",
         "  actions:",
     ]
     rebuilt = plan.rebuilt_count()
@@ -57,6 +62,7 @@ def plan_summary_json(plan: Plan) -> dict:
         "simulated_step_time_s": plan.simulated.step_time_s,
         "baseline_peak_bytes": plan.baseline.peak_bytes,
         "baseline_step_time_s": plan.baseline.step_time_s,
+        "time_unit": plan.workload.get("time_unit", "s"),
         "solver": plan.solver.name,
         "status": plan.solver.status,
         "solve_time_s": plan.solver.solve_time_s,

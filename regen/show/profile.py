@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from regen.formats.profile import Profile, SavedTensor
-from regen.units import BYTES_PER_GB, format_bytes
+from regen.units import BYTES_PER_GB, format_bytes, format_duration
 
 LARGEST_SHOWN = 10  # saved tensors listed in the text summary and the JSON object
-MS_PER_S = 1e3
 
 
 def _largest(profile: Profile) -> list[SavedTensor]:
@@ -31,6 +30,10 @@ def profile_summary(profile: Profile) -> str:
     dev = profile.device
     excluded = _excluded_counts(profile)
     excl = ", ".join(f"{n} {reason}" for reason, n in sorted(excluded.items())) or "none"
+
+    def duration(seconds: float) -> str:
+        return format_duration(seconds, w.get("time_unit"))
+
     lines = [
         f"profile {profile.format}: workload {w.get('name')} (batch size {w.get('batch_size')}, "
         f"args {w.get('args') or {}})",
@@ -39,9 +42,9 @@ def profile_summary(profile: Profile) -> str:
         f"[{dev.bandwidth_method}]",
         f"ops: {len(profile.ops)} ({num_fw} forward, {len(profile.ops) - num_fw} backward); "
         f"fingerprint {profile.fingerprint}",
-        f"step time: {profile.step_time_s * MS_PER_S:.2f} ms forward+backward (median of {profile.repeats}; "
-        f"sum of op times {sum(op.time_s for op in profile.ops) * MS_PER_S:.2f} ms), "
-        f"optimizer step {profile.optimizer_step_time_s * MS_PER_S:.2f} ms",
+        f"step time: {duration(profile.step_time_s)} forward+backward (median of {profile.repeats}; "
+        f"sum of op times {duration(sum(op.time_s for op in profile.ops))}), "
+        f"optimizer step {duration(profile.optimizer_step_time_s)}",
         f"saved tensors: {len(profile.saved_tensors)} candidates, {format_bytes(profile.candidate_bytes)} "
         f"({sum(1 for s in profile.saved_tensors if s.is_random)} random, "
         f"{sum(1 for s in profile.saved_tensors if s.is_inplace)} in-place); "

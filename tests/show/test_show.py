@@ -1,0 +1,46 @@
+"""`regen show`: one parse of the file, and no solver or graph library imported to show a plan."""
+
+import subprocess
+import sys
+
+import pytest
+
+from regen.cli import main
+from regen.errors import FormatError
+from regen.formats import Plan, Profile, load_profile_or_plan, save_profile
+from regen.graphs.synthetic import chain_profile
+
+
+@pytest.fixture
+def files(tmp_path):
+    profile_path = tmp_path / "chain.profile.yaml"
+    save_profile(chain_profile(6, seed=3, copy_bytes_per_s=5e9), profile_path)
+    plan_path = tmp_path / "chain.plan.yaml"
+    assert main(["solve", str(profile_path), "--memory-cap", "75%", "-o", str(plan_path), "-q"]) == 0
+    return profile_path, plan_path
+
+
+def test_profile_or_plan_by_its_format(files, tmp_path):
+    profile_path, plan_path = files
+    assert isinstance(load_profile_or_plan(profile_path), Profile)
+    assert isinstance(load_profile_or_plan(plan_path), Plan)
+    other = tmp_path / "other.yaml"
+    other.write_text("format: regen-cache/1\n")
+    with pytest.raises(FormatError, match="neither a regen profile nor a regen plan"):
+        load_profile_or_plan(other)
+    newer = tmp_path / "newer.yaml"
+    newer.write_text("format: regen-plan/9\n")
+    with pytest.raises(FormatError, match="not supported by this regen"):
+        load_profile_or_plan(newer)
+
+
+def test_show_imports_no_solver(files):
+    """`regen show PLAN` reads the formats only: PuLP, HiGHS and networkx stay unimported."""
+    _, plan_path = files
+    code = ("import sys\nfrom regen.cli import main\n"
+            f"assert main(['show', {str(plan_path)!r}]) == 0\n"
+            "print(sorted(m for m in ('pulp', 'highspy', 'networkx') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "strategy hybrid" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
