@@ -54,7 +54,7 @@ def test_inplace_ops_are_never_replayed_and_random_ops_are_flagged():
 
 
 def test_cpu_gpt_dropout_masks_are_recomputable_and_lower_the_recompute_only_cap(real_gpt_profile):
-    from regen.planner.solve import smallest_feasible_cap
+    from regen.planner.milp.search import smallest_feasible_cap
 
     profile = real_gpt_profile
     ops = profile.ops

@@ -5,8 +5,9 @@ import pytest
 from regen.errors import InfeasibleCapError, RegenError
 from regen.planner import parse_memory_cap, solve
 from regen.planner.graph import build_graph
-from regen.planner.milp import DEFAULT_REL_GAP
-from regen.planner.simulator import choices_from_plan, simulate
+from regen.planner.export import choices_from_plan
+from regen.planner.milp.model import DEFAULT_REL_GAP
+from regen.planner.simulator import simulate
 from regen.planner.synthetic import chain_profile
 
 AGREEMENT = 0.05  # MILP prediction vs simulator
@@ -162,14 +163,13 @@ def test_str_in_stage_peak_keeps_its_plan_within_the_cap():
     profile = transformer_profile(n_layers=1, batch=4, seq=256, d_model=256, n_head=4)
     graph = build_graph(profile)
     cap = int(profile.peak_bytes * 0.85)
-    choices, _report, _obj, peak = solve_str(graph, cap, 30, lambda _m: None, [], in_stage_peak=True)
-    sim = simulate(graph, choices)
-    assert sim.valid and sim.peak_bytes == peak <= cap
-    assert choices  # the cap is below the unplanned peak: something had to go
+    result = solve_str(graph, cap, 30, lambda _m: None, in_stage_peak=True)
+    sim = simulate(graph, result.choices)
+    assert sim.valid and sim.peak_bytes == result.predicted_peak_bytes <= cap
+    assert result.choices  # the cap is below the unplanned peak: something had to go
     # the published model's plan is returned as-is when asked (the benchmark reports how far over it is)
-    published, _report, _obj, published_peak = solve_str(graph, cap, 30, lambda _m: None, [],
-                                                         in_stage_peak=False, check_cap=False)
-    assert simulate(graph, published).peak_bytes == published_peak < profile.peak_bytes
+    published = solve_str(graph, cap, 30, lambda _m: None, in_stage_peak=False, check_cap=False)
+    assert simulate(graph, published.choices).peak_bytes == published.predicted_peak_bytes < profile.peak_bytes
 
 
 def test_solve_stops_at_its_relative_gap_and_says_so(chain6):
