@@ -182,3 +182,23 @@ def test_solve_stops_at_its_relative_gap_and_says_so(chain6):
     assert exact.predicted.step_time_s <= plan.predicted.step_time_s * (1 + 1e-9)
     with pytest.raises(RegenError, match="relative gap"):
         solve(chain6, cap, "hybrid", rel_gap=1.5)
+
+
+def test_missing_highspy_is_a_one_line_error_for_the_milp_strategies(chain6, monkeypatch):
+    import builtins
+
+    from regen.errors import SolverError
+
+    real_import = builtins.__import__
+
+    def no_highspy(name, *args, **kwargs):
+        if name == "highspy":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_highspy)
+    for strategy in ("hybrid", "str"):
+        with pytest.raises(SolverError, match=r"HiGHS \(highspy\) is required"):
+            solve(chain6, int(chain6.peak_bytes * 0.75), strategy, time_limit_s=10)
+    # the heuristics need no solver
+    assert solve(chain6, chain6.peak_bytes, "keep-all", time_limit_s=10).action_counts()["keep"] == 6

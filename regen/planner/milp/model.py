@@ -89,6 +89,23 @@ class CandidateVars:
         """Copy-in started by step s."""
         return _piecewise(self.c.in_breaks, self.is_, self.swap, s)
 
+    def nonresident(self, s: int, graph: PlanningGraph) -> dict:
+        """N_t(s) as {variable: coefficient} for a step s of the gap (rec + od(s-1) - is(s), plus each
+        "rebuilt with" option until the other recipe runs)."""
+        out: dict = {}
+        for r in self.rec:
+            out[r] = out.get(r, 0) + 1
+        for ri, _, x in self.rebuilt_with:
+            if s < graph.candidates[ri].first_backward:
+                out[x] = out.get(x, 0) + 1
+        od = self.od_expr(s - 1)
+        if od is not None:
+            out[od] = out.get(od, 0) + 1
+        st = self.is_expr(s)
+        if st is not None:
+            out[st] = out.get(st, 0) - 1
+        return {k: x for k, x in out.items() if x}
+
 
 def _piecewise(breaks: list[int], binaries: dict, swap, s: int):
     if swap is None or s < breaks[0]:
@@ -332,7 +349,7 @@ class Model:
                 points.update(c.in_breaks)
             prev: dict = {}
             for s in sorted(p for p in points if f + 1 <= p <= b):
-                cur = self._nonresident(v, s) if s < b else {}
+                cur = v.nonresident(s, g) if s < b else {}
                 keys = set(cur) | set(prev)
                 delta = [(cur.get(k, 0) - prev.get(k, 0), k) for k in keys]
                 delta = [(coef * c.bytes / mu, var) for coef, var in delta if coef]
@@ -344,20 +361,3 @@ class Model:
                 if tb:
                     transients.setdefault(b, []).append((tb / mu, r))
         return changes, transients
-
-    def _nonresident(self, v: CandidateVars, s: int) -> dict:
-        """N_t(s) as {variable: coefficient} for a step s of the gap (rec + od(s-1) - is(s), plus each
-        "rebuilt with" option until the other recipe runs)."""
-        out: dict = {}
-        for r in v.rec:
-            out[r] = out.get(r, 0) + 1
-        for ri, _, x in v.rebuilt_with:
-            if s < self.graph.candidates[ri].first_backward:
-                out[x] = out.get(x, 0) + 1
-        od = v.od_expr(s - 1)
-        if od is not None:
-            out[od] = out.get(od, 0) + 1
-        st = v.is_expr(s)
-        if st is not None:
-            out[st] = out.get(st, 0) - 1
-        return {k: x for k, x in out.items() if x}
