@@ -13,7 +13,7 @@ import time
 
 from regen.errors import RegenError
 from regen.planner import solve
-from regen.planner.milp import DEFAULT_REL_GAP
+from regen.planner.milp.model import DEFAULT_REL_GAP
 from regen.graphs.synthetic import transformer_profile
 
 CANDIDATES_PER_LAYER = 15

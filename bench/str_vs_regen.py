@@ -15,8 +15,8 @@ import argparse
 import time
 
 from regen.errors import RegenError
-from regen.formats.plan import ACTION_SWAP
 from regen.planner import solve
+from regen.planner.copy_order import snap_copy_ins
 from regen.planner.graph import build_graph
 from regen.planner.simulator import simulate
 from regen.planner.str_milp import solve_str
@@ -46,14 +46,12 @@ def run_str(profile, cap, time_limit, in_stage_peak):
     t0 = time.perf_counter()
     graph = build_graph(profile)
     try:
-        choices, _report, _obj, _peak = solve_str(graph, cap, time_limit, lambda _m: None, [],
-                                                  in_stage_peak=in_stage_peak, check_cap=False)
+        choices = solve_str(graph, cap, time_limit, lambda _m: None, in_stage_peak=in_stage_peak,
+                            check_cap=False).choices
     except RegenError as exc:
         return time.perf_counter() - t0, None, None, str(exc).split(";")[0][:50]
     elapsed = time.perf_counter() - t0
-    for ch in choices.values():  # copy-ins start where the runtime issues them, as for every plan
-        if ch.action == ACTION_SWAP and ch.swap_in_step is not None:
-            ch.swap_in_step = graph.snap_copy_in(ch.swap_in_step)
+    snap_copy_ins(graph, choices)  # copy-ins start where the runtime issues them, as for every plan
     sim = simulate(graph, choices)
     step_ms = (profile.step_time_s + sim.step_time_s - graph.compute_time_s) * 1e3
     return elapsed, step_ms, sim.peak_bytes / cap, "" if sim.valid else "invalid plan"

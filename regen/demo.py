@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -58,17 +59,21 @@ def _grads_after_one_step(workload, seed: int) -> tuple[torch.Tensor, list[torch
     return loss, grads
 
 
+@dataclass
+class DemoRun:
+    """What the demo measured, for its closing table."""
+
+    grads_equal: bool
+    max_grad_diff: float
+    unplanned_time_s: float
+    planned_time_s: float
+    unplanned_peak_increase_bytes: int
+    planned_peak_increase_bytes: int
+
+
 def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
              progress: Callable[[str], None] = print) -> int:
-    from regen.units import format_bytes
-    from regen.errors import InfeasibleCapError
-    from regen.formats import save_plan, save_profile
-    from regen.measure import measure_memory
-    from regen.planner import solve
-    from regen.show import plot_timeline
-    from regen.profiler import profile_workload
-    from regen.runtime import apply
-    from regen.workloads import build_workload, load_config, training_step
+    from regen.workloads import build_workload, load_config
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,15 +84,38 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     def build():
         return build_workload(spec["workload"], batch_size=spec.get("batch_size"), args=spec.get("args"))
 
-    # 1. profile
     progress(f"[1/4] profiling one step of {spec['workload']} {spec.get('args', {})} batch {spec.get('batch_size')}")
-    workload = build()
+    profile, profile_path = _profile(build(), out, progress)
+    plan, plan_path, png_path = _solve(profile, profile_path, out, progress)
+    run = _train_side_by_side(build, plan, progress)
+    cap_bytes = plan.memory_cap_bytes
+    peak_planned = profile.memory_at_start_bytes + run.planned_peak_increase_bytes
+    within_cap = peak_planned <= cap_bytes * CAP_TOLERANCE
+    files = [("profile", str(profile_path)), ("plan", str(plan_path)),
+             ("memory timeline", str(png_path) if png_path else "(not drawn)")]
+    _print_table(spec, profile, plan, run, within_cap, files, time.perf_counter() - t0)
+    return 0 if run.grads_equal and within_cap else 1
+
+
+def _profile(workload, out: Path, progress):
+    from regen.formats import save_profile
+    from regen.profiler import profile_workload
+
     profile = profile_workload(workload, device="cpu", repeats=DEMO_PROFILE_REPEATS, warmup_steps=1,
                                progress=progress)
     profile_path = out / "demo.profile.yaml"
     save_profile(profile, profile_path)
+    return profile, profile_path
 
-    # 2. solve
+
+def _solve(profile, profile_path: Path, out: Path, progress):
+    """The hybrid plan at DEMO_CAP_FRACTION of the peak (or the smallest feasible cap), saved and plotted."""
+    from regen.errors import InfeasibleCapError
+    from regen.formats import save_plan
+    from regen.planner import solve
+    from regen.show import plot_timeline
+    from regen.units import format_bytes
+
     cap_bytes = int(profile.peak_bytes * DEMO_CAP_FRACTION)
     progress(f"[2/4] solving at {DEMO_CAP_FRACTION:.0%} of the unplanned peak ({format_bytes(cap_bytes)})")
     try:
@@ -110,8 +138,16 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
     except Exception as exc:  # the plot is a convenience; say why it is missing
         progress(f"      (no timeline plot: {exc})")
         png_path = None
+    return plan, plan_path, png_path
 
-    # 3. gradients: one step with and without the plan from the same weights and RNG seed
+
+def _train_side_by_side(build, plan, progress) -> DemoRun:
+    """Gradients of one step with and without the plan (same weights and RNG seed), then steps of both
+    interleaved (so machine noise hits both alike), then each step's peak from the allocator."""
+    from regen.measure import measure_memory
+    from regen.runtime import apply
+    from regen.workloads import training_step
+
     progress("[3/4] checking gradients against the unplanned step")
     plain = build()
     planned = build()
@@ -123,8 +159,6 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
         grads_equal = bool(torch.equal(loss_plain, loss_planned)) and all(
             torch.equal(a, b) for a, b in zip(grads_plain, grads_planned))
         max_diff = max((float((a - b).abs().max()) for a, b in zip(grads_plain, grads_planned)), default=0.0)
-
-        # 4. train both side by side (steps interleaved, so machine noise hits both alike) and measure
         progress(f"[4/4] training {DEMO_TRAIN_STEPS} steps without and with the plan, interleaved")
         optimizers = {id(w): torch.optim.AdamW(w.model.parameters(), lr=LEARNING_RATE) for w in (plain, planned)}
         times = {"unplanned": [], "planned": []}
@@ -136,18 +170,25 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
                (("unplanned", plain), ("planned", planned))}
     finally:
         handle.remove()
-    base_time = statistics.median(times["unplanned"][1:] or times["unplanned"])
-    plan_time = statistics.median(times["planned"][1:] or times["planned"])
+    return DemoRun(grads_equal=grads_equal, max_grad_diff=max_diff,
+                   unplanned_time_s=statistics.median(times["unplanned"][1:] or times["unplanned"]),
+                   planned_time_s=statistics.median(times["planned"][1:] or times["planned"]),
+                   unplanned_peak_increase_bytes=mem["unplanned"].peak_increase_bytes,
+                   planned_peak_increase_bytes=mem["planned"].peak_increase_bytes)
+
+
+def _print_table(spec, profile, plan, run: DemoRun, within_cap: bool, files, elapsed_s: float) -> None:
+    from regen.units import format_bytes
+
     # The allocator timeline sees what the step allocates; put both on the profile's absolute scale.
     start = profile.memory_at_start_bytes
-    peak_unplanned = start + mem["unplanned"].peak_increase_bytes
-    peak_planned = start + mem["planned"].peak_increase_bytes
-    within_cap = peak_planned <= cap_bytes * CAP_TOLERANCE
+    cap_bytes = plan.memory_cap_bytes
+    base_time, plan_time = run.unplanned_time_s, run.planned_time_s
     counts = plan.action_counts()
     rows = [
-        ("peak memory, unplanned (measured)", format_bytes(peak_unplanned)),
+        ("peak memory, unplanned (measured)", format_bytes(start + run.unplanned_peak_increase_bytes)),
         (f"memory cap ({cap_bytes / profile.peak_bytes:.0%} of profiled peak)", format_bytes(cap_bytes)),
-        ("peak memory, planned (measured)", f"{format_bytes(peak_planned)}  "
+        ("peak memory, planned (measured)", f"{format_bytes(start + run.planned_peak_increase_bytes)}  "
                                             f"({'within' if within_cap else 'OVER'} the cap; "
                                             f"simulator said {format_bytes(plan.simulated.peak_bytes)})"),
         ("step time, unplanned (measured)", f"{base_time * 1e3:.1f} ms"),
@@ -155,15 +196,12 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
         ("step time, planned (predicted)", f"{plan.simulated.step_time_s * 1e3:.1f} ms  "
                                            f"({plan.simulated.step_time_s / plan.baseline.step_time_s:.2f}x)"),
         ("decisions", f"keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}"),
-        ("gradients match unplanned", "yes (bitwise)" if grads_equal else f"NO (max |diff| {max_diff:.3g})"),
-        ("profile", str(profile_path)),
-        ("plan", str(plan_path)),
-        ("memory timeline", str(png_path) if png_path else "(not drawn)"),
-    ]
+        ("gradients match unplanned", "yes (bitwise)" if run.grads_equal
+         else f"NO (max |diff| {run.max_grad_diff:.3g})"),
+    ] + files
     width = max(len(k) for k, _ in rows)
     print()
-    print(f"regen demo: {spec['workload']} on CPU, {time.perf_counter() - t0:.0f} s end to end")
+    print(f"regen demo: {spec['workload']} on CPU, {elapsed_s:.0f} s end to end")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     print("  (CPU run: 'swap' copies to a host buffer counted apart from device memory)")
-    return 0 if grads_equal and within_cap else 1

@@ -1,61 +1,33 @@
 """The planning graph: a profile turned into what the planner decides over.
 
-* an op dependency graph (networkx `DiGraph`, op index -> op index through tensors) used to walk
-  recompute recipes;
 * one `Candidate` per saved tensor: bytes, producer p, last forward use f, first/last backward use
   b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
-  the recompute options (`Recipe`: forward ops back to tensors that can be resident at b);
+  the recompute options (regen.planner.recipes);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
   whatever the action, t is resident on [p, f] and [b, e]; an action only removes t's bytes from
   steps of its gap, so planned memory = unplanned memory - bytes of candidates not resident then
-  (+ recompute transients). This is the "base + resident candidates" accounting of DESIGN.md.
-
-Recipes (docs/internals.md "Recipes"): from the producer, walk back through op inputs until every
-input is available: a tensor no op produced (parameter, buffer, batch), or the producer output of
-another candidate that is alive at b (an *anchor*: inside its own backward window, or kept / swapped
-back by then, which the MILP enforces with a linear constraint). Option `depth` d walks *through* up
-to d alive candidates on any path (recomputing them as intermediates) instead of anchoring on them,
-so a candidate can be rebuilt from further back when its direct inputs are dropped too. Random ops are
-replayed with their RNG state (flagged in the plan's recipe_ops). In-place ops are replayed only on a
-*recipe-internal* storage: one whose creating op is in the recipe along with every in-place write to it
-that precedes a recipe read of it (its whole write history up to that read, replayed in forward order,
-so the replayed storage holds the same contents when it is read). CPU dropout
-(`empty_like`, `bernoulli_`, `div_`) is recomputable this way. In-place writes to any other storage
-(parameters, the batch, anchors) are never replayed.
+  (+ recompute transients): the "base + resident candidates" accounting of docs/milp.md, written
+  once in regen.planner.residency;
+* an op dependency graph (networkx `DiGraph`, op index -> op index through tensors), which STR's
+  formulation (regen.planner.str_milp) uses for the edges between its stages.
 """
 
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass, field
-from typing import Callable
 
 import networkx as nx
 
 from regen.errors import RegenError
-from regen.opinfo import reads_first_arg_metadata_only
-from regen.formats.profile import PHASE_FORWARD, Profile, SavedTensor
+from regen.formats.profile import Profile, SavedTensor
+from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes
 
-MAX_RECIPE_OPS = 32  # longer chains are not recomputable
-MAX_RECIPE_DEPTH = 2  # recipe options walk through at most this many alive candidates on a path
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
 MAX_WINDOW_STEPS = 32  # ... and at most this many: keeps the MILP O(candidates x window)
-MAX_HOSTS = 3  # recipes of other candidates a candidate may be rebuilt with (see _set_hosts)
 MAX_WINDOW_BREAKS = 6  # steps of a window where the copy's state (done / started) may change
 WINDOW_TRANSFER_FACTOR = 2.0  # a window covers this many times the tensor's own transfer time
 FALLBACK_BANDWIDTH_BYTES_PER_S = 10e9  # when a profile records no bandwidth
-
-
-@dataclass
-class Recipe:
-    """One way to rebuild a candidate at its first backward use."""
-
-    ops: list[int]  # forward op indices, execution order, ending with the producer
-    anchors: list[int]  # candidate indices (PlanningGraph.candidates) that must be resident at b
-    time_s: float
-    transient_bytes: int  # intermediates' bytes (freed once the candidate is rebuilt)
-    random_ops: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -75,8 +47,8 @@ class Candidate:
     recipes: list[Recipe] = field(default_factory=list)  # recompute options, cheapest first
     not_recomputable: str | None = None
     # recipes of other candidates that rebuild this one on the way, as (candidate index, recipe option),
-    # run at or before this one's first backward use: "rebuilt with" them, it costs no compute of its own
-    hosts: list[tuple[int, int]] = field(default_factory=list)
+    # run at or before this one's first backward use: "rebuilt with" one, it costs no compute of its own
+    rebuilt_with_options: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def id(self) -> int:
@@ -135,6 +107,11 @@ class PlanningGraph:
         return starts[k] if k >= 0 else starts[0]
 
     @property
+    def time_unit(self) -> str | None:
+        """The unit of op times when it is a graph's own (regen.graphs), None for seconds."""
+        return self.profile.workload.get("time_unit")
+
+    @property
     def num_steps(self) -> int:
         return len(self.time_s)
 
@@ -189,38 +166,9 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
         if c.trivial or c.bytes <= 0:
             continue
         _set_windows(graph, c)
-    _set_recipes(graph)
-    _set_hosts(graph)
+    add_recipes(graph)
+    add_rebuilt_with_options(graph)
     return graph
-
-
-def byproduct_recipe(graph: PlanningGraph, c: Candidate, host: int, option: int) -> Recipe:
-    """The recipe of a candidate rebuilt with `host`'s recipe `option`: the host's ops up to this
-    candidate's producer, no inputs of its own, no time and no transient of its own (the host pays)."""
-    ops = [q for q in graph.candidates[host].recipes[option].ops if q <= c.producer]
-    return Recipe(ops=ops, anchors=[], time_s=0.0, transient_bytes=0)
-
-
-def _set_hosts(graph: PlanningGraph) -> None:
-    """For every recomputable candidate, the recipes of others that replay its producer op before its
-    first backward use (a rebuilt intermediate can be kept until its own use instead of recomputed
-    twice: what a checkpointed block does for all its intermediates). At most MAX_HOSTS, the latest
-    first (the shorter the wait, the less memory the kept intermediate holds)."""
-    by_op: dict[int, list[tuple[int, int]]] = {}
-    for g in graph.candidates:
-        if not g.can_recompute or g.bytes <= 0:
-            continue
-        for k, r in enumerate(g.recipes):
-            for q in r.ops[:-1]:  # the last op is g's own producer
-                by_op.setdefault(q, []).append((g.index, k))
-    for c in graph.candidates:
-        if not c.can_recompute or c.bytes <= 0:
-            continue
-        hosts = [(g, k) for g, k in by_op.get(c.producer, ())
-                 if g != c.index and graph.candidates[g].producer != c.producer
-                 and graph.candidates[g].first_backward <= c.first_backward]
-        hosts.sort(key=lambda h: (-graph.candidates[h[0]].first_backward, graph.candidates[h[0]].recipes[h[1]].time_s))
-        c.hosts = hosts[:MAX_HOSTS]
 
 
 def _op_graph(profile: Profile) -> nx.DiGraph:
@@ -291,189 +239,3 @@ def _breaks(window: list[int]) -> list[int]:
     step = (len(window) - 1) / (MAX_WINDOW_BREAKS - 1)
     picks = sorted({window[round(k * step)] for k in range(MAX_WINDOW_BREAKS)})
     return picks
-
-
-# ---- recipes -----------------------------------------------------------------------------------
-
-
-@dataclass
-class _RecipeContext:
-    graph: PlanningGraph
-    tensors: dict
-    cand_by_tensor: dict[int, Candidate]
-    # storage -> the ops (any phase, increasing) that wrote it in place
-    inplace_writers: dict[int, list[int]] = field(default_factory=dict)
-    # storage -> the op that created it: the first op with a non-view, non-in-place output over it that
-    # read no tensor of that storage (absent for parameters, buffers, the batch)
-    creator: dict[int, int] = field(default_factory=dict)
-
-
-def _set_recipes(graph: PlanningGraph) -> None:
-    ctx = recipe_context(graph)
-    for c in graph.candidates:
-        if c.trivial or c.bytes <= 0:
-            continue
-        options: list[Recipe] = []
-        reason = None
-        for depth in range(MAX_RECIPE_DEPTH + 1):
-            recipe, why = build_recipe(ctx, c, lambda a, d=depth: d)
-            if recipe is None:
-                reason = reason or why
-                break
-            if not any(r.ops == recipe.ops for r in options):
-                options.append(recipe)
-            if not recipe.anchors:
-                break  # nothing left to walk through
-        c.recipes = options
-        c.not_recomputable = None if options else reason
-
-
-def recipe_context(graph: PlanningGraph) -> _RecipeContext:
-    """What recipe walks look up: tensors by id, candidates by tensor, in-place writers and creators."""
-    profile = graph.profile
-    tensors = profile.tensor_by_id()
-    cand_by_tensor = {c.saved.tensor: c for c in graph.candidates}
-    inplace_writers: dict[int, list[int]] = {}
-    creator: dict[int, int] = {}
-    for op in profile.ops:
-        if op.is_view:
-            continue
-        out_storages = {tensors[o].storage for o in op.outputs if o in tensors and tensors[o].storage_bytes}
-        if op.is_inplace:
-            for st in sorted(out_storages):
-                inplace_writers.setdefault(st, []).append(op.index)
-            continue
-        in_storages = {tensors[x].storage for x in op.inputs if x in tensors}
-        for st in out_storages - in_storages:
-            creator.setdefault(st, op.index)
-    return _RecipeContext(graph, tensors, cand_by_tensor, inplace_writers, creator)
-
-
-def build_recipe(ctx: _RecipeContext, target: Candidate,
-                 walk_budget: Callable[[Candidate], int] | None = None,
-                 is_anchor: Callable[[Candidate], bool] | None = None) -> tuple[Recipe | None, str | None]:
-    """The recipe that rebuilds `target` at its first backward use.
-
-    An alive candidate met on the way is an anchor unless the walk may go through it: with
-    `walk_budget(target)` = d, up to d alive candidates per path are walked through; with
-    `is_anchor`, exactly the candidates it accepts (and that are alive at b) are anchors.
-    Returns (None, reason) when the target cannot be recomputed.
-    """
-    graph = ctx.graph
-    ops = graph.profile.ops
-    b = target.first_backward
-    if ops[target.producer].phase != PHASE_FORWARD:
-        return None, "its producer is not a forward op"
-    later = [w for w in ctx.inplace_writers.get(target.saved.storage, []) if w > target.producer]
-    if later:
-        return None, f"op {later[0]} ({ops[later[0]].name}) writes its storage in place after its producer"
-    budget0 = walk_budget(target) if walk_budget else 0
-    recipe_ops: set[int] = set()
-    anchors: set[int] = set()
-
-    def written_storages(q: int) -> set[int]:
-        op = ops[q]
-        if not op.is_inplace:
-            return set()
-        return {ctx.tensors[o].storage for o in op.outputs if o in ctx.tensors}
-
-    def visit_history(storage: int, before: int, budget: int) -> str | None:
-        """Put the creating op and every in-place write before op `before` of a storage into the recipe,
-        so the replay rebuilds its contents as op `before` saw them in forward."""
-        writers = ctx.inplace_writers.get(storage)
-        if not writers:
-            return None
-        first = ctx.creator.get(storage)
-        if first is None or first > writers[0]:
-            return (f"op {writers[0]} ({ops[writers[0]].name}) is in-place on a storage no recipe op creates "
-                    f"(a parameter, the batch, or a tensor made outside the step)")
-        for w in [first] + [w for w in writers if w < before]:
-            why = visit_op(w, budget)
-            if why:
-                return why
-        return None
-
-    def visit_op(q: int, budget: int) -> str | None:
-        if q in recipe_ops:
-            return None
-        op = ops[q]
-        if op.phase != PHASE_FORWARD:
-            return f"op {q} ({op.name}) is not a forward op"
-        recipe_ops.add(q)
-        if len(recipe_ops) > MAX_RECIPE_OPS:
-            return f"its recipe is longer than {MAX_RECIPE_OPS} ops"
-        for st in written_storages(q):  # in-place: the storage's earlier history is replayed first
-            why = visit_history(st, q, budget)
-            if why:
-                return why
-        inputs = op.inputs[1:] if reads_first_arg_metadata_only(op.name) else op.inputs  # empty_like(x)
-        for x in inputs:
-            why = visit_tensor(x, q, budget)
-            if why:
-                return why
-        return None
-
-    def visit_tensor(x: int, reader: int, budget: int) -> str | None:
-        rec = ctx.tensors.get(x)
-        if rec is None or rec.producer_op is None:
-            if rec is not None and rec.storage in ctx.inplace_writers:
-                return f"input tensor {x} is modified in place"
-            return None  # parameter, buffer or batch: captured by reference
-        overwritten = rec.storage in written_storages(reader)  # the reader writes it: rebuild, never anchor
-        cand = ctx.cand_by_tensor.get(x)
-        if cand is not None and cand is not target and cand.bytes > 0 and not overwritten:
-            alive = cand.last_backward is not None and cand.last_backward >= b
-            if alive:
-                anchor = is_anchor(cand) if is_anchor else budget <= 0
-                if anchor:
-                    anchors.add(cand.index)
-                    return None
-                budget -= 1
-        why = visit_history(rec.storage, reader, budget)
-        if why:
-            return why
-        return visit_op(rec.producer_op, budget)
-
-    why = visit_op(target.producer, budget0)
-    if why:
-        return None, why
-    order = sorted(recipe_ops)
-    return Recipe(ops=order, anchors=sorted(anchors), time_s=float(sum(graph.time_s[q] for q in order)),
-                  transient_bytes=recipe_transient_bytes(graph.profile, ctx.tensors, order, target.saved.storage),
-                  random_ops=[q for q in order if ops[q].is_random]), None
-
-
-def recipe_transient_bytes(profile: Profile, tensors: dict, order: list[int], target_storage: int) -> int:
-    """Peak bytes of a recipe's intermediates while it replays (the target itself excluded).
-
-    Contract with the runtime: a replay frees each intermediate after its last use inside the recipe
-    (they are locals of the replay), so the transient is the peak of the live intermediates, not
-    their sum.
-    """
-    ops = profile.ops
-    last_read: dict[int, int] = {}
-    for pos, q in enumerate(order):
-        for x in ops[q].inputs:
-            rec = tensors.get(x)
-            if rec is not None:
-                last_read[rec.storage] = pos
-    live: dict[int, int] = {}
-    peak = 0
-    for pos, q in enumerate(order):
-        if not ops[q].is_view:
-            for o in ops[q].outputs:
-                rec = tensors.get(o)
-                if rec is not None and rec.storage != target_storage:
-                    live[rec.storage] = rec.storage_bytes
-        peak = max(peak, sum(live.values()))
-        for st in [st for st in live if last_read.get(st, -1) <= pos]:
-            del live[st]
-    return int(peak)
-
-
-def anchor_resident_without_plan(anchor: Candidate, step: int) -> bool:
-    """The anchor is resident at `step` whatever its action (trivial, or inside [b, e])."""
-    if anchor.trivial:
-        return anchor.producer <= step <= (anchor.last_backward if anchor.last_backward is not None
-                                           else anchor.last_forward)
-    return anchor.first_backward <= step <= anchor.last_backward

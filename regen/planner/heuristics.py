@@ -1,11 +1,10 @@
-"""Heuristic plans: keep-all, Chen's sqrt(n) checkpointing, and the greedy plan that warm-starts the MILP.
+"""Heuristic plans: Chen's sqrt(n) checkpointing, and the greedy plan that warm-starts the MILP.
 
-* `keep_all`: the unplanned step (every candidate kept).
 * `chen`: sqrt(n) checkpointing (Chen et al. 2016) over the forward candidates: every ceil(sqrt(n))-th
   candidate is a checkpoint and kept, every other one is recomputed from the checkpoints (its recipe
-  walks through the dropped candidates back to kept ones). regen's runtime rebuilds each candidate
-  with its own recipe at its first backward use (no segment cache), so a segment of k candidates
-  costs up to k(k+1)/2 op replays rather than Chen's one: a comparison point, not a competitor.
+  walks through the dropped candidates back to kept ones). Every dropped candidate gets a recipe of
+  its own (none is rebuilt with another's), so a segment of k candidates costs up to k(k+1)/2 op
+  replays rather than Chen's one: a comparison point, not a competitor.
 * `greedy`: simulator-driven: while the simulated peak is over the cap, take candidates not resident
   at the worst step by cheapest cost per byte (recompute time, or a swap's estimated exposed
   transfer), checking recipe inputs stay resident. Its plans are simulator-feasible by construction.
@@ -15,17 +14,16 @@ from __future__ import annotations
 
 import math
 
-from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
-from regen.planner.graph import Candidate, PlanningGraph, anchor_resident_without_plan, build_recipe, recipe_context
-from regen.planner.simulator import Choice, simulate
+from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.graph import Candidate, PlanningGraph
+from regen.planner.recipes import build_recipe, recipe_context
+from regen.planner.residency import inputs_kept, inputs_to_hold
+from regen.planner.result import Choice
+from regen.planner.simulator import simulate
 
 MAX_GREEDY_ROUNDS = 400
 SWAP_TRAFFIC_WEIGHT = 0.05  # fraction of a swap's transfer time counted even when it hides behind compute
 CHEN_MAX_PASSES = 4
-
-
-def keep_all(graph: PlanningGraph) -> dict[int, Choice]:
-    return {}
 
 
 def chen(graph: PlanningGraph) -> dict[int, Choice]:
@@ -44,7 +42,7 @@ def chen(graph: PlanningGraph) -> dict[int, Choice]:
             if c.index not in dropped:
                 continue
             recipe, _why = build_recipe(ctx, c, is_anchor=lambda a: a.index not in dropped)
-            if recipe is None or any(not _resident_for(graph, a, c.first_backward, dropped) for a in recipe.anchors):
+            if recipe is None or not inputs_kept(graph, recipe, c.first_backward, dropped):
                 failed.add(c.index)
             else:
                 choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=recipe)
@@ -52,11 +50,6 @@ def chen(graph: PlanningGraph) -> dict[int, Choice]:
             break
         dropped -= failed
     return choices
-
-
-def _resident_for(graph: PlanningGraph, a_idx: int, step: int, dropped: set[int]) -> bool:
-    a = graph.candidates[a_idx]
-    return anchor_resident_without_plan(a, step) or a_idx not in dropped
 
 
 def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_recompute: bool = True,
@@ -72,12 +65,11 @@ def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_
         sim = simulate(graph, choices)
         if sim.valid and sim.peak_bytes < best[0]:
             best = (sim.peak_bytes, dict(choices))
-        if sim.peak_bytes <= cap_bytes and sim.valid:
+        if sim.fits(cap_bytes):
             return choices
         if not sim.valid:
             break
-        worst, step = max((max(p, a), s) for s, (p, a) in
-                          enumerate(zip(sim.peak_timeline_bytes, sim.timeline_bytes)))
+        worst, step = max((sim.step_bytes(s), s) for s in range(graph.num_steps))
         excess = worst - cap_bytes
         options = []
         for c in graph.candidates:
@@ -96,14 +88,11 @@ def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_
         for _score, c, choice in options:
             if c.index in locked:
                 continue  # became a recipe input of a candidate taken this round
-            if choice.recipe is not None and any(a in choices for a in choice.recipe.anchors
-                                                 if not anchor_resident_without_plan(graph.candidates[a],
-                                                                                     c.first_backward)):
+            if choice.recipe is not None and not inputs_kept(graph, choice.recipe, c.first_backward, choices):
                 continue  # one of its recipe inputs was taken this round
             choices[c.index] = choice
             if choice.recipe is not None:
-                locked.update(a for a in choice.recipe.anchors
-                              if not anchor_resident_without_plan(graph.candidates[a], c.first_backward))
+                locked.update(inputs_to_hold(graph, choice.recipe, c.first_backward))
             freed += c.bytes
             if freed >= excess:
                 break
@@ -115,8 +104,7 @@ def _best_option(graph: PlanningGraph, c: Candidate, step: int, choices: dict[in
     best = None
     if allow_recompute:
         for recipe in c.recipes:
-            if all(anchor_resident_without_plan(graph.candidates[a], c.first_backward)
-                   or choices.get(a, Choice()).action == ACTION_KEEP for a in recipe.anchors):
+            if inputs_kept(graph, recipe, c.first_backward, choices):
                 best = (recipe.time_s, Choice(ACTION_RECOMPUTE, recipe=recipe))
                 break
     if allow_swap and c.can_swap and c.out_window[-1] < step < c.in_window[0]:

@@ -1,6 +1,6 @@
 """The simulator: replays a plan over its profile and reports peak memory, step time and the timeline.
 
-Three timelines, as the runtime runs them:
+Three timelines, as the runtime runs them (the timing pass):
 * the compute stream runs the profiled ops in order; before op s it runs the recipes of candidates
   recomputed there (`recompute_before_op`), and waits for the copy-ins of tensors op s reads (and of
   recipe inputs that are swapped) to finish;
@@ -10,11 +10,11 @@ Three timelines, as the runtime runs them:
 * a host-to-device copy stream (FIFO): the copy-in is issued when op `swap_in_before_op` is about to
   start; its device buffer is allocated then.
 
-Memory is the unplanned timeline minus the bytes of candidates that are not resident, plus recipe
-transients while a recipe runs. A candidate counts as resident during op s unless it was already
-gone for the whole of it (conservative: a copy-out that completes mid-op frees memory after the op).
-The simulator is the judge of every strategy: `solve` refuses to write a plan whose simulated peak
-is over the cap.
+The memory pass: the unplanned timeline minus the bytes of candidates that are not resident, plus
+recipe transients while a recipe runs (regen.planner.residency). A candidate counts as resident during
+op s unless it was already gone for the whole of it (conservative: a copy-out that completes mid-op
+frees memory after the op). The simulator is the judge of every strategy: `solve` refuses to write a
+plan whose simulated peak is over the cap, or that is inconsistent (`errors`).
 """
 
 from __future__ import annotations
@@ -22,22 +22,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from regen.errors import RegenError
-from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Plan
-from regen.planner.graph import (Candidate, PlanningGraph, Recipe, anchor_resident_without_plan,
-                                 recipe_transient_bytes)
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.graph import Candidate, PlanningGraph
+from regen.planner.residency import resident_without_plan
+from regen.planner.result import Choice
 
 TIME_EPS_S = 1e-12  # a copy that ends within this of an op boundary counts as done by it
-
-
-@dataclass
-class Choice:
-    """What to do with one candidate (internal form of a plan Decision)."""
-
-    action: str = ACTION_KEEP
-    recipe: Recipe | None = None
-    swap_in_step: int | None = None  # the copy-in starts before this op
-    rebuilt_with: int | None = None  # recompute: rebuilt by this candidate's recipe (graph.Candidate.hosts)
 
 
 @dataclass
@@ -46,105 +36,137 @@ class SimulationResult:
     step_time_s: float
     timeline_bytes: list[int]  # planned memory after each op
     peak_timeline_bytes: list[int]  # planned peak inside each op
-    op_start_s: list[float]
-    op_end_s: list[float]
-    stall_s: float  # compute time spent waiting for copy-ins
-    recompute_s: float
     errors: list[str] = field(default_factory=list)  # plan inconsistencies (recipe input not resident...)
 
     @property
     def valid(self) -> bool:
         return not self.errors
 
+    def fits(self, cap_bytes: int) -> bool:
+        """A consistent plan whose simulated peak is within `cap_bytes`."""
+        return self.valid and self.peak_bytes <= cap_bytes
+
+    def step_bytes(self, step: int) -> int:
+        """Planned memory of `step`: the peak inside the op or the memory after it."""
+        return max(self.peak_timeline_bytes[step], self.timeline_bytes[step])
+
+
+@dataclass
+class _Events:
+    """The plan's choices sorted by the step where the runtime acts on them."""
+
+    swap_out_at: dict[int, list[Candidate]] = field(default_factory=dict)
+    swap_in_at: dict[int, list[Candidate]] = field(default_factory=dict)
+    recompute_at: dict[int, list[Candidate]] = field(default_factory=dict)
+    reads_at: dict[int, list[Candidate]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Timing:
+    step_time_s: float
+    begin: list[float]  # when each op's step begins (before its recipes and waits)
+    end: list[float]  # when each op ends
+    out_done: dict[int, float]  # candidate index -> copy-out completion
+    transient_at: list[int]  # recipe transients at each step
+
 
 def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResult:
     """Replay `choices` (candidate index -> Choice; absent means keep) over the graph's profile."""
-    n = graph.num_steps
-    cands = graph.candidates
-    d2h, h2d = graph.d2h_bytes_per_s, graph.h2d_bytes_per_s
-    errors: list[str] = []
-    swap_out_at: dict[int, list[Candidate]] = {}
-    swap_in_at: dict[int, list[Candidate]] = {}
-    recompute_at: dict[int, list[Candidate]] = {}
-    reads_at: dict[int, list[Candidate]] = {}
+    events = _events(graph, choices)
+    timing = _timing_pass(graph, choices, events)
+    timeline, peaks = _memory_pass(graph, choices, timing)
+    peak = max(max(peaks), max(timeline))
+    return SimulationResult(peak_bytes=int(peak), step_time_s=timing.step_time_s, timeline_bytes=timeline,
+                            peak_timeline_bytes=peaks, errors=events.errors)
+
+
+def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
+    ev = _Events()
     for i, ch in choices.items():
-        c = cands[i]
+        c = graph.candidates[i]
         if ch.action == ACTION_KEEP:
             continue
         if c.trivial:
-            errors.append(f"candidate {c.id}: {ch.action} of a tensor with no gap to act on")
+            ev.errors.append(f"candidate {c.id}: {ch.action} of a tensor with no gap to act on")
             continue
         if ch.action == ACTION_SWAP:
             sin = ch.swap_in_step
             if sin is None or not (c.issue_after < sin <= c.first_backward):
-                errors.append(f"candidate {c.id}: copy-in step {sin} outside ({c.issue_after}, {c.first_backward}]")
+                ev.errors.append(f"candidate {c.id}: copy-in step {sin} outside ({c.issue_after}, {c.first_backward}]")
                 continue
-            swap_out_at.setdefault(c.issue_after, []).append(c)
-            swap_in_at.setdefault(sin, []).append(c)
-            reads_at.setdefault(c.first_backward, []).append(c)
+            ev.swap_out_at.setdefault(c.issue_after, []).append(c)
+            ev.swap_in_at.setdefault(sin, []).append(c)
+            ev.reads_at.setdefault(c.first_backward, []).append(c)
         elif ch.action == ACTION_RECOMPUTE:
             if ch.recipe is None:
-                errors.append(f"candidate {c.id}: recompute without a recipe")
+                ev.errors.append(f"candidate {c.id}: recompute without a recipe")
                 continue
             if ch.rebuilt_with is not None:
-                why = _byproduct_error(graph, choices, c, ch.rebuilt_with)
+                why = _rebuilt_with_error(graph, choices, c, ch.rebuilt_with)
                 if why:
-                    errors.append(f"candidate {c.id}: {why}")
-                continue  # no time and no transient of its own: resident from its host's recipe on
-            recompute_at.setdefault(c.first_backward, []).append(c)
+                    ev.errors.append(f"candidate {c.id}: {why}")
+                continue  # no time and no transient of its own: resident once the other recipe has run
+            ev.recompute_at.setdefault(c.first_backward, []).append(c)
         else:
-            errors.append(f"candidate {c.id}: unknown action {ch.action}")
+            ev.errors.append(f"candidate {c.id}: unknown action {ch.action}")
+    return ev
 
+
+def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) -> _Timing:
+    n = graph.num_steps
+    cands = graph.candidates
     out_done: dict[int, float] = {}
     in_done: dict[int, float] = {}
     d2h_free = h2d_free = 0.0
     now = 0.0
-    stall = recompute_time = 0.0
-    begin = [0.0] * n
-    start = [0.0] * n
-    end = [0.0] * n
+    begin, end = [0.0] * n, [0.0] * n
     transient_at = [0] * n
+
+    def wait_for(i: int) -> None:
+        nonlocal now
+        if in_done[i] > now:
+            now = in_done[i]
+
     for s in range(n):
         begin[s] = now
-        for c in sorted(swap_in_at.get(s, []), key=lambda c: (c.first_backward, c.index)):
+        for c in sorted(ev.swap_in_at.get(s, []), key=lambda c: (c.first_backward, c.index)):
             t0 = max(now, h2d_free, out_done.get(c.index, now))
-            h2d_free = t0 + c.bytes / h2d
+            h2d_free = t0 + c.bytes / graph.h2d_bytes_per_s
             in_done[c.index] = h2d_free
-        for c in recompute_at.get(s, []):
+        for c in ev.recompute_at.get(s, []):
             recipe = choices[c.index].recipe
             for a in recipe.anchors:
-                anchor = cands[a]
-                if anchor_resident_without_plan(anchor, s):
+                if resident_without_plan(cands[a], s):
                     continue
                 ach = choices.get(a, Choice())
                 if ach.action == ACTION_KEEP:
                     continue
                 if ach.action == ACTION_SWAP and a in in_done:
-                    if in_done[a] > now:
-                        stall += in_done[a] - now
-                        now = in_done[a]
+                    wait_for(a)
                     continue
-                errors.append(f"candidate {c.id}: recipe input {anchor.id} ({ach.action}) is not resident "
-                              f"before op {s}")
+                ev.errors.append(f"candidate {c.id}: recipe input {cands[a].id} ({ach.action}) is not resident "
+                                 f"before op {s}")
             now += recipe.time_s
-            recompute_time += recipe.time_s
             transient_at[s] += recipe.transient_bytes
-        for c in reads_at.get(s, ()):
+        for c in ev.reads_at.get(s, ()):
             if c.index in in_done:
-                if in_done[c.index] > now:
-                    stall += in_done[c.index] - now
-                    now = in_done[c.index]
+                wait_for(c.index)
             else:
-                errors.append(f"candidate {c.id}: read at op {s} before its copy-in was issued")
-        start[s] = now
+                ev.errors.append(f"candidate {c.id}: read at op {s} before its copy-in was issued")
         now += graph.time_s[s]
         end[s] = now
-        for c in swap_out_at.get(s, []):
+        for c in ev.swap_out_at.get(s, []):
             t0 = max(now, d2h_free)
-            d2h_free = t0 + c.bytes / d2h
+            d2h_free = t0 + c.bytes / graph.d2h_bytes_per_s
             out_done[c.index] = d2h_free
+    return _Timing(step_time_s=now, begin=begin, end=end, out_done=out_done, transient_at=transient_at)
 
-    # memory: unplanned minus non-resident candidates, plus transients
+
+def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timing) -> tuple[list[int], list[int]]:
+    """Planned memory after and inside each op: unplanned minus non-resident candidates, plus transients."""
+    n = graph.num_steps
+    cands = graph.candidates
     saved_during = [0] * (n + 1)  # difference arrays over steps
     saved_after = [0] * (n + 1)
     for i, ch in choices.items():
@@ -153,39 +175,38 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
             continue
         f, b = c.last_forward, c.first_backward
         if ch.action == ACTION_RECOMPUTE:
-            if ch.rebuilt_with is not None:  # resident once the host's recipe has run (before op b_host)
+            if ch.rebuilt_with is not None:  # resident once the other recipe has run (before its op b)
                 b = min(b, cands[ch.rebuilt_with].first_backward)
             _add(saved_during, f + 1, b, c.bytes)
             _add(saved_after, f, b, c.bytes)
-        elif ch.action == ACTION_SWAP and c.index in out_done:
+        elif ch.action == ACTION_SWAP and c.index in timing.out_done:
             sin = ch.swap_in_step
-            done = out_done[c.index]
+            done = timing.out_done[c.index]
             # during op s: gone for all of it iff s > f, copy-out done by its begin, copy-in not yet issued
-            first = _first_step_at_or_after(begin, done, f + 1)
+            first = _first_step_at_or_after(timing.begin, done, f + 1)
             _add(saved_during, first, sin, c.bytes)
-            first_after = _first_step_at_or_after(end, done, f)
+            first_after = _first_step_at_or_after(timing.end, done, f)
             _add(saved_after, first_after, sin, c.bytes)
     timeline, peaks = [], []
     run_during = run_after = 0
     for s in range(n):
         run_during += saved_during[s]
         run_after += saved_after[s]
-        peaks.append(graph.peak_bytes[s] - run_during + transient_at[s])
+        peaks.append(graph.peak_bytes[s] - run_during + timing.transient_at[s])
         timeline.append(graph.after_bytes[s] - run_after)
-    peak = max(max(peaks), max(timeline))
-    return SimulationResult(peak_bytes=int(peak), step_time_s=now, timeline_bytes=timeline, peak_timeline_bytes=peaks,
-                            op_start_s=start, op_end_s=end, stall_s=stall, recompute_s=recompute_time, errors=errors)
+    return timeline, peaks
 
 
-def _byproduct_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate, host: int) -> str | None:
-    """Why `c` cannot be rebuilt with `host`'s recipe in this plan, or None."""
-    h = choices.get(host)
-    if h is None or h.action != ACTION_RECOMPUTE or h.recipe is None or h.rebuilt_with is not None:
-        return f"rebuilt with candidate {graph.candidates[host].id}, which is not recomputed by a recipe of its own"
-    if c.producer not in h.recipe.ops:
-        return f"rebuilt with candidate {graph.candidates[host].id}, whose recipe does not run op {c.producer}"
-    if graph.candidates[host].first_backward > c.first_backward:
-        return f"rebuilt with candidate {graph.candidates[host].id}, whose recipe runs after this one's first use"
+def _rebuilt_with_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate, r: int) -> str | None:
+    """Why `c` cannot be rebuilt with candidate `r`'s recipe in this plan, or None."""
+    rc = choices.get(r)
+    rid = graph.candidates[r].id
+    if rc is None or rc.action != ACTION_RECOMPUTE or rc.recipe is None or rc.rebuilt_with is not None:
+        return f"rebuilt with candidate {rid}, which is not recomputed by a recipe of its own"
+    if c.producer not in rc.recipe.ops:
+        return f"rebuilt with candidate {rid}, whose recipe does not run op {c.producer}"
+    if graph.candidates[r].first_backward > c.first_backward:
+        return f"rebuilt with candidate {rid}, whose recipe runs after this one's first use"
     return None
 
 
@@ -200,36 +221,3 @@ def _add(diff: list[int], lo: int, hi: int, value: int) -> None:
 def _first_step_at_or_after(times: list[float], t: float, lo: int) -> int:
     """The first step s >= lo whose time (begin or end, nondecreasing) is >= t."""
     return max(bisect.bisect_left(times, t - TIME_EPS_S), lo)
-
-
-# ---- plans -------------------------------------------------------------------------------------
-
-
-def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
-    """The simulator's view of a plan's decisions (recipes re-derived from their op lists)."""
-    by_id = graph.by_saved_id()
-    ops = graph.profile.ops
-    tensors = graph.profile.tensor_by_id()
-    choices: dict[int, Choice] = {}
-    for d in plan.decisions:
-        c = by_id.get(d.saved_tensor)
-        if c is None:
-            raise RegenError(f"plan decision for saved tensor {d.saved_tensor}, which the profile does not have")
-        if d.action == ACTION_SWAP:
-            choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op)
-        elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
-            host = by_id.get(d.rebuilt_with)
-            if host is None:
-                raise RegenError(f"plan decision for saved tensor {d.saved_tensor} is rebuilt with saved tensor "
-                                 f"{d.rebuilt_with}, which the profile does not have")
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), anchors=[], time_s=0.0,
-                                                                      transient_bytes=0),
-                                      rebuilt_with=host.index)
-        elif d.action == ACTION_RECOMPUTE:
-            anchors = [by_id[a].index for a in d.recipe_inputs if a in by_id]
-            recipe = Recipe(ops=list(d.recipe), anchors=anchors, time_s=float(sum(graph.time_s[q] for q in d.recipe)),
-                            transient_bytes=recipe_transient_bytes(graph.profile, tensors, list(d.recipe),
-                                                                   c.saved.storage),
-                            random_ops=[q for q in d.recipe if ops[q].is_random])
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=recipe)
-    return choices

@@ -71,9 +71,9 @@ def test_time_limit_without_a_feasible_plan(profile_path, tmp_path, capsys, monk
     """No warm start and a time limit too short for HiGHS to find any plan: a SolverError, no file."""
     import importlib
 
-    solve_module = importlib.import_module("regen.planner.solve")
-    monkeypatch.setattr(solve_module, "_warm_start", lambda *a, **k: None)
-    monkeypatch.setattr(solve_module, "MAX_REPAIR_ROUNDS", 0)
+    search_module = importlib.import_module("regen.planner.milp.search")
+    monkeypatch.setattr(search_module, "warm_start", lambda *a, **k: None)
+    monkeypatch.setattr(search_module, "MAX_REPAIR_ROUNDS", 0)
     code = main(["solve", str(profile_path), "--memory-cap", "70%", "--time-limit", "1e-4", "-q",
                  "-o", str(tmp_path / "p.yaml")])
     err = capsys.readouterr().err

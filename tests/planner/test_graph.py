@@ -55,7 +55,7 @@ def test_inplace_ops_are_never_replayed_and_random_ops_are_flagged():
 
 
 def test_cpu_gpt_dropout_masks_are_recomputable_and_lower_the_recompute_only_cap(real_gpt_profile):
-    from regen.planner.solve import smallest_feasible_cap
+    from regen.planner.milp.search import smallest_feasible_cap
 
     profile = real_gpt_profile
     ops = profile.ops
@@ -70,7 +70,7 @@ def test_cpu_gpt_dropout_masks_are_recomputable_and_lower_the_recompute_only_cap
         assert not c.recipes[0].anchors
         assert [ops[q].name for q in c.recipes[0].random_ops] == ["aten.bernoulli_.float"]
     after = smallest_feasible_cap(graph, allow_swap=False, allow_recompute=True)
-    # the former rule: no recipe replays an in-place op (so no candidate made in place is recomputable)
+    # without in-place replays: no recipe replays an in-place op (so no candidate made in place is recomputable)
     for c in graph.candidates:
         c.recipes = [r for r in c.recipes if not any(ops[q].is_inplace for q in r.ops)]
     before = smallest_feasible_cap(graph, allow_swap=False, allow_recompute=True)

@@ -12,7 +12,8 @@ import pytest
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
-from regen.planner.milp import DEFAULT_REL_GAP, MilpOptions, Model, _Infeasible, solve_model
+from regen.planner.milp.model import DEFAULT_REL_GAP, CapInfeasible, MilpOptions, Model
+from regen.planner.milp.solution import solve_model
 from regen.planner.simulator import simulate
 from regen.graphs.synthetic import chain_profile
 
@@ -28,7 +29,7 @@ def brute_force(graph, cap):
         fixed = {c.index: a for c, a in zip(decidable, combo)}
         try:
             result = solve_model(Model(graph, cap, MilpOptions(fixed_actions=fixed)), 30, rel_gap=EXACT_GAP)
-        except _Infeasible:
+        except CapInfeasible:
             continue
         evaluated += 1
         if best is None or result.objective_s < best:
@@ -70,7 +71,7 @@ def test_minimum_peak_model_finds_a_cap_that_is_feasible():
     result = solve_model(Model(graph, None, MilpOptions(minimize_peak=True)), 30)
     assert result.min_cap_bytes < profile.peak_bytes
     solve_model(Model(graph, result.min_cap_bytes, MilpOptions()), 30)  # feasible at the cap it found
-    with pytest.raises(_Infeasible):
+    with pytest.raises(CapInfeasible):
         solve_model(Model(graph, int(result.min_cap_bytes * 0.98), MilpOptions()), 30)
 
 
@@ -95,7 +96,7 @@ def test_solver_stops_at_the_requested_gap(small_transformer):
 def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_transformer):
     import pulp
 
-    from regen.planner.milp import improve_by_blocks
+    from regen.planner.milp.blocks import improve_by_blocks
 
     graph = build_graph(small_transformer)
     cap = int(small_transformer.peak_bytes * 0.5)
@@ -116,7 +117,7 @@ def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_
 
 
 def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
-    from regen.planner.milp import lp_bound, lp_disagreement
+    from regen.planner.milp.blocks import lp_bound, lp_disagreement
 
     graph = build_graph(small_transformer)
     cap = int(small_transformer.peak_bytes * 0.5)
@@ -138,12 +139,14 @@ def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transforme
     exact optimum, and a gap measured against a bound that is below that optimum."""
     import importlib
 
-    solve_module = importlib.import_module("regen.planner.solve")
-    monkeypatch.setattr(solve_module, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    from regen.planner import solve
+
+    search_module = importlib.import_module("regen.planner.milp.search")
+    monkeypatch.setattr(search_module, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
     messages = []
     graph = build_graph(small_transformer)
     cap = int(small_transformer.peak_bytes * 0.5)
-    plan = solve_module.solve(small_transformer, cap, "hybrid", time_limit_s=20, progress=messages.append)
+    plan = solve(small_transformer, cap, "hybrid", time_limit_s=20, progress=messages.append)
     assert any(m.startswith("LP relaxation: bound") for m in messages)
     assert any(m.startswith("block improvement:") for m in messages)
     exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
@@ -156,22 +159,22 @@ def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transforme
 def test_rebuilt_with_options_share_recompute_work(small_transformer):
     """Recompute-only on a transformer: letting a tensor that another recipe rebuilds on the way be
     kept until its own use never costs more, is used, and the simulator (which charges no recipe run
-    for such a tensor but holds it from its host's rebuild on) agrees with the MILP."""
+    for such a tensor but holds it from the other recipe's rebuild on) agrees with the MILP."""
     graph = build_graph(small_transformer)
     cap = int(small_transformer.peak_bytes * 0.6)
-    plain = solve_model(Model(graph, cap, MilpOptions(allow_swap=False, allow_byproducts=False)), 60, rel_gap=1e-6)
+    plain = solve_model(Model(graph, cap, MilpOptions(allow_swap=False, allow_rebuilt_with=False)), 60, rel_gap=1e-6)
     shared = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 60, rel_gap=1e-6)
     assert shared.objective_s <= plain.objective_s * (1 + 1e-9)
     rebuilt = {i: ch for i, ch in shared.choices.items() if ch.rebuilt_with is not None}
     assert rebuilt and shared.objective_s < plain.objective_s
     for i, ch in rebuilt.items():
-        host = shared.choices[ch.rebuilt_with]
-        assert host.rebuilt_with is None and graph.candidates[i].producer in host.recipe.ops
+        other = shared.choices[ch.rebuilt_with]
+        assert other.rebuilt_with is None and graph.candidates[i].producer in other.recipe.ops
         assert graph.candidates[ch.rebuilt_with].first_backward <= graph.candidates[i].first_backward
     sim = simulate(graph, shared.choices)
     assert sim.valid and sim.peak_bytes <= cap
     assert sim.step_time_s == pytest.approx(shared.objective_s, rel=0.05)
-    # a rebuilt tensor whose host is not recomputed is an inconsistent plan for the simulator
+    # a rebuilt tensor whose other recipe is not chosen is an inconsistent plan for the simulator
     i, ch = next(iter(rebuilt.items()))
     broken = dict(shared.choices)
     broken.pop(ch.rebuilt_with)

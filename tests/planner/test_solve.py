@@ -6,8 +6,9 @@ from regen.errors import InfeasibleCapError, RegenError
 from regen.planner import solve
 from regen.units import parse_memory_cap
 from regen.planner.graph import build_graph
-from regen.planner.milp import DEFAULT_REL_GAP
-from regen.planner.simulator import choices_from_plan, simulate
+from regen.planner.export import choices_from_plan
+from regen.planner.milp.model import DEFAULT_REL_GAP
+from regen.planner.simulator import simulate
 from regen.graphs.synthetic import chain_profile
 
 AGREEMENT = 0.05  # MILP prediction vs simulator
@@ -163,14 +164,13 @@ def test_str_in_stage_peak_keeps_its_plan_within_the_cap():
     profile = transformer_profile(n_layers=1, batch=4, seq=256, d_model=256, n_head=4)
     graph = build_graph(profile)
     cap = int(profile.peak_bytes * 0.85)
-    choices, _report, _obj, peak = solve_str(graph, cap, 30, lambda _m: None, [], in_stage_peak=True)
-    sim = simulate(graph, choices)
-    assert sim.valid and sim.peak_bytes == peak <= cap
-    assert choices  # the cap is below the unplanned peak: something had to go
+    result = solve_str(graph, cap, 30, lambda _m: None, in_stage_peak=True)
+    sim = simulate(graph, result.choices)
+    assert sim.valid and sim.peak_bytes == result.predicted_peak_bytes <= cap
+    assert result.choices  # the cap is below the unplanned peak: something had to go
     # the published model's plan is returned as-is when asked (the benchmark reports how far over it is)
-    published, _report, _obj, published_peak = solve_str(graph, cap, 30, lambda _m: None, [],
-                                                         in_stage_peak=False, check_cap=False)
-    assert simulate(graph, published).peak_bytes == published_peak < profile.peak_bytes
+    published = solve_str(graph, cap, 30, lambda _m: None, in_stage_peak=False, check_cap=False)
+    assert simulate(graph, published.choices).peak_bytes == published.predicted_peak_bytes < profile.peak_bytes
 
 
 def test_solve_stops_at_its_relative_gap_and_says_so(chain6):
@@ -183,3 +183,23 @@ def test_solve_stops_at_its_relative_gap_and_says_so(chain6):
     assert exact.predicted.step_time_s <= plan.predicted.step_time_s * (1 + 1e-9)
     with pytest.raises(RegenError, match="relative gap"):
         solve(chain6, cap, "hybrid", rel_gap=1.5)
+
+
+def test_missing_highspy_is_a_one_line_error_for_the_milp_strategies(chain6, monkeypatch):
+    import builtins
+
+    from regen.errors import SolverError
+
+    real_import = builtins.__import__
+
+    def no_highspy(name, *args, **kwargs):
+        if name == "highspy":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_highspy)
+    for strategy in ("hybrid", "str"):
+        with pytest.raises(SolverError, match=r"HiGHS \(highspy\) is required"):
+            solve(chain6, int(chain6.peak_bytes * 0.75), strategy, time_limit_s=10)
+    # the heuristics need no solver
+    assert solve(chain6, chain6.peak_bytes, "keep-all", time_limit_s=10).action_counts()["keep"] == 6

@@ -23,7 +23,7 @@ SOLVE_TIME_LIMIT_S = 30
 def _dropout_recompute_plan():
     from regen.planner import solve
     from regen.planner.graph import build_graph
-    from regen.planner.solve import smallest_feasible_cap
+    from regen.planner.milp.search import smallest_feasible_cap
     from regen.profiler import profile_workload
 
     w = make("gpt", **GPT_ARGS)

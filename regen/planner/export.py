@@ -1,0 +1,128 @@
+"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan, and a Plan's decisions
+become choices again for the simulator.
+
+This is the one place where candidate indices (inside the planner) and SavedTensor ids (in files) are
+converted, for the decisions, recipe inputs and the "rebuilt with" link.
+"""
+
+from __future__ import annotations
+
+from regen.errors import RegenError
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp
+from regen.planner.graph import PlanningGraph
+from regen.planner.recipes import Recipe, recipe_transient_bytes
+from regen.planner.result import Choice, StrategyResult
+from regen.planner.simulator import SimulationResult
+
+
+def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy: str,
+               sim: SimulationResult) -> Plan:
+    """The Plan of a strategy's result, with the simulator's figures for it."""
+    profile = graph.profile
+    unpacks = sorted((e.unpack_before_op, e.unpack_order) for e in profile.saved_entries
+                     if e.unpack_order is not None and e.unpack_before_op is not None)
+    first_unpack = min((o for _, o in unpacks), default=None)
+    decisions = []
+    recipe_ops: dict[int, RecipeOp] = {}
+    host_intervals = []  # (copy-out issued after, copy-in needed at, bytes) of every tensor in host memory
+    for c in graph.candidates:
+        s = c.saved
+        ch = result.choices.get(c.index, Choice())
+        d = Decision(saved_tensor=s.id, producer_op=s.producer_op, output_slot=s.output_slot, shape=list(s.shape),
+                     dtype=s.dtype, bytes=c.bytes, action=ch.action)
+        if ch.action == ACTION_SWAP:
+            d.swap_out_after_op = c.issue_after
+            d.swap_in_before_op = ch.swap_in_step
+            d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
+            host_intervals.append((c.issue_after, c.first_backward, c.bytes))
+        elif ch.action == ACTION_RECOMPUTE:
+            d.recompute_before_op = c.first_backward
+            if ch.rebuilt_with is not None:
+                other = graph.candidates[ch.rebuilt_with]
+                d.rebuilt_with = other.id
+                d.recompute_before_op = other.first_backward
+            d.recipe = list(ch.recipe.ops)
+            d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.anchors]
+            for q in ch.recipe.ops:
+                op = profile.ops[q]
+                recipe_ops[q] = RecipeOp(index=q, name=op.name, is_random=op.is_random)
+        decisions.append(d)
+    compute = graph.compute_time_s
+    base_time = profile.step_time_s
+    return Plan(
+        fingerprint=profile.fingerprint, workload=dict(profile.workload), strategy=strategy, memory_cap_bytes=int(cap),
+        baseline=PlanFigures(peak_bytes=int(profile.peak_bytes), step_time_s=float(base_time)),
+        predicted=PlanFigures(peak_bytes=int(result.predicted_peak_bytes),
+                              step_time_s=float(base_time + result.predicted_step_time_s - compute)),
+        simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=float(base_time + sim.step_time_s - compute)),
+        solver=result.report, d2h_bytes_per_s=graph.d2h_bytes_per_s, h2d_bytes_per_s=graph.h2d_bytes_per_s,
+        host_pool_bytes=_peak_concurrent(host_intervals), num_forward_ops=graph.num_forward_ops,
+        memory_at_start_bytes=int(profile.memory_at_start_bytes),
+        decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
+        baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
+        notes=list(result.notes) + _figure_notes(decisions, compute),
+    )
+
+
+def _figure_notes(decisions: list[Decision], compute_time_s: float) -> list[str]:
+    counts = {a: sum(1 for d in decisions if d.action == a) for a in (ACTION_KEEP, ACTION_SWAP, ACTION_RECOMPUTE)}
+    rebuilt = sum(1 for d in decisions if d.rebuilt_with is not None)
+    return [
+        "step times are the profile's measured step time plus the plan's added time over the sum of op times "
+        f"({compute_time_s:.6g} s)",
+        f"actions: keep {counts[ACTION_KEEP]}, swap {counts[ACTION_SWAP]}, recompute {counts[ACTION_RECOMPUTE]}"
+        + (f" ({rebuilt} of them rebuilt with another's recipe)" if rebuilt else ""),
+    ]
+
+
+def _unpack_position(unpacks: list[tuple[int, int]], before_op: int, first_unpack: int | None) -> int | None:
+    """The largest unpack_order whose unpack_before_op <= before_op (docs/internals.md)."""
+    best = None
+    for op, order in unpacks:
+        if op > before_op:
+            break
+        best = order if best is None else max(best, order)
+    return best if best is not None else first_unpack
+
+
+def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
+    events = []
+    for lo, hi, nbytes in intervals:
+        events.append((lo, nbytes))
+        events.append((hi + 1, -nbytes))
+    events.sort(key=lambda e: (e[0], e[1]))
+    run = best = 0
+    for _, delta in events:
+        run += delta
+        best = max(best, run)
+    return best
+
+
+def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
+    """The simulator's view of a plan's decisions (recipes re-derived from their op lists)."""
+    by_id = graph.by_saved_id()
+    ops = graph.profile.ops
+    tensors = graph.profile.tensor_by_id()
+    choices: dict[int, Choice] = {}
+    for d in plan.decisions:
+        c = by_id.get(d.saved_tensor)
+        if c is None:
+            raise RegenError(f"plan decision for saved tensor {d.saved_tensor}, which the profile does not have")
+        if d.action == ACTION_SWAP:
+            choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op)
+        elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
+            other = by_id.get(d.rebuilt_with)
+            if other is None:
+                raise RegenError(f"plan decision for saved tensor {d.saved_tensor} is rebuilt with saved tensor "
+                                 f"{d.rebuilt_with}, which the profile does not have")
+            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), anchors=[], time_s=0.0,
+                                                                      transient_bytes=0),
+                                      rebuilt_with=other.index)
+        elif d.action == ACTION_RECOMPUTE:
+            anchors = [by_id[a].index for a in d.recipe_inputs if a in by_id]
+            recipe = Recipe(ops=list(d.recipe), anchors=anchors, time_s=float(sum(graph.time_s[q] for q in d.recipe)),
+                            transient_bytes=recipe_transient_bytes(graph.profile, tensors, list(d.recipe),
+                                                                   c.saved.storage),
+                            random_ops=[q for q in d.recipe if ops[q].is_random])
+            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=recipe)
+    return choices

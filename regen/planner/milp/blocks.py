@@ -1,0 +1,263 @@
+"""The large-graph search: the LP relaxation's bound, then fix-and-optimize sweeps over blocks.
+
+On a few hundred candidates and more, HiGHS's branch and bound spends the whole time limit at the
+root (identical layers make many equivalent plans, so branching does not move the bound) and rarely
+improves a warm start, while block sub-MIPs of about BLOCK_CANDIDATES candidates solve to a small gap
+in a second or two each. So `solve_by_blocks` solves the LP relaxation (a valid lower bound), then
+re-solves the MILP one block of candidates at a time with every other candidate's action fixed to the
+incumbent's (`improve_by_blocks`), the blocks where the plan differs most from the LP solution first,
+keeping each improvement, until the plan is within the gap of the bound or the time is up.
+docs/milp.md describes the search; regen.planner.milp.search decides when it runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pulp
+
+from regen.planner.milp.highs import new_highs, require_highspy, size_message, solver_output_to_stderr, to_highs_lp
+from regen.planner.milp.model import Model
+from regen.planner.milp.solution import MilpResult, read_choices, result_from_values, warm_start_values
+from regen.planner.result import Choice
+from regen.units import format_duration
+
+BLOCK_CANDIDATES = 70  # candidates re-optimised together
+MIN_BLOCK_TIME_S = 0.5
+# a block's sub-MIP stops at this gap, relative to the *whole* step time: a block can only move the
+# objective by a fraction of a percent, so the planner's 1% would stop every block at its warm start
+BLOCK_REL_GAP = 3e-4
+MAX_BLOCK_SWEEPS = 8
+SWEEP_MIN_GAIN = 1e-4  # another sweep only after one that lowered the objective by this fraction
+MIN_SOLVER_TIME_S = 1e-3
+LP_BOUND_TIME_FRACTION = 0.4  # of the time limit, at most, for the LP bound
+FINAL_CHECK_TIME_FRACTION = 0.05  # ... kept back from the block sweeps for the simulator check
+FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
+NO_BOUND_BLOCK_TIME_FRACTION = 0.5  # of the time left, for the sweeps when the LP was too slow for a bound
+
+
+def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time_limit_s: float, rel_gap: float,
+                    say: Callable[[str], None]) -> tuple[MilpResult | None, dict[str, float] | None]:
+    """The LP bound, then block sweeps from the warm start for the rest of the time.
+
+    Returns the result judged against the LP bound ("optimal" means within `rel_gap` of it) and the
+    values of its discrete variables. The result is None (the values a warm start for the full MILP,
+    which then reports its own bound) when the sweeps stop early above the gap with time left, or when
+    the LP did not finish in its share of the time (thousands of candidates); both are None when no
+    block found a solution.
+    """
+    t0 = time.perf_counter()
+    say(size_message(model.prob))
+    lp = to_highs_lp(model.prob, model.prob.variables())
+    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, LP_BOUND_TIME_FRACTION * time_limit_s), lp=lp)
+    bound = relaxation[0] if relaxation is not None else None
+    priority = lp_disagreement(model, relaxation[1], warm) if relaxation is not None else None
+    say("LP relaxation: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
+                             if bound is not None else "no bound within its time share"))
+    budget_s = deadline - time.perf_counter() - FINAL_CHECK_TIME_FRACTION * time_limit_s
+    if bound is None:  # no bound to judge the plan against: leave the full MILP (and its bound) half the rest
+        budget_s = NO_BOUND_BLOCK_TIME_FRACTION * budget_s
+    target = bound / (1 - rel_gap) if bound is not None and bound > 0 else None
+    improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target,
+                                 lp=lp)
+    if improved is None:
+        return None, None
+    choices, values, objective = improved
+    result = result_from_values(model, choices, objective, bound, rel_gap, time.perf_counter() - t0)
+    if result.gap is not None:
+        say(f"block search: objective {format_duration(result.objective_s, model.graph.time_unit)} "
+            f"(profiled op times), "
+            f"gap {100 * result.gap:.2f}% to the LP bound")
+    if bound is None or (result.status != "optimal"
+                         and deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s):
+        return None, values  # the full MILP starts from this plan (and reports its own bound)
+    return result, values
+
+
+def lp_bound(model: Model, time_limit_s: float, lp=None) -> tuple[float, list[float]] | None:
+    """The LP relaxation's optimum (a valid lower bound on the MILP's objective, in model units) and its
+    solution (by column), or None when the LP does not finish in time. `lp`: the model as
+    to_highs_lp built it, when the caller has it already."""
+    if time_limit_s <= 0:
+        return None
+    highspy = require_highspy()
+    lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
+    integrality = lp.integrality_
+    lp.integrality_ = []
+    h = new_highs(time_limit_s=time_limit_s)
+    h.passModel(lp)
+    lp.integrality_ = integrality
+    with solver_output_to_stderr():
+        h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return h.getInfo().objective_function_value, list(h.getSolution().col_value)
+
+
+def lp_disagreement(model: Model, lp_values: list[float], plan: dict[int, Choice]) -> dict[int, float]:
+    """Per candidate, how far the plan's action is from the LP relaxation's (L1 over the action
+    variables, weighted by the candidate's bytes): where a better plan most likely differs."""
+    warm = warm_start_values(model, plan)
+    out = {}
+    for i, v in model.vars.items():
+        xs = v.actions()
+        out[i] = v.c.bytes * sum(abs(lp_values[x.index] - warm.get(x.name, 0.0)) for x in xs)
+    return out
+
+
+@dataclass
+class _Search:
+    """One HiGHS model of the MILP whose column bounds change between blocks, and the best solution."""
+
+    h: object
+    variables: list
+    lower: object  # column bounds of the full model (numpy arrays)
+    upper: object
+    values: dict[str, float]  # discrete variables of the best plan, by name
+    actions: dict[int, list]  # candidate -> its action binaries
+    integer_idx: object
+    best_obj: float = math.inf
+    solution: list[float] | None = None  # every column of the best solution
+    improved: bool = False
+    by_name: dict = field(default_factory=dict)
+
+
+def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
+                      block_candidates: int = BLOCK_CANDIDATES, rel_gap: float = BLOCK_REL_GAP,
+                      progress: Callable[[str], None] | None = None, max_sweeps: int = MAX_BLOCK_SWEEPS,
+                      priority: dict[int, float] | None = None, target_objective: float | None = None,
+                      lp=None) -> tuple[dict[int, Choice], dict[str, float], float] | None:
+    """Fix-and-optimize: re-solve the MILP one block of candidates (by producer) at a time, every other
+    candidate's action fixed to the incumbent's, keeping each improvement.
+
+    The warm plan is first solved as an LP with its discrete values fixed, and every block starts from
+    the best complete solution so far (continuous values included, so HiGHS need not solve a sub-MIP
+    to complete a partial start) and is kept only if it improves on it.
+    Returns the plan, the values of its discrete variables (a warm start for a model built with the
+    same options) and its objective (model units; the model's variables hold the solution), or None
+    when no block found a solution. Stops early once the objective is at most `target_objective`
+    (model units), e.g. within the planner's gap of a known bound. `lp`: the model as to_highs_lp
+    built it, when the caller has it already.
+    """
+    if time_budget_s <= 0:
+        return None
+    deadline = time.perf_counter() + time_budget_s
+    search = _new_search(model, incumbent, rel_gap, lp)
+    _solve_warm_plan(search, deadline)
+    order = sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i))
+    sweeps = 0
+    while time.perf_counter() < deadline:
+        blocks = _sweep_blocks(order, block_candidates, sweeps, priority)
+        sweep_start_obj = search.best_obj
+        for k, block in enumerate(blocks):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0 or (target_objective is not None and search.best_obj <= target_objective):
+                break
+            _solve_block(search, set(block), remaining, len(blocks) - k)
+        sweeps += 1
+        if target_objective is not None and search.best_obj <= target_objective:
+            break
+        if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
+            break
+    if progress:
+        progress(f"block improvement: {sweeps} sweep(s) over blocks of {block_candidates} candidates, objective "
+                 f"{search.best_obj:.6g}" + ("" if search.improved else " (no improvement)"))
+    if search.solution is None:
+        return None
+    for v in search.variables:
+        v.varValue = search.solution[v.index]
+    binaries = {v.name: float(round(search.solution[v.index])) for v in search.variables if v.cat == pulp.LpInteger}
+    return read_choices(model), binaries, search.best_obj
+
+
+def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) -> _Search:
+    import numpy as np
+
+    highspy = require_highspy()
+    variables = model.prob.variables()
+    h = new_highs(rel_gap=rel_gap)
+    h.passModel(lp if lp is not None else to_highs_lp(model.prob, variables))
+    inf = highspy.kHighsInf
+    lower = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
+    upper = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
+    values = {name: float(x) for name, x in warm_start_values(model, incumbent).items()}
+    return _Search(h=h, variables=variables, lower=lower, upper=upper, values=values,
+                   actions={i: v.actions() for i, v in model.vars.items()},
+                   integer_idx=np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64),
+                   by_name={v.name: v for v in variables})
+
+
+def _solve_warm_plan(search: _Search, deadline: float) -> None:
+    """The warm plan's own complete solution (every discrete variable fixed: an LP), so that blocks
+    start from it and keep only what improves on it."""
+    import numpy as np
+
+    h, values = search.h, search.values
+    known = [search.by_name[n] for n in values if n in search.by_name]
+    if not known:
+        return
+    idx = np.array([v.index for v in known], dtype=np.int32)
+    fixed = np.array([values[v.name] for v in known], dtype=float)
+    h.changeColsBounds(len(known), idx, fixed, fixed)
+    h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, deadline - time.perf_counter())))
+    with solver_output_to_stderr():
+        h.run()
+    info = h.getInfo()
+    if info.primal_solution_status == 2:
+        search.best_obj, search.solution = info.objective_function_value, list(h.getSolution().col_value)
+    h.changeColsBounds(len(known), idx, np.array([search.lower[v.index] for v in known], dtype=float),
+                       np.array([search.upper[v.index] for v in known], dtype=float))
+
+
+def _sweep_blocks(order: list[int], block_candidates: int, sweeps: int,
+                  priority: dict[int, float] | None) -> list[list[int]]:
+    """The blocks of one sweep. Every other sweep shifts the block boundaries by half a block, so no
+    pair of neighbours is always split; with a priority, the most promising blocks come first (the
+    time may run out mid-sweep)."""
+    shift = (block_candidates // 2) if sweeps % 2 else 0
+    cuts = [0] + list(range(shift or block_candidates, len(order), block_candidates)) + [len(order)]
+    blocks = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    if priority is not None:
+        blocks.sort(key=lambda blk: -sum(priority.get(i, 0.0) for i in blk))
+    return blocks
+
+
+def _solve_block(search: _Search, free: set[int], remaining: float, left: int) -> None:
+    """Re-solve with only the candidates in `free` unfixed, from the best solution; keep an improvement."""
+    import numpy as np
+
+    h, values = search.h, search.values
+    idx, lo, up = [], [], []
+    for i, xs in search.actions.items():
+        for x in xs:
+            fixed = i not in free
+            val = values.get(x.name, 0.0)
+            idx.append(x.index)
+            lo.append(round(val) if fixed else search.lower[x.index])
+            up.append(round(val) if fixed else search.upper[x.index])
+    h.changeColsBounds(len(idx), np.array(idx, dtype=np.int32), np.array(lo, dtype=float), np.array(up, dtype=float))
+    if search.solution is not None:  # the best complete solution so far is feasible for this block
+        start = np.array(search.solution, dtype=float)
+        start[search.integer_idx] = np.round(start[search.integer_idx])
+        h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
+    else:
+        names = [n for n in values if n in search.by_name]
+        h.setSolution(len(names), np.array([search.by_name[n].index for n in names], dtype=np.int32),
+                      np.array([values[n] for n in names], dtype=float))
+    h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, min(remaining, 2 * remaining / left))))
+    with solver_output_to_stderr():
+        h.run()
+    info = h.getInfo()
+    if info.primal_solution_status != 2:  # no feasible solution
+        return
+    obj = info.objective_function_value
+    if obj < search.best_obj - 1e-9:
+        if math.isfinite(search.best_obj):
+            search.improved = True
+        search.best_obj, search.solution = obj, list(h.getSolution().col_value)
+        for v in search.variables:
+            if v.cat == pulp.LpInteger:
+                values[v.name] = float(round(search.solution[v.index]))

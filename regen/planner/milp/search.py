@@ -1,0 +1,191 @@
+"""The MILP strategies (hybrid, recompute, swap): from a warm start to a plan that passes the simulator.
+
+`plan_with_milp` takes a warm start (the greedy plan, or for hybrid the recompute-only MILP's plan
+when it is cheaper), solves the MILP (on large graphs first by blocks against the LP bound,
+regen.planner.milp.blocks), and replays the plan in the simulator. The MILP's copy channel is a
+per-step relaxation of the runtime's FIFO streams, so a plan whose simulated peak is over the cap is
+repaired: FIFO-order constraints between the swaps whose copy-out windows overlap, and once those are
+all in, headroom at the steps where the simulator went over; then the MILP is solved again. When no
+MILP plan passes, the warm start (simulator-feasible by construction) is the plan. An infeasible cap
+is an InfeasibleCapError naming the smallest feasible cap found (`smallest_feasible_cap`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from regen.errors import InfeasibleCapError, SolverError
+from regen.formats.plan import ACTION_SWAP, SolverReport
+from regen.planner import heuristics
+from regen.planner.graph import PlanningGraph
+from regen.planner.milp.blocks import MIN_SOLVER_TIME_S, solve_by_blocks
+from regen.planner.milp.highs import require_highspy
+from regen.planner.milp.model import CapInfeasible, MilpOptions, Model
+from regen.planner.milp.solution import MilpResult, solve_model
+from regen.planner.residency import lower_bound_peak
+from regen.planner.result import Choice, StrategyResult
+from regen.planner.simulator import SimulationResult, simulate
+from regen.units import format_bytes, format_duration
+
+MAX_REPAIR_ROUNDS = 4
+MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
+WARM_START_TIME_FRACTION = 0.2  # of the time limit, for the recompute-only warm start of hybrid
+BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are solved block by block
+
+Say = Callable[[str], None]
+
+
+def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
+                   rel_gap: float, say: Say) -> StrategyResult:
+    """The MILP's plan under `cap`, checked by the simulator (or the warm start's when none passes)."""
+    require_highspy()
+    deadline = time.perf_counter() + time_limit_s
+    lower = lower_bound_peak(graph, allow_swap, allow_recompute)
+    if lower > cap:
+        raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
+    warm = warm_start(graph, cap, allow_swap, allow_recompute, time_limit_s, say)
+    options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute, rel_gap=rel_gap)
+    notes = [f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit"]
+    result, timed_out = _solve_and_repair(graph, cap, options, warm, deadline, time_limit_s, say, notes, lower)
+    if result is not None:
+        report = SolverReport(name="highs", status=result.status, objective_s=result.objective_s,
+                              bound_s=result.bound_s, gap=result.gap, solve_time_s=result.solve_time_s,
+                              time_limit_s=time_limit_s)
+        return StrategyResult(choices=result.choices, report=report, predicted_step_time_s=result.objective_s,
+                              predicted_peak_bytes=result.predicted_peak_bytes, notes=notes)
+    if warm is None:
+        raise AssertionError("internal error: no plan passed the simulator under the cap")
+    notes.append("the MILP found no plan within the time limit; the warm-start plan is used instead" if timed_out
+                 else "the MILP's plans did not pass the simulator; the warm-start plan is used instead")
+    say(notes[-1])
+    sim = simulate(graph, warm)
+    report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
+                          gap=None, solve_time_s=0.0, time_limit_s=time_limit_s)
+    return StrategyResult(choices=warm, report=report, predicted_step_time_s=sim.step_time_s,
+                          predicted_peak_bytes=sim.peak_bytes, notes=notes)
+
+
+def _solve_and_repair(graph: PlanningGraph, cap: int, options: MilpOptions, warm: dict[int, Choice] | None,
+                      deadline: float, time_limit_s: float, say: Say, notes: list[str],
+                      lower: int) -> tuple[MilpResult | None, bool]:
+    """The first MILP plan that passes the simulator, with repair rounds; (None, timed_out) when none
+    does (timed_out: the solver stopped without a plan, and the warm start stands in)."""
+    warm_values = None
+    for round_ in range(MAX_REPAIR_ROUNDS + 1):
+        try:
+            model = Model(graph, cap, options)
+            if round_ == 0 and warm is not None and is_large(graph):
+                result, warm_values = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap, say)
+                if result is not None and simulate(graph, result.choices).fits(cap):
+                    return result, False
+            remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
+            result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=warm, progress=say,
+                                 warm_values=warm_values)
+        except CapInfeasible:
+            if round_ == 0:
+                raise_infeasible(graph, cap, options.allow_swap, options.allow_recompute, time_limit_s, say, lower)
+            return None, False
+        except SolverError:
+            if warm is None:
+                raise
+            return None, True
+        sim = simulate(graph, result.choices)
+        if sim.fits(cap):
+            return result, False
+        say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
+        notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
+        add_repairs(graph, result.choices, sim, cap, options)
+    return None, False
+
+
+def is_large(graph: PlanningGraph) -> bool:
+    """More decidable candidates than branch and bound handles well: solved by blocks first."""
+    return sum(1 for c in graph.candidates if c.can_swap or c.can_recompute) > BLOCK_IMPROVE_MIN_CANDIDATES
+
+
+def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
+               say: Say) -> dict[int, Choice] | None:
+    """The greedy plan, or for hybrid the recompute-only MILP's plan when it is cheaper (it solves fast:
+    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's."""
+    candidates = []
+    greedy = heuristics.greedy(graph, cap, allow_swap, allow_recompute)
+    if greedy is not None:
+        candidates.append(("greedy", greedy))
+    if allow_swap and allow_recompute:
+        # the recompute-only MILP (few binaries: a plan in seconds), with the rebuilt-with options
+        # (sharing rebuilt work is often most of what recompute-only plans gain) or, when that finds
+        # no plan within its share of the time, without them
+        for label, rebuilt_with in (("recompute-only MILP", True), ("recompute-only MILP without sharing", False)):
+            try:
+                model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True,
+                                                      allow_rebuilt_with=rebuilt_with))
+                result = solve_model(model, max(1.0, WARM_START_TIME_FRACTION * time_limit_s))
+            except SolverError:
+                continue
+            except CapInfeasible:
+                break
+            candidates.append((label, result.choices))
+            break
+    best = None
+    for name, choices in candidates:
+        sim = simulate(graph, choices)
+        if sim.fits(cap) and (best is None or sim.step_time_s < best[0]):
+            best = (sim.step_time_s, name, choices)
+    say("warm start: " + (f"{best[1]} plan, {format_duration(best[0], graph.time_unit)}" if best
+                          else "none found under the cap"))
+    return best[2] if best else None
+
+
+def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: SimulationResult, cap: int,
+                options: MilpOptions) -> None:
+    """FIFO order between swaps whose copy-out windows overlap; once every such pair is ordered,
+    headroom at the steps where the simulator went over the cap."""
+    swapped = sorted((graph.candidates[i] for i, ch in choices.items() if ch.action == ACTION_SWAP),
+                     key=lambda c: (c.issue_after, c.index))
+    pairs = set(options.fifo_pairs)
+    for k, a in enumerate(swapped):
+        for b in swapped[k + 1:]:
+            if b.out_window[0] > a.out_window[-1]:
+                break
+            pairs.add((a.index, b.index))
+    added = len(pairs) - len(options.fifo_pairs)
+    options.fifo_pairs = sorted(pairs)
+    if added == 0:
+        for s in range(graph.num_steps):
+            over = sim.step_bytes(s) - cap
+            if over > 0:
+                options.step_margin_bytes[s] = options.step_margin_bytes.get(s, 0) + over
+
+
+def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
+                     say: Say, lower: int) -> None:
+    say("the cap is infeasible; searching for the smallest feasible cap")
+    smallest = smallest_feasible_cap(graph, allow_swap, allow_recompute, min(time_limit_s, MIN_CAP_TIME_LIMIT_S))
+    found = (f"the smallest feasible cap found is {format_bytes(smallest)} ({smallest} bytes)" if smallest is not None
+             else "no feasible plan was found at any cap")
+    raise InfeasibleCapError(
+        f"no plan meets the memory cap of {format_bytes(cap)} ({cap} bytes): {found}; no plan can go below "
+        f"{format_bytes(lower)} (memory that stays resident whatever the actions)",
+        smallest_feasible_cap_bytes=smallest)
+
+
+def smallest_feasible_cap(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True,
+                          time_limit_s: float = MIN_CAP_TIME_LIMIT_S) -> int | None:
+    """The lowest cap at which a plan passes the simulator: the min-peak MILP, else the greedy at cap 0."""
+    best = None
+    try:
+        model = Model(graph, None, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute,
+                                                minimize_peak=True))
+        result = solve_model(model, time_limit_s)
+        sim = simulate(graph, result.choices)
+        if sim.valid:
+            best = max(sim.peak_bytes, result.min_cap_bytes or 0)
+    except (CapInfeasible, SolverError):
+        pass
+    if best is None:  # the most aggressive greedy plan: it stops when nothing more can go
+        choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)
+        sim = simulate(graph, choices)
+        if sim.valid:
+            best = sim.peak_bytes
+    return best

@@ -1,0 +1,62 @@
+"""The planner's one memory model: what is resident at a step, and what memory a step holds.
+
+Planned memory at step s is the unplanned memory of s (`unplanned_step_bytes`: the larger of the
+peak inside the op and the memory after it) minus the bytes of the candidates not resident then,
+plus recipe transients (docs/milp.md). A candidate is resident whatever its action inside its own
+lifetime ([p, f] and [b, e]: `resident_without_plan`); a recipe input outside it is resident only
+when the plan keeps it (or, in the simulator's timing, once its copy-in has finished).
+Every strategy, the MILP and the simulator read memory through these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from regen.planner.graph import Candidate, PlanningGraph
+    from regen.planner.recipes import Recipe
+
+
+def unplanned_step_bytes(graph: PlanningGraph, step: int) -> int:
+    """Memory of `step` with every candidate kept: the peak inside the op or the memory after it."""
+    return max(graph.peak_bytes[step], graph.after_bytes[step])
+
+
+def resident_without_plan(c: Candidate, step: int) -> bool:
+    """`c` is resident at `step` whatever its action (trivial, or inside [b, e])."""
+    if c.trivial:
+        return c.producer <= step <= (c.last_backward if c.last_backward is not None else c.last_forward)
+    return c.first_backward <= step <= c.last_backward
+
+
+def inputs_to_hold(graph: PlanningGraph, recipe: Recipe, step: int) -> list[int]:
+    """The inputs of `recipe`, run before `step`, that the plan must keep (or bring back) for it."""
+    return [a for a in recipe.anchors if not resident_without_plan(graph.candidates[a], step)]
+
+
+def inputs_kept(graph: PlanningGraph, recipe: Recipe, step: int, gone: Container[int]) -> bool:
+    """Every input of `recipe`, run before `step`, is resident without a copy-in: resident whatever
+    its action, or not in `gone` (the candidates the plan does not keep: a set, or a choices dict,
+    which holds only non-keep choices)."""
+    return not any(a in gone for a in inputs_to_hold(graph, recipe, step))
+
+
+def lower_bound_peak(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True) -> int:
+    """No plan's peak is below this: every candidate that can be gone at a step is gone."""
+    n = graph.num_steps
+    diff = [0] * (n + 1)
+    for c in graph.candidates:
+        lo = hi = None
+        if allow_recompute and c.can_recompute:
+            lo, hi = c.gap.start, c.gap.stop
+        elif allow_swap and c.can_swap:
+            lo, hi = max(c.gap.start, c.out_window[0] + 1), c.in_window[-1]
+        if lo is not None and hi > lo:
+            diff[lo] += c.bytes
+            diff[hi] -= c.bytes
+    best, run = 0, 0
+    for s in range(n):
+        run += diff[s]
+        best = max(best, unplanned_step_bytes(graph, s) - run)
+    return best

@@ -1,0 +1,128 @@
+"""The simulator, the judge of every plan: exact memory and time of hand-made plans on a small chain.
+
+chain_profile(5, seed=1): candidates 0..3 have a gap (candidate 4 is read by the loss and right away
+by its backward); candidate k is produced by op k, last read in forward by op k+1 and first read in
+backward by op 10-k. Its recipes: [k] anchored on candidate k-1, then walking further back.
+"""
+
+import pytest
+
+from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.graph import build_graph
+from regen.planner.recipes import rebuilt_with_recipe
+from regen.planner.result import Choice
+from regen.planner.simulator import simulate
+from regen.graphs.synthetic import chain_profile
+
+INSTANT_BYTES_PER_S = 1e21  # a copy of a few MB takes less than the simulator's time tolerance
+SLOW_BYTES_PER_S = 1e9
+
+
+def _graph(bytes_per_s=SLOW_BYTES_PER_S):
+    graph = build_graph(chain_profile(5, seed=1), bytes_per_s, bytes_per_s)
+    c = graph.candidates
+    # what the tests below rely on
+    assert [(x.producer, x.last_forward, x.first_backward) for x in c[:4]] == [(0, 1, 10), (1, 2, 9), (2, 3, 8),
+                                                                              (3, 4, 7)]
+    assert c[0].recipes[0].anchors == [] and c[2].recipes[0].anchors == [1] and c[1].recipes[0].anchors == [0]
+    return graph
+
+
+def _reduction(graph, sim):
+    """Bytes the plan removes from the unplanned timeline after and inside each op."""
+    after = [u - p for u, p in zip(graph.after_bytes, sim.timeline_bytes)]
+    during = [u - p for u, p in zip(graph.peak_bytes, sim.peak_timeline_bytes)]
+    return after, during
+
+
+def test_keep_all_reproduces_the_unplanned_step():
+    graph = _graph()
+    sim = simulate(graph, {})
+    assert sim.valid and sim.errors == []
+    assert sim.timeline_bytes == graph.after_bytes and sim.peak_timeline_bytes == graph.peak_bytes
+    assert sim.peak_bytes == graph.unplanned_peak_bytes
+    assert sim.step_time_s == pytest.approx(graph.compute_time_s, rel=1e-12)
+    assert sim.fits(graph.unplanned_peak_bytes) and not sim.fits(graph.unplanned_peak_bytes - 1)
+
+
+def test_recompute_frees_exactly_its_bytes_over_its_gap_and_costs_its_recipe():
+    graph = _graph()
+    c = graph.candidates[0]
+    recipe = c.recipes[0]
+    sim = simulate(graph, {0: Choice(ACTION_RECOMPUTE, recipe=recipe)})
+    assert sim.valid
+    after, during = _reduction(graph, sim)
+    # gone after its last forward use (op 1) until its recipe runs before op 10
+    assert after == [c.bytes if 1 <= s <= 9 else 0 for s in range(graph.num_steps)]
+    assert during == [c.bytes if 2 <= s <= 9 else (-recipe.transient_bytes if s == 10 else 0)
+                      for s in range(graph.num_steps)]
+    assert sim.step_time_s == pytest.approx(graph.compute_time_s + recipe.time_s, rel=1e-12)
+
+
+def test_swap_frees_exactly_its_bytes_until_its_copy_in_and_hides_a_fast_copy():
+    graph = _graph(INSTANT_BYTES_PER_S)
+    c = graph.candidates[0]
+    sim = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7)})
+    assert sim.valid
+    after, during = _reduction(graph, sim)
+    # copied out when op 1 ends, back on the device from its copy-in before op 7 on
+    assert after == [c.bytes if 1 <= s <= 6 else 0 for s in range(graph.num_steps)]
+    assert during == [c.bytes if 2 <= s <= 6 else 0 for s in range(graph.num_steps)]
+    assert sim.step_time_s == pytest.approx(graph.compute_time_s, rel=1e-12)
+    assert sim.peak_bytes == max(max(p - d for p, d in zip(graph.peak_bytes, during)),
+                                 max(a - d for a, d in zip(graph.after_bytes, after)))
+
+
+def test_a_late_copy_in_is_a_stall_in_the_step_time():
+    graph = _graph(SLOW_BYTES_PER_S)
+    c = graph.candidates[0]
+    transfer_s = c.bytes / SLOW_BYTES_PER_S
+    # issued before op 7, the copy has ops 7-9 (longer than the transfer) to hide behind
+    assert sum(graph.time_s[7:10]) > transfer_s
+    early = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7)})
+    assert early.valid and early.step_time_s == pytest.approx(graph.compute_time_s, rel=1e-12)
+    # issued right before its first backward use, op 10 waits for the whole transfer
+    late = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=10)})
+    assert late.valid and late.step_time_s == pytest.approx(graph.compute_time_s + transfer_s, rel=1e-12)
+    # ... and it holds the memory for less time: gone up to op 9
+    after, _during = _reduction(graph, late)
+    assert after[9] == c.bytes and after[10] == 0
+
+
+def test_a_recipe_input_that_is_not_resident_makes_the_plan_invalid():
+    graph = _graph()
+    c1, c2 = graph.candidates[1], graph.candidates[2]
+    own = {2: Choice(ACTION_RECOMPUTE, recipe=c2.recipes[0])}  # anchored on candidate 1, which is kept
+    assert simulate(graph, own).valid
+    both = dict(own)
+    both[1] = Choice(ACTION_RECOMPUTE, recipe=c1.recipes[0])  # candidate 1 is rebuilt only at op 9, after op 8
+    sim = simulate(graph, both)
+    assert not sim.valid and not sim.fits(graph.unplanned_peak_bytes)
+    assert any(f"recipe input {c1.id}" in e for e in sim.errors)
+
+
+def test_rebuilt_with_holds_the_tensor_from_the_other_recipe_and_needs_that_recipe():
+    graph = _graph()
+    c1, c2 = graph.candidates[1], graph.candidates[2]
+    k = next(k for k, r in enumerate(c2.recipes) if c1.producer in r.ops[:-1])
+    recipe = c2.recipes[k]
+    choices = {2: Choice(ACTION_RECOMPUTE, recipe=recipe),
+               1: Choice(ACTION_RECOMPUTE, recipe=rebuilt_with_recipe(graph, c1, 2, k), rebuilt_with=2)}
+    sim = simulate(graph, choices)
+    assert sim.valid
+    # candidate 1 costs no time of its own and is back when candidate 2's recipe runs (before op 8), not op 9
+    assert sim.step_time_s == pytest.approx(graph.compute_time_s + recipe.time_s, rel=1e-12)
+    after, _during = _reduction(graph, sim)
+    assert after[7] == c1.bytes + c2.bytes and after[8] == 0
+    # without candidate 2's recipe in the plan, candidate 1 is never rebuilt
+    del choices[2]
+    broken = simulate(graph, choices)
+    assert not broken.valid and any("not recomputed by a recipe of its own" in e for e in broken.errors)
+
+
+def test_a_copy_in_outside_the_gap_is_an_error():
+    graph = _graph()
+    c = graph.candidates[0]
+    for step in (c.issue_after, c.first_backward + 1, None):
+        sim = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=step)})
+        assert not sim.valid and "copy-in step" in sim.errors[0]
