@@ -179,3 +179,24 @@ def test_rebuilt_with_options_share_recompute_work(small_transformer):
     broken = dict(shared.choices)
     broken.pop(ch.rebuilt_with)
     assert not simulate(graph, broken).valid
+
+
+def test_large_graphs_without_time_for_the_full_milp_keep_the_block_plan(small_transformer, monkeypatch):
+    """When the LP gives no bound and too little time is left for the full MILP (whose presolve alone
+    takes seconds on thousands of candidates), the block search's plan is the result, unjudged."""
+    import importlib
+
+    from regen.planner import solve
+
+    search = importlib.import_module("regen.planner.milp.search")
+    blocks = importlib.import_module("regen.planner.milp.blocks")
+    monkeypatch.setattr(search, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    monkeypatch.setattr(blocks, "lp_bound", lambda *args, **kwargs: None)
+    monkeypatch.setattr(blocks, "FULL_SOLVE_MIN_TIME_FRACTION", 1.0)
+    messages = []
+    cap = int(small_transformer.peak_bytes * 0.5)
+    plan = solve(small_transformer, cap, "hybrid", time_limit_s=20, progress=messages.append)
+    assert any(m.startswith("block improvement:") for m in messages)
+    assert not any(m.startswith("solver highs started") for m in messages)
+    assert plan.solver.gap is None and plan.solver.status == "time_limit" and plan.solver.name == "highs"
+    assert plan.simulated.peak_bytes <= cap

@@ -203,3 +203,30 @@ def test_missing_highspy_is_a_one_line_error_for_the_milp_strategies(chain6, mon
             solve(chain6, int(chain6.peak_bytes * 0.75), strategy, time_limit_s=10)
     # the heuristics need no solver
     assert solve(chain6, chain6.peak_bytes, "keep-all", time_limit_s=10).action_counts()["keep"] == 6
+
+
+def test_small_graphs_start_from_the_lp_neighbourhood_of_the_warm_plan(small_transformer):
+    """The full MILP of a small graph starts from the sub-MIP where the warm plan and the LP relaxation
+    disagree: candidates where they agree keep the warm plan's action, and the plan is no worse."""
+    from regen.planner.milp.blocks import lp_bound, lp_disagreement
+    from regen.planner.milp.model import MilpOptions, Model
+    from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
+    from regen.planner.milp.solution import solve_model
+    from regen.planner.result import Choice
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    warm = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 30).choices  # hybrid's warm start
+    model = Model(graph, cap, MilpOptions())
+    messages = []
+    plan, values = improve_where_lp_disagrees(model, warm, 30, messages.append)
+    _, lp_values = lp_bound(model, 30)
+    agree = {i for i, p in lp_disagreement(model, lp_values, warm).items() if p <= 0}
+    assert agree and len(agree) < len(model.vars)
+    assert any(m.startswith(f"LP neighbourhood: {len(model.vars) - len(agree)} candidates free") for m in messages)
+    for i in agree:
+        assert plan.get(i, Choice()).action == warm.get(i, Choice()).action
+    assert values and set(values.values()) <= {0.0, 1.0}
+    sim, warm_sim = simulate(graph, plan), simulate(graph, warm)
+    assert sim.valid and sim.peak_bytes <= cap
+    assert sim.step_time_s < warm_sim.step_time_s

@@ -52,7 +52,8 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     t0 = time.perf_counter()
     say(size_message(model.prob))
     lp = to_highs_lp(model.prob, model.prob.variables())
-    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, LP_BOUND_TIME_FRACTION * time_limit_s), lp=lp)
+    lp_time_s = min(LP_BOUND_TIME_FRACTION * time_limit_s, deadline - time.perf_counter())  # never past the limit
+    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, lp_time_s), lp=lp)
     bound = relaxation[0] if relaxation is not None else None
     priority = lp_disagreement(model, relaxation[1], warm) if relaxation is not None else None
     say("LP relaxation: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
@@ -71,10 +72,16 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
         say(f"block search: objective {format_duration(result.objective_s, model.graph.time_unit)} "
             f"(profiled op times), "
             f"gap {100 * result.gap:.2f}% to the LP bound")
-    if bound is None or (result.status != "optimal"
-                         and deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s):
-        return None, values  # the full MILP starts from this plan (and reports its own bound)
+    # the full MILP starts from this plan (and reports its own bound) only when it has time to: on
+    # thousands of candidates its presolve alone takes seconds
+    if (bound is None or result.status != "optimal") and time_for_full_solve(deadline, time_limit_s):
+        return None, values
     return result, values
+
+
+def time_for_full_solve(deadline: float, time_limit_s: float) -> bool:
+    """Enough of the time limit is left for the full MILP after the block search."""
+    return deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s
 
 
 def lp_bound(model: Model, time_limit_s: float, lp=None) -> tuple[float, list[float]] | None:

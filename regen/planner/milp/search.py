@@ -1,7 +1,8 @@
 """The MILP strategies (hybrid, recompute, swap): from a warm start to a plan that passes the simulator.
 
 `plan_with_milp` takes a warm start (the greedy plan, or for hybrid the recompute-only MILP's plan
-when it is cheaper), solves the MILP (on large graphs first by blocks against the LP bound,
+when it is cheaper), solves the MILP (on small graphs from the LP neighbourhood of the warm plan,
+regen.planner.milp.neighbourhood; on large graphs first by blocks against the LP bound,
 regen.planner.milp.blocks), and replays the plan in the simulator. The MILP's copy channel is a
 per-step relaxation of the runtime's FIFO streams, so a plan whose simulated peak is over the cap is
 repaired: FIFO-order constraints between the swaps whose copy-out windows overlap, and once those are
@@ -19,9 +20,10 @@ from regen.errors import InfeasibleCapError, SolverError
 from regen.formats.plan import ACTION_SWAP, SolverReport
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph
-from regen.planner.milp.blocks import MIN_SOLVER_TIME_S, solve_by_blocks
+from regen.planner.milp.blocks import MIN_SOLVER_TIME_S, solve_by_blocks, time_for_full_solve
 from regen.planner.milp.highs import require_highspy
 from regen.planner.milp.model import CapInfeasible, MilpOptions, Model
+from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
 from regen.planner.milp.solution import MilpResult, solve_model
 from regen.planner.residency import lower_bound_peak
 from regen.planner.result import Choice, StrategyResult
@@ -71,16 +73,20 @@ def _solve_and_repair(graph: PlanningGraph, cap: int, options: MilpOptions, warm
                       lower: int) -> tuple[MilpResult | None, bool]:
     """The first MILP plan that passes the simulator, with repair rounds; (None, timed_out) when none
     does (timed_out: the solver stopped without a plan, and the warm start stands in)."""
-    warm_values = None
+    warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         try:
             model = Model(graph, cap, options)
+            if round_ == 0 and warm is not None and not is_large(graph):
+                start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if round_ == 0 and warm is not None and is_large(graph):
                 result, warm_values = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap, say)
                 if result is not None and simulate(graph, result.choices).fits(cap):
                     return result, False
+                if not time_for_full_solve(deadline, time_limit_s):
+                    return None, True  # the warm start is the plan
             remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
-            result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=warm, progress=say,
+            result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=start, progress=say,
                                  warm_values=warm_values)
         except CapInfeasible:
             if round_ == 0:
