@@ -73,7 +73,7 @@ class PlanFigures:
 
 @dataclass
 class SolverReport:
-    name: str  # "highs", "cbc", or "heuristic"
+    name: str  # "highs" or "heuristic"
     status: str  # optimal | time_limit | heuristic
     objective_s: float | None
     bound_s: float | None  # LP bound on the objective, when the solver gives one
