@@ -54,8 +54,9 @@ def chen(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, sa
 def checkpoint_blocks(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float,
                       say: Say) -> StrategyResult:
     if not heuristics.block_regions(graph):
-        raise RegenError("strategy checkpoint-blocks needs a profile with module calls of repeated blocks "
-                         "(profile the workload with this regen)")
+        raise RegenError("strategy checkpoint-blocks: the profile has no repeated blocks whose calls can be "
+                         "replayed (regen profile records module calls; a block's saved tensors must all be "
+                         "needed after its replay)")
     return _heuristic("checkpoint-blocks", graph, heuristics.checkpoint_blocks(graph), cap)
 
 
