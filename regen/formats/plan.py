@@ -216,7 +216,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             raise FormatError(f"{where}: decisions[{i}] {why}")
     for i, r in enumerate(plan.regions):
         if r.id != i:
-            raise FormatError(f"{where}: regions[{i}] has id {r.id}; regions must be numbered 0..{len(plan.regions) - 1}")
+            raise FormatError(f"{where}: regions[{i}] has id {r.id}; regions are numbered 0..{len(plan.regions) - 1}")
     return plan
 
 

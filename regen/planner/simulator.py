@@ -237,7 +237,8 @@ def _region_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate
     for a in region.inputs:
         ach = choices.get(a)
         if ach is not None and ach.action != ACTION_KEEP:
-            return f"rebuilt by region {region.name}, whose argument {graph.candidates[a].id} is not kept ({ach.action})"
+            return (f"rebuilt by region {region.name}, whose argument {graph.candidates[a].id} is not kept "
+                    f"({ach.action})")
     return None
 
 

@@ -2,8 +2,8 @@
 
 `PlanIndex` holds the decisions by `(producer_op, output_slot)` (each a `DecisionInfo`: shape and dtype
 parsed, recipe anchors and the rebuilt-with link as keys), the recipe op names and randomness, the
-anchors some recipe reads, and the regions (`RegionInfo`: packs as decision keys, found by module call). `index_plan` checks the plan for internal consistency: a plan that
-contradicts itself is a FormatError.
+anchors some recipe reads, and the regions (`RegionInfo`: packs as decision keys, found by module call).
+`index_plan` checks the plan for internal consistency: a plan that contradicts itself is a FormatError.
 """
 
 from __future__ import annotations

@@ -154,8 +154,7 @@ class Model:
                 self.vars[c.index] = v
         if opt.allow_rebuilt_with:
             self._rebuilt_with_vars()
-        if opt.allow_recompute and opt.allow_regions:
-            add_region_vars(self)
+        add_region_vars(self)
         for i, v in self.vars.items():
             want = fixed.get(i)
             chosen = v.actions()
@@ -177,8 +176,7 @@ class Model:
         for v in self.vars.values():
             for k, r in enumerate(v.rec):
                 objective_terms.append((v.c.recipes[k].time_s / tu) * r)
-        for terms in region_time_terms(self).values():
-            objective_terms.extend(terms)
+        objective_terms += [x for terms in region_time_terms(self).values() for x in terms]
         time_obj = pulp.lpSum(objective_terms) + sum(g.time_s) / tu
         if opt.minimize_peak:
             # lexicographic enough: a unit of memory outweighs the whole step time
@@ -193,8 +191,7 @@ class Model:
             return None
         rec_ok = opt.allow_recompute and c.can_recompute and want in (None, ACTION_RECOMPUTE)
         swap_ok = opt.allow_swap and c.can_swap and want in (None, ACTION_SWAP)
-        region_ok = (opt.allow_recompute and opt.allow_regions and bool(c.regions)
-                     and want in (None, ACTION_RECOMPUTE))
+        region_ok = opt.allow_recompute and opt.allow_regions and bool(c.regions) and want in (None, ACTION_RECOMPUTE)
         if not rec_ok and not swap_ok and not region_ok:
             if want not in (None, ACTION_KEEP):
                 raise SolverError(f"candidate {c.id} cannot be {want}")
@@ -292,7 +289,7 @@ class Model:
         g, prob, mu, tu = self.graph, self.prob, self.mem_unit, self.time_unit
         out_at: dict[int, list] = {}
         in_at: dict[int, list] = {}
-        rec_at: dict[int, list] = {}
+        rec_at: dict[int, list] = region_time_terms(self)  # region replays, then recipes, at their steps
         for v in self.vars.values():
             for s, y in v.yout.items():
                 out_at.setdefault(s, []).append((v.c.bytes / mu) * y)
@@ -300,8 +297,6 @@ class Model:
                 in_at.setdefault(s, []).append((v.c.bytes / mu) * y)
             for k, r in enumerate(v.rec):
                 rec_at.setdefault(v.c.first_backward, []).append((v.c.recipes[k].time_s / tu) * r)
-        for s, terms in region_time_terms(self).items():
-            rec_at.setdefault(s, []).extend(terms)
         for s, terms in out_at.items():
             prob += pulp.lpSum(terms) <= g.d2h_bytes_per_s * g.time_s[s] / mu, f"d2h_{s}"
         stalls = []

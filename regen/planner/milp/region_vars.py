@@ -36,7 +36,9 @@ class RegionVars:
 
 def add_region_vars(model: Model) -> None:
     """`z_R` and `reg_{t,R}` for every region with a member that has variables (into model.regions and
-    each member's CandidateVars.regions), with `reg <= z` and the argument constraints."""
+    each member's CandidateVars.regions), with `reg <= z`; none unless the options allow recompute and regions."""
+    if not (model.options.allow_recompute and model.options.allow_regions):
+        return
     prob = model.prob
     for region in model.graph.regions:
         members = [t for t in region.members if t in model.vars and model.vars[t].region_ok]
