@@ -12,17 +12,21 @@ Variants: no plan; per-block `torch.utils.checkpoint`; Hugging Face `gradient_ch
 (models that support it); `torch.compile` with `activation_memory_budget=0.5` (the
 `aot_eager_decomp_partition` backend, which runs the min-cut partitioner that honours the budget);
 `torch.autograd.graph.save_on_cpu` (offload everything); and regen's recompute-only, swap-only and
-hybrid plans solved at caps matched to each peer's measured peak. Everything is reported as a ratio
-to no plan. It writes docs/benchmarks.md with the machine, the date and the command.
+hybrid plans solved at caps matched to each peer's measured peak (rows "regen recompute @ checkpoint
+per block's peak", "@ HF gradient checkpointing's peak"...), each with its plan's predicted step time
+next to the measured one. Everything is reported as a ratio to no plan. It writes docs/benchmarks.md
+with the machine, the date and the command, and with `--json PATH` every row as JSON.
 
     python bench/compare.py                 # all models, writes docs/benchmarks.md
-    python bench/compare.py --models gpt --no-write
+    python bench/compare.py --models gpt --no-write --json rows.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -65,6 +69,7 @@ class Result:
     peak_bytes: int
     step_time_s: float
     note: str = ""
+    predicted_step_time_s: float | None = None  # regen rows: the plan's simulated step time
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Variant:
     handle: object = None  # a regen.apply handle, removed at the end
     increase_bytes: int = 0
     times_s: list = None
+    predicted_s: float | None = None  # regen rows: the plan's simulated step time
 
     def step(self) -> None:
         from contextlib import nullcontext
@@ -157,7 +163,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
         peer_cap = start + peer.increase_bytes
         for strategy in ("recompute", "swap", "hybrid"):
             cap = peer_cap
-            label = f"regen {strategy} @ {peer.name.split(' ')[0]}"
+            label = f"regen {strategy} @ {peer.name}'s peak"
             try:
                 plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S)
             except InfeasibleCapError as exc:
@@ -173,8 +179,10 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
                 plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S)
             w = build(spec)
             v = Variant(label, w, cap_bytes=cap, handle=regen.apply(w.model, plan),
-                        note=f"predicted {plan.simulated.step_time_s / plan.baseline.step_time_s:.2f}x; "
-                             f"{plan.action_counts()['swap']} swap, {plan.action_counts()['recompute']} recompute")
+                        predicted_s=plan.simulated.step_time_s,
+                        note=f"{plan.action_counts()['swap']} swap, {plan.action_counts()['recompute']} recompute"
+                             + (f" ({plan.region_member_count()} by {len(plan.regions)} module replays)"
+                                if plan.regions else ""))
             for _ in range(WARMUP_STEPS):
                 v.step()
             v.increase_bytes = measure_memory(v.step).peak_increase_bytes
@@ -194,7 +202,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
         if v.handle is not None:
             v.handle.remove()
         results.append(Result(name, v.name, v.cap_bytes, start + v.increase_bytes, statistics.median(v.times_s),
-                              v.note))
+                              v.note, v.predicted_s))
     torch._dynamo.reset()
     return results + failed
 
@@ -205,15 +213,19 @@ def table(results: list[Result]) -> str:
         rows = [r for r in results if r.model == model]
         base = next(r for r in rows if r.variant == "no plan")
         lines += [f"### {model}", "",
-                  "| variant | cap | measured peak | peak vs no plan | step time | time vs no plan | note |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| variant | cap | measured peak | peak vs no plan | step time | time vs no plan | predicted time "
+                  "| note |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             if not r.peak_bytes:
-                lines.append(f"| {r.variant} | {r.cap_bytes / 2**20:.1f} MiB | – | – | – | – | {r.note} |")
+                lines.append(f"| {r.variant} | {r.cap_bytes / 2**20:.1f} MiB | – | – | – | – | – | {r.note} |")
                 continue
             cap = f"{r.cap_bytes / 2**20:.1f} MiB" if r.cap_bytes else ""
+            predicted = (f"{r.predicted_step_time_s * 1e3:.1f} ms ({r.predicted_step_time_s / r.step_time_s:.2f} of "
+                         f"measured)" if r.predicted_step_time_s else "")
             lines.append(f"| {r.variant} | {cap} | {r.peak_bytes / 2**20:.1f} MiB | {r.peak_bytes / base.peak_bytes:.2f} "
-                         f"| {r.step_time_s * 1e3:.1f} ms | {r.step_time_s / base.step_time_s:.2f} | {r.note} |")
+                         f"| {r.step_time_s * 1e3:.1f} ms | {r.step_time_s / base.step_time_s:.2f} | {predicted} "
+                         f"| {r.note} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -229,6 +241,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks.md")
     parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--json", metavar="PATH", help="also write every row as JSON (a list of objects) to PATH")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -242,6 +255,9 @@ def main(argv=None) -> int:
         results += bench_model(name, MODELS[name], progress)
     body = table(results)
     print(body)
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
     if not args.no_write:
         command = "python bench/compare.py" + (f" --models {' '.join(args.models)}" if argv else "")
         text = "\n".join([
@@ -256,7 +272,8 @@ def main(argv=None) -> int:
             f"{TIMED_STEPS} forward+backward steps after {WARMUP_STEPS} warm-up steps, taken round-robin over all "
             "variants (one step of each in turn), so machine load hits every variant alike. Ratios are to no "
             "plan, measured side by side in this one run. regen's plans are solved at caps matched to each peer's "
-            "measured peak (`@ checkpoint` = the per-block checkpoint peak, and so on).",
+            "measured peak (`@ checkpoint per block's peak` and so on); the predicted time is the plan's own "
+            "(its simulated step time).",
             "",
             "On a CPU device there is no host/device link: regen's swaps copy to a host buffer counted apart "
             "(not in the measured peak), and `save_on_cpu` moves nothing. Step times on CPU show the cost of "

@@ -6,6 +6,7 @@ from pathlib import Path
 from regen.formats.profile import (
     PROFILE_FORMAT,
     DeviceInfo,
+    ModuleCall,
     OpRecord,
     Profile,
     SavedEntry,
@@ -24,6 +25,7 @@ from regen.formats.plan import (
     Plan,
     PlanFigures,
     RecipeOp,
+    RegionDecision,
     SolverReport,
     PLAN_VERSIONS,
     load_plan,
@@ -32,9 +34,10 @@ from regen.formats.plan import (
 )
 
 __all__ = [
-    "PROFILE_FORMAT", "DeviceInfo", "OpRecord", "Profile", "SavedEntry", "SavedTensor", "StaticMemory",
+    "PROFILE_FORMAT", "DeviceInfo", "ModuleCall", "OpRecord", "Profile", "SavedEntry", "SavedTensor", "StaticMemory",
     "TensorRecord", "load_profile", "op_fingerprint", "save_profile",
-    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "RecipeOp", "SolverReport", "load_plan", "save_plan",
+    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "RecipeOp", "RegionDecision", "SolverReport", "load_plan",
+    "save_plan",
     "load_profile_or_plan",
 ]
 

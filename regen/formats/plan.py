@@ -16,6 +16,11 @@ produced its storage (`producer_op`) and the output slot, with shape and dtype a
   inputs are parameters, the batch, outputs of its own earlier ops, or the candidates listed in
   `recipe_inputs`, which the plan guarantees are resident at that point.
 
+* `recompute` with `region: R` (optional): the tensor is rebuilt by re-running the forward of the
+  module call `Plan.regions[R]` once, before backward op `recompute_before_op` (the region's
+  `replay_before_op`), with no recipe of its own; the replay rebuilds every tensor of the region at
+  once, matched by the order in which the call packed them (`RegionDecision.packs`).
+
 `recipe_ops` describes every op that appears in some recipe (name, randomness) so the runtime can
 check that the op it captured at that index is the op the plan expects.
 """
@@ -56,6 +61,31 @@ class Decision:
     # recompute: rebuilt on the way by the recipe of this SavedTensor id (kept from then until its use),
     # not by a recipe run of its own; `recipe` is then that decision's ops up to this tensor's producer
     rebuilt_with: int | None = None
+    # recompute: rebuilt by replaying the module call Plan.regions[region] (no recipe of its own)
+    region: int | None = None
+
+
+@dataclass
+class RegionDecision:
+    """A module call whose forward the runtime runs again in backward, rebuilding the tensors it saved."""
+
+    id: int  # position in Plan.regions (Decision.region)
+    module: str  # path from the root module, e.g. "blocks.3"
+    call: int  # which call of that module in the forward (0 = first)
+    first_op: int  # its forward op extent (as profiled)
+    last_op: int
+    replay_before_op: int  # the replay runs before this backward op (the first backward use of its tensors)
+    replay_at_unpack: int | None  # ... issued at this position of the step's unpack sequence
+    # one per saved entry packed inside the call, in order: the SavedTensor id the replay's pack at that
+    # position rebuilds, or None (not rebuilt by this region: a parameter, an input, a tensor kept)
+    packs: list[int | None] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # SavedTensor ids among its arguments (kept for it)
+    is_random: bool = False  # draws from the RNG: replayed with the RNG state of the original call
+    time_s: float = 0.0  # the replay's predicted time
+
+    def rebuilt_ids(self) -> list[int]:
+        """The SavedTensor ids the replay rebuilds, in first-pack order."""
+        return list(dict.fromkeys(p for p in self.packs if p is not None))
 
 
 @dataclass
@@ -104,6 +134,11 @@ class Plan:
     format: str = PLAN_FORMAT
     profile_path: str | None = None
     notes: list[str] = field(default_factory=list)
+    regions: list[RegionDecision] = field(default_factory=list)  # module calls replayed in backward
+
+    def region_member_count(self) -> int:
+        """Recompute decisions rebuilt by a region replay (Decision.region)."""
+        return sum(1 for d in self.decisions if d.region is not None)
 
     def rebuilt_count(self) -> int:
         """Recompute decisions rebuilt with another's recipe (Decision.rebuilt_with)."""
@@ -144,6 +179,8 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
                      for i, d in enumerate(require(doc, "decisions", where))]
         recipe_ops = [build_dataclass(RecipeOp, r, f"{where}: recipe_ops[{i}]")
                       for i, r in enumerate(doc.get("recipe_ops") or [])]
+        regions = [build_dataclass(RegionDecision, r, f"{where}: regions[{i}]")
+                   for i, r in enumerate(doc.get("regions") or [])]
         plan = Plan(
             fingerprint=str(require(doc, "fingerprint", where)),
             workload=require(doc, "workload", where),
@@ -161,7 +198,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             profile_path=doc.get("profile_path"), notes=list(doc.get("notes") or []),
             memory_at_start_bytes=int(doc.get("memory_at_start_bytes") or 0),
             baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
-            planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []),
+            planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []), regions=regions,
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed plan ({exc})") from None
@@ -170,14 +207,31 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             raise FormatError(f"{where}: decisions[{i}] has action '{d.action}', expected one of {', '.join(ACTIONS)}")
         if d.action == ACTION_SWAP and (d.swap_out_after_op is None or d.swap_in_before_op is None):
             raise FormatError(f"{where}: decisions[{i}] is a swap without swap_out_after_op/swap_in_before_op")
-        if d.action == ACTION_RECOMPUTE and (d.recompute_before_op is None or not d.recipe):
+        if d.action == ACTION_RECOMPUTE and (d.recompute_before_op is None or not (d.recipe or d.region is not None)):
             raise FormatError(f"{where}: decisions[{i}] is a recompute without recompute_before_op/recipe")
     by_id = {d.saved_tensor: d for d in plan.decisions}
     for i, d in enumerate(plan.decisions):
-        why = rebuilt_with_error(d, by_id)
+        why = rebuilt_with_error(d, by_id) or region_error(d, plan.regions)
         if why:
             raise FormatError(f"{where}: decisions[{i}] {why}")
+    for i, r in enumerate(plan.regions):
+        if r.id != i:
+            raise FormatError(f"{where}: regions[{i}] has id {r.id}; regions are numbered 0..{len(plan.regions) - 1}")
     return plan
+
+
+def region_error(d: Decision, regions: list[RegionDecision]) -> str | None:
+    """Why decision `d`'s `region` does not hold in its plan, or None: a region member is a recompute
+    decision with no recipe, recipe inputs or rebuilt_with of its own, and its region's packs name it."""
+    if d.region is None:
+        return None
+    if not 0 <= d.region < len(regions):
+        return f"names region {d.region}, which the plan does not have"
+    if (d.action != ACTION_RECOMPUTE or d.recipe or d.recipe_inputs or d.rebuilt_with is not None
+            or d.saved_tensor not in regions[d.region].packs):
+        return (f"is rebuilt by region {d.region}, but is not a recompute decision without a recipe of its own "
+                f"whose tensor that region packs")
+    return None
 
 
 def rebuilt_with_error(d: Decision, by_saved_id: dict[int, Decision]) -> str | None:

@@ -20,6 +20,14 @@ Memory
 `OpRecord.memory_after_bytes` is device memory allocated after the op in the unplanned step and
 `memory_peak_bytes` the peak while it ran; both are absolute (they include parameters, gradients,
 optimizer state and the batch, i.e. `memory_at_start_bytes`).
+
+Modules (optional)
+------------------
+`OpRecord.module` is the path from the root module (`blocks.3.mlp`; `""` is the root itself) of the
+innermost module whose forward (or, for a backward op, whose backward) the op ran in, None outside
+any. `Profile.module_calls` lists every call of a submodule in the forward (`ModuleCall`): its first
+and last forward op, its tensor arguments, and the saved entries packed during it. Profiles without
+them load as before; the planner then has no region candidates.
 """
 
 from __future__ import annotations
@@ -58,6 +66,22 @@ class OpRecord:
     is_random: bool = False  # draws from the RNG (dropout, rand*)
     is_inplace: bool = False  # writes into one of its inputs
     is_view: bool = False  # outputs alias an input's storage
+    module: str | None = None  # innermost module running it (path from the root), None outside any
+
+
+@dataclass
+class ModuleCall:
+    """One call of a submodule during the forward: its extent in ops and saved entries."""
+
+    module: str  # path from the root module, e.g. "blocks.3.mlp"
+    call: int  # this module's n-th call in the forward (0 = first)
+    first_op: int  # first forward op dispatched inside the call
+    last_op: int  # last forward op dispatched inside the call
+    inputs: list[int]  # tensor ids of its tensor arguments (flattened args, then kwargs)
+    first_entry: int  # SavedEntry index of the first pack inside the call
+    num_entries: int  # saved entries packed inside the call (from first_entry on, consecutive)
+    buffer_bytes: int = 0  # bytes of the module's buffers (running stats...), snapshot around a replay
+    depth: int = 0  # nesting depth (1 for a child of the root)
 
 
 @dataclass
@@ -150,6 +174,7 @@ class Profile:
     saved_tensors: list[SavedTensor]
     format: str = PROFILE_FORMAT
     notes: list[str] = field(default_factory=list)
+    module_calls: list[ModuleCall] = field(default_factory=list)  # optional: submodule calls of the forward
 
     # ---- convenience -------------------------------------------------------------------------
     @property
@@ -229,6 +254,8 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
                    for i, e in enumerate(require(doc, "saved_entries", where))]
         saved = [build_dataclass(SavedTensor, s, f"{where}: saved_tensors[{i}]")
                  for i, s in enumerate(require(doc, "saved_tensors", where))]
+        calls = [build_dataclass(ModuleCall, c, f"{where}: module_calls[{i}]")
+                 for i, c in enumerate(doc.get("module_calls") or [])]
         profile = Profile(
             workload=require(doc, "workload", where),
             device=build_dataclass(DeviceInfo, require(doc, "device", where), f"{where}: device"),
@@ -241,7 +268,7 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             peak_bytes=int(require(doc, "peak_bytes", where)),
             fingerprint=str(require(doc, "fingerprint", where)),
             ops=ops, tensors=tensors, saved_entries=entries, saved_tensors=saved,
-            format=str(doc["format"]), notes=list(doc.get("notes") or []),
+            format=str(doc["format"]), notes=list(doc.get("notes") or []), module_calls=calls,
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None
@@ -264,3 +291,9 @@ def _check_consistency(profile: Profile, where: str) -> None:
             raise FormatError(f"{where}: saved tensor {s.id} has a backward use outside 0..{n - 1}")
         if s.bytes < 0:
             raise FormatError(f"{where}: saved tensor {s.id} has negative bytes")
+    num_entries = len(profile.saved_entries)
+    for c in profile.module_calls:
+        if not (0 <= c.first_op <= c.last_op < n) or c.num_entries < 0 or c.first_entry + c.num_entries > max(
+                num_entries, c.first_entry):
+            raise FormatError(f"{where}: module call {c.module!r} #{c.call} refers to ops or saved entries outside "
+                              f"the profile")

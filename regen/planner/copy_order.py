@@ -39,8 +39,10 @@ def latest_copy_in_steps(graph: PlanningGraph, choices: dict[int, Choice], stall
     begin, now = [], 0.0
     rec_at = [0.0] * g.num_steps
     for ch_i, ch in choices.items():
-        if ch.action == ACTION_RECOMPUTE:
+        if ch.action == ACTION_RECOMPUTE and ch.recipe is not None:
             rec_at[g.candidates[ch_i].first_backward] += ch.recipe.time_s
+    for r in {ch.region for ch in choices.values() if ch.region is not None}:
+        rec_at[g.regions[r].replay_step] += g.regions[r].time_s
     for s in range(g.num_steps):
         now += rec_at[s] + stall_s.get(s, 0.0)
         begin.append(now)
@@ -48,7 +50,7 @@ def latest_copy_in_steps(graph: PlanningGraph, choices: dict[int, Choice], stall
     # a swapped tensor is needed at its first backward use, or earlier by a recipe that reads it
     need_at = {c.index: c.first_backward for c, _ in swaps}
     for ch_i, ch in choices.items():
-        if ch.action == ACTION_RECOMPUTE:
+        if ch.action == ACTION_RECOMPUTE and ch.recipe is not None:
             at = g.candidates[ch_i].first_backward
             for a in ch.recipe.anchors:
                 if a in need_at and not resident_without_plan(g.candidates[a], at):

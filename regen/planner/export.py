@@ -2,13 +2,15 @@
 become choices again for the simulator.
 
 This is the one place where candidate indices (inside the planner) and SavedTensor ids (in files) are
-converted, for the decisions, recipe inputs and the "rebuilt with" link.
+converted, for the decisions, recipe inputs and the "rebuilt with" link, and where the planner's
+regions (indices into PlanningGraph.regions) become the Plan's (`Plan.regions`, the chosen ones only).
 """
 
 from __future__ import annotations
 
 from regen.errors import RegenError
-from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp
+from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
+                                RegionDecision)
 from regen.planner.graph import PlanningGraph
 from regen.planner.recipes import Recipe, recipe_transient_bytes
 from regen.planner.result import Choice, StrategyResult
@@ -23,6 +25,9 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
                      if e.unpack_order is not None and e.unpack_before_op is not None)
     first_unpack = min((o for _, o in unpacks), default=None)
     decisions = []
+    regions = _region_decisions(graph, result.choices)
+    plan_region = {r.index: k for k, r in enumerate(graph.regions[i] for i in sorted(
+        {ch.region for ch in result.choices.values() if ch.region is not None}))}
     recipe_ops: dict[int, RecipeOp] = {}
     host_intervals = []  # (copy-out issued after, copy-in needed at, bytes) of every tensor in host memory
     for c in graph.candidates:
@@ -35,6 +40,9 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
             d.swap_in_before_op = ch.swap_in_step
             d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
             host_intervals.append((c.issue_after, c.first_backward, c.bytes))
+        elif ch.action == ACTION_RECOMPUTE and ch.region is not None:
+            d.region = plan_region[ch.region]
+            d.recompute_before_op = graph.regions[ch.region].replay_step
         elif ch.action == ACTION_RECOMPUTE:
             d.recompute_before_op = c.first_backward
             if ch.rebuilt_with is not None:
@@ -60,18 +68,40 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         memory_at_start_bytes=int(profile.memory_at_start_bytes),
         decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
         baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
-        notes=list(result.notes) + _figure_notes(decisions, compute),
+        notes=list(result.notes) + _figure_notes(decisions, compute), regions=regions,
     )
+
+
+def _region_decisions(graph: PlanningGraph, choices: dict[int, Choice]) -> list[RegionDecision]:
+    """The Plan's regions: the chosen ones in region order, each with the SavedTensor ids it rebuilds at
+    the positions of their packs inside the call."""
+    rebuilt: dict[int, set[int]] = {}
+    for i, ch in choices.items():
+        if ch.region is not None:
+            rebuilt.setdefault(ch.region, set()).add(i)
+    out = []
+    for r in sorted(rebuilt):
+        region = graph.regions[r]
+        call = region.call
+        packs = [graph.candidates[t].id if t is not None and t in rebuilt[r] else None for t in region.packs]
+        out.append(RegionDecision(
+            id=len(out), module=call.module, call=call.call, first_op=call.first_op, last_op=call.last_op,
+            replay_before_op=region.replay_step, replay_at_unpack=region.replay_at_unpack, packs=packs,
+            inputs=[graph.candidates[a].id for a in region.inputs], is_random=region.is_random,
+            time_s=region.time_s))
+    return out
 
 
 def _figure_notes(decisions: list[Decision], compute_time_s: float) -> list[str]:
     counts = {a: sum(1 for d in decisions if d.action == a) for a in (ACTION_KEEP, ACTION_SWAP, ACTION_RECOMPUTE)}
     rebuilt = sum(1 for d in decisions if d.rebuilt_with is not None)
+    by_region = sum(1 for d in decisions if d.region is not None)
     return [
         "step times are the profile's measured step time plus the plan's added time over the sum of op times "
         f"({compute_time_s:.6g} s)",
         f"actions: keep {counts[ACTION_KEEP]}, swap {counts[ACTION_SWAP]}, recompute {counts[ACTION_RECOMPUTE]}"
-        + (f" ({rebuilt} of them rebuilt with another's recipe)" if rebuilt else ""),
+        + (f" ({rebuilt} of them rebuilt with another's recipe)" if rebuilt else "")
+        + (f" ({by_region} of them rebuilt by a module replay)" if by_region else ""),
     ]
 
 
@@ -104,11 +134,18 @@ def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
     ops = graph.profile.ops
     tensors = graph.profile.tensor_by_id()
     choices: dict[int, Choice] = {}
+    region_index = {(r.call.module, r.call.call): r.index for r in graph.regions}
     for d in plan.decisions:
         c = by_id.get(d.saved_tensor)
         if c is None:
             raise RegenError(f"plan decision for saved tensor {d.saved_tensor}, which the profile does not have")
-        if d.action == ACTION_SWAP:
+        if d.action == ACTION_RECOMPUTE and d.region is not None:
+            pr = plan.regions[d.region]
+            r = region_index.get((pr.module, pr.call))
+            if r is None:
+                raise RegenError(f"plan region {pr.module!r} call {pr.call}, which is no region of the profile")
+            choices[c.index] = Choice(ACTION_RECOMPUTE, region=r)
+        elif d.action == ACTION_SWAP:
             choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op)
         elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
             other = by_id.get(d.rebuilt_with)

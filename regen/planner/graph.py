@@ -2,7 +2,8 @@
 
 * one `Candidate` per saved tensor: bytes, producer p, last forward use f, first/last backward use
   b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
-  the recompute options (regen.planner.recipes);
+  the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
+  replayed in backward: regen.planner.regions);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
   whatever the action, t is resident on [p, f] and [b, e]; an action only removes t's bytes from
   steps of its gap, so planned memory = unplanned memory - bytes of candidates not resident then
@@ -22,6 +23,7 @@ import networkx as nx
 from regen.errors import RegenError
 from regen.formats.profile import Profile, SavedTensor
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes
+from regen.planner.regions import Region, add_regions
 
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
 MAX_WINDOW_STEPS = 32  # ... and at most this many: keeps the MILP O(candidates x window)
@@ -49,6 +51,7 @@ class Candidate:
     # recipes of other candidates that rebuild this one on the way, as (candidate index, recipe option),
     # run at or before this one's first backward use: "rebuilt with" one, it costs no compute of its own
     rebuilt_with_options: list[tuple[int, int]] = field(default_factory=list)
+    regions: list[int] = field(default_factory=list)  # regions (PlanningGraph.regions) that may rebuild it
 
     @property
     def id(self) -> int:
@@ -96,6 +99,7 @@ class PlanningGraph:
     # issues copy-ins at unpacks (docs/internals.md), so a copy-in can only start right before an op that
     # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
     copy_in_starts: list[int] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime
@@ -168,6 +172,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
         _set_windows(graph, c)
     add_recipes(graph)
     add_rebuilt_with_options(graph)
+    add_regions(graph)
     return graph
 
 

@@ -5,6 +5,10 @@
   walks through the dropped candidates back to kept ones). Every dropped candidate gets a recipe of
   its own (none is rebuilt with another's), so a segment of k candidates costs up to k(k+1)/2 op
   replays rather than Chen's one: a comparison point, not a competitor.
+* `checkpoint_blocks`: per-block activation checkpointing (`torch.utils.checkpoint` on each repeated
+  block) in regen's terms: every block call is a region replayed in backward and rebuilds all its
+  members, except those another block holds as its argument (the next block's input), which are kept;
+  tensors outside the blocks are kept. A peer for comparison, and a warm start of the MILP.
 * `greedy`: simulator-driven: while the simulated peak is over the cap, take candidates not resident
   at the worst step by cheapest cost per byte (recompute time, or a swap's estimated exposed
   transfer), checking recipe inputs stay resident. Its plans are simulator-feasible by construction.
@@ -50,6 +54,33 @@ def chen(graph: PlanningGraph) -> dict[int, Choice]:
             break
         dropped -= failed
     return choices
+
+
+def checkpoint_blocks(graph: PlanningGraph) -> dict[int, Choice]:
+    """Per-block checkpointing as region decisions (see the module doc)."""
+    blocks = block_regions(graph)
+    held = {a for r in blocks for a in r.inputs}
+    choices: dict[int, Choice] = {}
+    for r in blocks:
+        for t in r.members:
+            if t not in held and t not in choices:
+                choices[t] = Choice(ACTION_RECOMPUTE, region=r.index)
+    return choices
+
+
+def block_regions(graph: PlanningGraph) -> list:
+    """The regions of the model's repeated blocks: calls of the modules `P.0`, `P.1`, ... of the parent
+    path P with the most such children (the shallowest on a tie), as regen.models.repeated_blocks
+    finds the longest ModuleList."""
+    groups: dict[str, list] = {}
+    for r in graph.regions:
+        parent, _, last = r.call.module.rpartition(".")
+        if last.isdigit():
+            groups.setdefault(parent, []).append(r)
+    if not groups:
+        return []
+    parent = max(groups, key=lambda p: (len({r.call.module for r in groups[p]}), -p.count(".")))
+    return groups[parent]
 
 
 def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_recompute: bool = True,

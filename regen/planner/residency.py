@@ -50,6 +50,8 @@ def lower_bound_peak(graph: PlanningGraph, allow_swap: bool = True, allow_recomp
         lo = hi = None
         if allow_recompute and c.can_recompute:
             lo, hi = c.gap.start, c.gap.stop
+        elif allow_recompute and c.regions:  # gone until the latest of its regions' replays
+            lo, hi = c.gap.start, max(graph.regions[r].replay_step for r in c.regions)
         elif allow_swap and c.can_swap:
             lo, hi = max(c.gap.start, c.out_window[0] + 1), c.in_window[-1]
         if lo is not None and hi > lo:

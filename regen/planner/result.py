@@ -1,7 +1,8 @@
 """What a strategy decides: a `Choice` per candidate and the `StrategyResult` every strategy returns.
 
 Inside the planner a candidate is named by its index in `PlanningGraph.candidates`, also in
-`Choice.rebuilt_with`; regen.planner.export turns indices into SavedTensor ids for the Plan. A choices
+`Choice.rebuilt_with`, and a region by its index in `PlanningGraph.regions` (`Choice.region`);
+regen.planner.export turns indices into SavedTensor ids (and Plan.regions) for the Plan. A choices
 dict maps candidate index -> Choice and holds only non-keep choices (absent means keep).
 """
 
@@ -21,6 +22,7 @@ class Choice:
     recipe: Recipe | None = None
     swap_in_step: int | None = None  # the copy-in starts before this op
     rebuilt_with: int | None = None  # recompute: rebuilt by this candidate's recipe (Candidate.rebuilt_with_options)
+    region: int | None = None  # recompute: rebuilt by replaying this region (PlanningGraph.regions), no recipe
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The simulator: replays a plan over its profile and reports peak memory, step time and the timeline.
 
 Three timelines, as the runtime runs them (the timing pass):
-* the compute stream runs the profiled ops in order; before op s it runs the recipes of candidates
+* the compute stream runs the profiled ops in order; before op s it replays the regions due there
+  (their time, and their transient while they run: regen.planner.regions), runs the recipes of candidates
   recomputed there (`recompute_before_op`), and waits for the copy-ins of tensors op s reads (and of
   recipe inputs that are swapped) to finish;
 * a device-to-host copy stream (FIFO): a swapped tensor's copy-out is issued when op
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
+from regen.planner.regions import region_transient_bytes
 from regen.planner.residency import resident_without_plan
 from regen.planner.result import Choice
 
@@ -58,6 +60,7 @@ class _Events:
     swap_out_at: dict[int, list[Candidate]] = field(default_factory=dict)
     swap_in_at: dict[int, list[Candidate]] = field(default_factory=dict)
     recompute_at: dict[int, list[Candidate]] = field(default_factory=dict)
+    rebuilt_by: dict[int, set[int]] = field(default_factory=dict)  # chosen region -> members it rebuilds
     reads_at: dict[int, list[Candidate]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
@@ -98,6 +101,12 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
             ev.swap_out_at.setdefault(c.issue_after, []).append(c)
             ev.swap_in_at.setdefault(sin, []).append(c)
             ev.reads_at.setdefault(c.first_backward, []).append(c)
+        elif ch.action == ACTION_RECOMPUTE and ch.region is not None:
+            why = _region_error(graph, choices, c, ch.region)
+            if why:
+                ev.errors.append(f"candidate {c.id}: {why}")
+            else:
+                ev.rebuilt_by.setdefault(ch.region, set()).add(c.index)
         elif ch.action == ACTION_RECOMPUTE:
             if ch.recipe is None:
                 ev.errors.append(f"candidate {c.id}: recompute without a recipe")
@@ -128,12 +137,19 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         if in_done[i] > now:
             now = in_done[i]
 
+    replays_at: dict[int, list[int]] = {}
+    for r in ev.rebuilt_by:
+        replays_at.setdefault(graph.regions[r].replay_step, []).append(r)
+
     for s in range(n):
         begin[s] = now
         for c in sorted(ev.swap_in_at.get(s, []), key=lambda c: (c.first_backward, c.index)):
             t0 = max(now, h2d_free, out_done.get(c.index, now))
             h2d_free = t0 + c.bytes / graph.h2d_bytes_per_s
             in_done[c.index] = h2d_free
+        for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.regions)
+            now += graph.regions[r].time_s
+            transient_at[s] += region_transient_bytes(graph, graph.regions[r], ev.rebuilt_by[r])
         for c in ev.recompute_at.get(s, []):
             recipe = choices[c.index].recipe
             for a in recipe.anchors:
@@ -177,6 +193,8 @@ def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timi
         if ch.action == ACTION_RECOMPUTE:
             if ch.rebuilt_with is not None:  # resident once the other recipe has run (before its op b)
                 b = min(b, cands[ch.rebuilt_with].first_backward)
+            if ch.region is not None:  # resident once the region has been replayed
+                b = min(b, graph.regions[ch.region].replay_step)
             _add(saved_during, f + 1, b, c.bytes)
             _add(saved_after, f, b, c.bytes)
         elif ch.action == ACTION_SWAP and c.index in timing.out_done:
@@ -207,6 +225,20 @@ def _rebuilt_with_error(graph: PlanningGraph, choices: dict[int, Choice], c: Can
         return f"rebuilt with candidate {rid}, whose recipe does not run op {c.producer}"
     if graph.candidates[r].first_backward > c.first_backward:
         return f"rebuilt with candidate {rid}, whose recipe runs after this one's first use"
+    return None
+
+
+def _region_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate, r: int) -> str | None:
+    """Why `c` cannot be rebuilt by region `r` in this plan, or None: it must be one of the region's
+    members, and the region's argument candidates must be kept (the runtime holds them)."""
+    if not 0 <= r < len(graph.regions) or c.index not in graph.regions[r].members:
+        return f"rebuilt by region {r}, which cannot rebuild it"
+    region = graph.regions[r]
+    for a in region.inputs:
+        ach = choices.get(a)
+        if ach is not None and ach.action != ACTION_KEEP:
+            return (f"rebuilt by region {region.name}, whose argument {graph.candidates[a].id} is not kept "
+                    f"({ach.action})")
     return None
 
 

@@ -3,15 +3,16 @@
 * `hybrid`: the MILP over keep / swap / recompute (regen.planner.milp.search);
 * `recompute`, `swap`: the same MILP with one action switched off;
 * `str`: STR's formulation (regen.planner.str_milp), for comparison;
-* `keep-all`, `chen`: heuristics for comparison (regen.planner.heuristics); a heuristic plan over the
-  cap is an InfeasibleCapError naming the strategy's own peak.
+* `keep-all`, `chen`, `checkpoint-blocks` (per-block checkpointing as region decisions): heuristics for
+  comparison (regen.planner.heuristics); a heuristic plan over the cap is an InfeasibleCapError naming
+  the strategy's own peak.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from regen.errors import InfeasibleCapError
+from regen.errors import InfeasibleCapError, RegenError
 from regen.formats.plan import SolverReport
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph
@@ -50,9 +51,18 @@ def chen(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, sa
     return _heuristic("chen", graph, heuristics.chen(graph), cap)
 
 
+def checkpoint_blocks(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float,
+                      say: Say) -> StrategyResult:
+    if not heuristics.block_regions(graph):
+        raise RegenError("strategy checkpoint-blocks: the profile has no repeated blocks whose calls can be "
+                         "replayed (regen profile records module calls; a block's saved tensors must all be "
+                         "needed after its replay)")
+    return _heuristic("checkpoint-blocks", graph, heuristics.checkpoint_blocks(graph), cap)
+
+
 STRATEGIES: dict[str, Callable[[PlanningGraph, int, float, float, Say], StrategyResult]] = {
     "hybrid": hybrid, "recompute": recompute, "swap": swap, "str": str_formulation, "keep-all": keep_all,
-    "chen": chen,
+    "chen": chen, "checkpoint-blocks": checkpoint_blocks,
 }
 
 

@@ -2,9 +2,10 @@
 
 * `profile_workload(workload, device, repeats, warmup_steps, progress)` -> `Profile` (regen.profiler.record)
 
-Modules: capture (dispatch mode + saved-tensor hooks, following docs/internals.md), memory (per-op
-memory: CUDA allocator counters, or live storages on CPU), bandwidth (host<->device probe), environment
-(device, versions, static memory), record (the phases of a profile). `regen show` is regen.show.
+Modules: capture (dispatch mode + saved-tensor hooks, following docs/internals.md), modules (each op's
+module path, each submodule call's extent), memory (per-op memory: CUDA allocator counters, or live
+storages on CPU), bandwidth (host<->device probe), environment (device, versions, static memory),
+record (the phases of a profile). `regen show` is regen.show.
 """
 
 from regen.profiler.record import profile_workload, record_step

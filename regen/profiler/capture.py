@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -42,6 +42,7 @@ from regen.formats.profile import (
     KIND_INPUT,
     KIND_PARAMETER,
     PHASE_FORWARD,
+    ModuleCall,
     OpRecord,
     SavedEntry,
     SavedTensor,
@@ -99,6 +100,7 @@ class _RawOp:
     is_random: bool = False
     is_inplace: bool = False
     is_view: bool = False
+    module: str | None = None
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Capture:
     saved_tensors: list[SavedTensor]
     memory_at_start_bytes: int
     notes: list[str] = field(default_factory=list)
+    module_calls: list[ModuleCall] = field(default_factory=list)
 
     @property
     def op_names(self) -> list[str]:
@@ -149,6 +152,7 @@ class StepRecorder:
         self._level_before_op = 0
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
         self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
+        self.current_module: Callable[[], str | None] = lambda: None  # the op's module path (profiler/modules.py)
         # Storages that exist before the step: their bytes are the memory at start (CPU bookkeeping).
         for kind, tensors, permanent in ((KIND_PARAMETER, parameters, True), (KIND_BUFFER, buffers, True),
                                          (KIND_INPUT, held, True), (KIND_INPUT, known_inputs, False)):
@@ -266,7 +270,7 @@ class StepRecorder:
             name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
             memory_peak_rel_bytes=peak, memory_before_rel_bytes=self._level_before_op,
             new_bytes=sum(info.nbytes for info in new_storages), is_random=random, is_inplace=inplace,
-            is_view=opinfo.is_view(func)))
+            is_view=opinfo.is_view(func), module=self.current_module()))
 
     # ---- the autograd side ----------------------------------------------------------------------
     def pack(self, x: torch.Tensor) -> Any:
@@ -320,7 +324,8 @@ class StepRecorder:
             peak = max(peak, after)
             ops.append(OpRecord(index=i, name=raw.name, phase=raw.phase, time_s=0.0, inputs=raw.inputs,
                                 outputs=raw.outputs, memory_after_bytes=after, memory_peak_bytes=peak,
-                                is_random=raw.is_random, is_inplace=raw.is_inplace, is_view=raw.is_view))
+                                is_random=raw.is_random, is_inplace=raw.is_inplace, is_view=raw.is_view,
+                                module=raw.module))
         num_forward = sum(1 for op in ops if op.phase == PHASE_FORWARD)
         notes = []
         entries: list[SavedEntry] = []

@@ -7,7 +7,8 @@ Phases, in order (each announced through `progress`):
 2. plain timing: `repeats` uninstrumented forward+backward steps (`step_time_s`, median) each followed by
    a separately timed optimizer step (`optimizer_step_time_s`, median);
 3. the recorded step: one forward+backward under the capture mode and saved-tensor hooks (op sequence,
-   tensors, saved tensors, memory timeline; see regen.profiler.capture);
+   tensors, saved tensors, memory timeline; see regen.profiler.capture), with module hooks naming each
+   op's module and recording each submodule call's extent (regen.profiler.modules);
 4. op timing: `repeats` steps under a timing-only mode (and pass-through saved-tensor hooks, so the op
    sequence is the recorded one); each must dispatch exactly the recorded op sequence, and every op's
    `time_s` is the median over them;
@@ -47,6 +48,7 @@ from regen.profiler.environment import (
     unique_storage_bytes,
 )
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker
+from regen.profiler.modules import ModuleRecorder
 from regen.workloads import Workload, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
@@ -133,7 +135,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         peak_bytes=max((op.memory_peak_bytes for op in capture.ops), default=capture.memory_at_start_bytes),
         fingerprint=op_fingerprint(capture.ops, capture.tensors),
         ops=capture.ops, tensors=capture.tensors, saved_entries=capture.saved_entries,
-        saved_tensors=capture.saved_tensors, notes=notes,
+        saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
     )
 
 
@@ -150,7 +152,9 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     recorder = StepRecorder(tracker, parameters=list(model.parameters()), buffers=list(model.buffers()),
                             known_inputs=batch_tensors, held=list(extra_inputs) + grads)
-    with allocator_events if allocator_events is not None else nullcontext():
+    modules = ModuleRecorder(model, recorder)
+    recorder.current_module = modules.current
+    with allocator_events if allocator_events is not None else nullcontext(), modules:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             with CaptureMode(recorder):
                 try:
@@ -164,6 +168,7 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
                         raise recorder.internal_error from None
                     raise
     capture = recorder.finish(allocator_events.in_op_peaks() if allocator_events is not None else None)
+    capture.module_calls = modules.calls
     if allocator_events is not None and not allocator_events.available:
         capture.notes.append("another torch.profiler was running: kernel-internal temporaries not measured")
     return capture

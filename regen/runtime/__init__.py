@@ -8,6 +8,7 @@
 * candidates.py: one step's candidates: keep, swap or drop at pack, resident again at unpack;
 * swap_queue.py: one step's copy-outs, copy-in schedule and release; swap.py: the host pool and copies;
 * recompute.py: capture of recipe ops in forward and their replay in backward;
+* regions.py: capture of a region's module call in forward and its replay (the module's forward) in backward;
 * plan_index.py: the plan's lookup tables; stats.py: the handle's counters.
 """
 

@@ -11,8 +11,12 @@ forward ops (the loss included) until the plan's `num_forward_ops` have run or b
   the host pool, a handle returned: swap_queue.py, swap.py) or dropped for recompute (a handle
   returned; its recipe ops were captured as they ran: forward_ops.py, recompute.py);
 * unpack: counts the step's unpacks (the backward clock of docs/internals.md), issues the copy-ins
-  scheduled at that position, and rebuilds the entry over its restored or recomputed storage
-  (candidates.py).
+  and region replays scheduled at that position, and rebuilds the entry over its restored or recomputed
+  storage (candidates.py).
+
+Plans with regions (`Plan.regions`) also get a forward pre-hook and a forward hook on each region's
+module: the step captures the region's call (arguments, RNG and autocast state) and replays the
+module's forward in backward (regions.py), rebuilding every tensor the plan gives to the region.
 
 The first planned step also hashes the forward ops and compares the result with `plan.fingerprint`.
 Any mismatch raises `PlanMismatchError`, or with `on_mismatch="keep"` warns and keeps every later
@@ -20,9 +24,9 @@ tensor of that step.
 
 What a step verified and recorded comes back to the handle when its forward ends (`StepFindings`) and
 shapes the later steps (docs/internals.md "Pack-order fast path"): once a step is verified, later steps
-match packs by order. For a plan without recompute decisions (keep-all, swap-only) they push no dispatch
-mode at all; with recompute decisions they keep it until their last tracked op has run, doing the
-minimum per op (forward_ops.py).
+match packs by order. For a plan without recipes (keep-all, swap-only, regions) they push no dispatch
+mode at all; with recipes they keep it until their last tracked op has run, doing the minimum per op
+(forward_ops.py).
 
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
@@ -38,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
-from regen.errors import RegenError
+from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan, load_plan
 from regen.runtime.forward_ops import FastOps
 from regen.runtime.packing import PackRecord
@@ -92,7 +96,7 @@ class RegenHandle:
         self._hooks = [
             self.root.register_forward_pre_hook(self._pre_hook),
             self.root.register_forward_hook(self._post_hook, always_call=True),
-        ]
+        ] + self._region_hooks()
 
     # ---- public ---------------------------------------------------------------------------------------
     def __enter__(self) -> "RegenHandle":
@@ -208,6 +212,33 @@ class RegenHandle:
             self.live_steps.remove(step)
             if followed_plan:
                 self.stats.planned_steps += 1
+
+    # ---- region modules -------------------------------------------------------------------------------
+    def _region_hooks(self) -> list:
+        """A pre-hook and a hook on each module a plan region replays, reporting its calls to the step."""
+        hooks = []
+        for path in dict.fromkeys(r.region.module for r in self.index.regions.values()):
+            try:
+                module = self.root.get_submodule(path)
+            except AttributeError:
+                raise PlanMismatchError(f"regen.apply: the plan replays module {path!r}, which this model does not "
+                                        f"have; profile and solve for this model") from None
+            hooks.append(module.register_forward_pre_hook(self._region_pre_hook(path), with_kwargs=True))
+            hooks.append(module.register_forward_hook(self._region_post_hook, always_call=True))
+        return hooks
+
+    def _region_pre_hook(self, path: str):
+        def pre_hook(module, args, kwargs):
+            step = self.current
+            if step is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                step.region_called(path, module, args, kwargs)
+
+        return pre_hook
+
+    def _region_post_hook(self, module, args, output):
+        step = self.current
+        if step is not None and torch._C._current_graph_task_id() == -1:
+            step.region_returned(module)
 
     # ---- devices --------------------------------------------------------------------------------------
     def engine_for(self, device: torch.device) -> SwapEngine:

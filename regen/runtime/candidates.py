@@ -6,7 +6,8 @@ tensor over its storage), swapped (the `SwapQueue` copies it out) or dropped for
 ops were captured as they ran); a swapped or dropped entry is packed as a `Saved`. In backward
 `materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
 by its recipe (`recompute.replay_recipe`), which also hands over the candidates rebuilt with it
-(docs/internals.md "Rebuilt with another's recipe"), held until their own use. A resident storage is
+(docs/internals.md "Rebuilt with another's recipe"), held until their own use, or by replaying its
+region's module call (regions.py), which rebuilds all of the region's dropped members at once. A resident storage is
 dropped after its last use (its first unpacks and the recipes reading it); everything else the
 candidate holds goes when autograd frees its last handle, or when the step is released.
 """
@@ -22,6 +23,7 @@ from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.opinfo import storage_key
 from regen.runtime.plan_index import DecisionInfo, PlanIndex
 from regen.runtime.recompute import CapturedOp, replay_recipe
+from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import CopyIn, CopyOut, Geometry
 from regen.runtime.swap_queue import SwapQueue
@@ -70,11 +72,13 @@ class CandidateTable:
     """The candidates of one step by key, with the handles autograd holds on them."""
 
     def __init__(self, index: PlanIndex, captures: dict[int, CapturedOp], swaps: SwapQueue, stats: RuntimeStats,
-                 mismatch: Callable[[str], None], handles_gone: Callable[[], None]):
+                 mismatch: Callable[[str], None], handles_gone: Callable[[], None], regions: RegionReplays):
         """`captures`: the step's recipe captures (forward_ops.py); `mismatch(message)`: the step's
-        mismatch; `handles_gone()`: called when autograd has freed every handle of the step."""
+        mismatch; `handles_gone()`: called when autograd has freed every handle of the step; `regions`:
+        the step's region calls (regions.py)."""
         self.index = index
         self.captures = captures
+        self.regions = regions
         self.swaps = swaps
         self.stats = stats
         self._mismatch = mismatch
@@ -118,6 +122,14 @@ class CandidateTable:
 
     def _start_drop(self, cand: Candidate) -> bool:
         info = cand.info
+        if info.region is not None:
+            if not self.regions.captured(info.region):
+                self._mismatch(f"op {cand.key[0]}'s output is rebuilt by replaying module "
+                               f"{self.index.regions[info.region].region.module!r}, whose call this step did not "
+                               f"capture")
+                return False
+            self.stats.dropped_tensors += 1
+            return True
         missing = [r for r in info.decision.recipe if r not in self.captures]
         if missing:
             self._mismatch(f"the recipe of op {cand.key[0]} needs ops {missing}, which were not captured")
@@ -142,6 +154,13 @@ class CandidateTable:
             if cand.mode == ACTION_KEEP and cand.storage._version != cand.version:
                 raise PlanMismatchError(f"regen.apply: op {cand.key[0]}'s output, read by a recompute recipe, was "
                                         f"modified in place after it was saved")
+            return cand.storage
+        if cand.mode == ACTION_RECOMPUTE and cand.info.region is not None:
+            self.replay_region(cand.info.region)  # backward reached it before the planned unpack
+            if cand.storage is None:
+                raise PlanMismatchError(f"regen.apply: replaying module "
+                                        f"{self.index.regions[cand.info.region].region.module!r} did not rebuild op "
+                                        f"{cand.key[0]}'s output; the plan does not fit this run")
             return cand.storage
         if cand.mode == ACTION_RECOMPUTE:
             if cand.info.rebuilt_with is not None:
@@ -188,6 +207,26 @@ class CandidateTable:
                 if a_cand is not None:
                     self.used(a_cand)
         return result
+
+    def replay_region(self, rid: int) -> None:
+        """Replay region `rid` (once) and hold what it rebuilt for the members dropped in this step."""
+        waiting = [k for k in self.regions.index.regions[rid].pack_keys
+                   if k is not None and (c := self.cands.get(k)) is not None and c.mode == ACTION_RECOMPUTE
+                   and c.storage is None and not c.released]
+        if not waiting:
+            return
+        rebuilt = self.regions.replay(rid)
+        if not rebuilt:
+            return
+        self.stats.region_replays += 1
+        for key in waiting:
+            cand = self.cands[key]
+            tensor = rebuilt.get(key)
+            if tensor is None or tensor.untyped_storage().nbytes() != cand.info.decision.bytes:
+                raise PlanMismatchError(f"regen.apply: replaying module {self.index.regions[rid].region.module!r} "
+                                        f"rebuilt op {key[0]}'s output with another size; the plan does not fit "
+                                        f"this model")
+            cand.storage = tensor
 
     def used(self, cand: Candidate) -> None:
         """One use of the candidate is done (a first unpack, a recipe that read it); after its last one

@@ -1,19 +1,20 @@
 """The plan read once into the lookup tables the runtime matches against.
 
 `PlanIndex` holds the decisions by `(producer_op, output_slot)` (each a `DecisionInfo`: shape and dtype
-parsed, recipe anchors and the rebuilt-with link as keys), the recipe op names and randomness, and the
-anchors some recipe reads. `index_plan` checks the plan for internal consistency: a plan that
-contradicts itself is a FormatError.
+parsed, recipe anchors and the rebuilt-with link as keys), the recipe op names and randomness, the
+anchors some recipe reads, and the regions (`RegionInfo`: packs as decision keys, found by module call).
+`index_plan` checks the plan for internal consistency: a plan that contradicts itself is a FormatError.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from regen.errors import FormatError
-from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, rebuilt_with_error
+from regen.formats.plan import (ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, RegionDecision, rebuilt_with_error,
+                                region_error)
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -35,6 +36,15 @@ class DecisionInfo:
     anchors: tuple[tuple[int, int], ...] = ()  # recipe_inputs as (producer_op, output_slot)
     rebuilt_with: tuple[int, int] | None = None  # the decision whose recipe rebuilds this one (Decision.rebuilt_with)
     rebuilds: tuple[tuple[int, int], ...] = ()  # decisions rebuilt with this one's recipe, kept for their use
+    region: int | None = None  # rebuilt by replaying Plan.regions[region] (Decision.region)
+
+
+@dataclass
+class RegionInfo:
+    """A plan region with its packs as decision keys."""
+
+    region: RegionDecision
+    pack_keys: tuple[tuple[int, int] | None, ...]  # per pack of the call: the member rebuilt there, or None
 
 
 @dataclass
@@ -47,8 +57,11 @@ class PlanIndex:
     recipe_op_random: dict[int, bool]
     anchor_keys: frozenset  # candidates some recompute decision reads
     num_forward_ops: int
-    has_recompute: bool = False  # any recompute (fast steps then keep a minimal dispatch mode)
+    has_recompute: bool = False  # any recompute decision
+    has_recipes: bool = False  # any recompute decision with a recipe (fast steps then keep a minimal dispatch mode)
     swap_bytes: int = 0
+    regions: dict[int, RegionInfo] = field(default_factory=dict)  # by RegionDecision.id
+    region_by_call: dict[tuple[str, int], int] = field(default_factory=dict)  # (module, call) -> region id
 
 
 def index_plan(plan: Plan) -> PlanIndex:
@@ -76,6 +89,12 @@ def index_plan(plan: Plan) -> PlanIndex:
     for info in decisions.values():
         d = info.decision
         if info.action != ACTION_RECOMPUTE:
+            continue
+        why = region_error(d, plan.regions)
+        if why:
+            raise FormatError(f"{where}: saved tensor {d.saved_tensor} {why}")
+        if d.region is not None:
+            info.region = d.region
             continue
         if not d.recipe or info.key[0] not in d.recipe:
             raise FormatError(f"{where}: the recipe of saved tensor {d.saved_tensor} does not run its producer "
@@ -109,6 +128,31 @@ def index_plan(plan: Plan) -> PlanIndex:
         rebuilder_info.rebuilds = rebuilder_info.rebuilds + (info.key,)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
     has_recompute = any(i.action == ACTION_RECOMPUTE for i in decisions.values())
+    has_recipes = any(i.action == ACTION_RECOMPUTE and i.region is None for i in decisions.values())
+    regions = _index_regions(plan, by_saved, where)
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
                      anchor_keys=frozenset(anchors), num_forward_ops=n_fwd,
-                     has_recompute=has_recompute, swap_bytes=swap_bytes)
+                     has_recompute=has_recompute, has_recipes=has_recipes, swap_bytes=swap_bytes, regions=regions,
+                     region_by_call={(r.region.module, r.region.call): rid for rid, r in regions.items()})
+
+
+def _index_regions(plan: Plan, by_saved: dict[int, Decision], where: str) -> dict[int, RegionInfo]:
+    """The plan's regions with their packs as decision keys; a region pack names a decision rebuilt by it."""
+    out = {}
+    for i, r in enumerate(plan.regions):
+        if r.id != i:
+            raise FormatError(f"{where}: regions[{i}] has id {r.id}")
+        keys = []
+        for sid in r.packs:
+            if sid is None:
+                keys.append(None)
+                continue
+            d = by_saved.get(sid)
+            if d is None or d.region != i:
+                raise FormatError(f"{where}: region {i} ({r.module!r}) rebuilds saved tensor {sid}, which is not a "
+                                  f"decision rebuilt by it")
+            keys.append((d.producer_op, d.output_slot))
+        if (r.module, r.call) in {(o.region.module, o.region.call) for o in out.values()}:
+            raise FormatError(f"{where}: two regions for call {r.call} of module {r.module!r}")
+        out[i] = RegionInfo(region=r, pack_keys=tuple(keys))
+    return out

@@ -16,4 +16,5 @@ class RuntimeStats:
     swapped_bytes: int = 0
     dropped_tensors: int = 0  # dropped in forward for recompute
     recomputes: int = 0  # recipe replays
+    region_replays: int = 0  # module calls run again in backward (Plan.regions)
     synchronous_copy_ins: int = 0  # copy-ins issued at their consumer instead of their planned unpack

@@ -7,8 +7,9 @@ hands the candidates to its `CandidateTable` (keep, swap, drop for recompute). A
 forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHASE_CLOSED): later packs
 keep, pending copy-outs let go of their device storage, and the step hands its handle `StepFindings`
 (what it verified and recorded for later steps). In backward the unpack hook counts the unpacks (the
-backward clock of docs/internals.md), issues the copy-ins due (swap_queue.py) and rebuilds each entry
-over its restored or recomputed storage.
+backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap_queue.py,
+regions.py) and rebuilds each entry over its restored or recomputed storage. The handle's hooks on the
+plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
 and keeps every later tensor of the step. The step is released (host ranges, device copies, captures)
@@ -29,6 +30,7 @@ from regen.runtime.candidates import CandidateTable, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch
 from regen.runtime.plan_index import PlanIndex
+from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine, view_of
 from regen.runtime.swap_queue import SwapQueue
@@ -108,8 +110,10 @@ class Step:
         self.swaps = SwapQueue(ctx.engine_for, ctx.pool, ctx.stats)
         self._pending_copy_outs = self.swaps.pending_copy_outs
         self._copy_ins = self.swaps.copy_ins
+        self.regions = RegionReplays(ctx.index, ctx.pause_tracker, self.mismatch, self.forward_packs)
+        self._regions_due = list(self.regions.due)
         self.cands = CandidateTable(ctx.index, self.ops.captures, self.swaps, ctx.stats, self.mismatch,
-                                    self._maybe_release)
+                                    self._maybe_release, self.regions)
         self.unpack_count = 0
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
@@ -151,12 +155,27 @@ class Step:
         verified = self.was_verified or self.verified
         if self.matcher is None or not self.planned or self.failed or not verified or not self.ops.all_ran:
             return StepFindings(verified=self.verified)
-        if not self.index.has_recompute:
+        if not self.index.has_recipes:  # keep, swap and region decisions: packs by order, no dispatch mode
             return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording))
         fast_ops = self.ops.fast_ops_for_later_steps()
         if fast_ops is None:
             return StepFindings(verified=self.verified)
         return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording), fast_ops=fast_ops)
+
+    def forward_packs(self) -> int:
+        """Tensors packed in this step's forward so far (matched by writer map or by order)."""
+        if self.sequence is not None:
+            return self.pack_count
+        return len(self.matcher.recording) if self.matcher is not None else 0
+
+    # ---- region module calls (the handle's module hooks) --------------------------------------------
+    def region_called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.phase != PHASE_CLOSED and self.planned:
+            self.regions.called(path, module, args, kwargs)
+
+    def region_returned(self, module: nn.Module) -> None:
+        if self.phase != PHASE_CLOSED:
+            self.regions.returned(module)
 
     def mismatch(self, message: str):
         if self.ctx.on_mismatch == "raise":
@@ -247,6 +266,9 @@ class Step:
         copy_ins = self._copy_ins
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)
+        due = self._regions_due
+        while due and due[0][0] <= k:  # module calls replayed at this position of the backward clock
+            self.cands.replay_region(due.pop(0)[1])
         if not isinstance(obj, Saved):
             return obj
         cand = obj.cand
@@ -271,6 +293,7 @@ class Step:
         self.phase = PHASE_CLOSED
         self.swaps.flush(wait_all=True)
         self.cands.release_all()
+        self.regions.release()
         self.ops.release()
         self.swaps.clear()
         self.released = True

@@ -21,6 +21,9 @@ The formulation of docs/milp.md, O(candidates x window) in size:
   variables at change points only (`S_k = S_{k-1} + changes`), and the cap becomes a lower bound on
   S over each segment where the resident set cannot change: max unplanned memory in it - S <= cap
   (plus recipe transients at b). Segments already under the cap get no constraint.
+* regions (regen.planner.milp.region_vars): `z_R` replays module call R at its replay step, a member t
+  may be rebuilt by it (`reg_{t,R}`, one of t's actions: gone from f_t+1 until the replay), its
+  arguments are kept, its time and transient are charged at the replay step;
 * objective: sum_s T_s.
 
 Memory is in units of `mem_unit` bytes, time in `time_unit` seconds, so coefficients stay near 1.
@@ -38,6 +41,8 @@ from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.milp.highs import new_var
+from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
+                                            region_time_terms, region_transients)
 from regen.planner.residency import resident_without_plan, unplanned_step_bytes
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
@@ -57,6 +62,7 @@ class MilpOptions:
     allow_rebuilt_with: bool = True  # a candidate may be rebuilt with another's recipe
     fifo_pairs: list[tuple[int, int]] = field(default_factory=list)  # (issued first, issued later)
     step_margin_bytes: dict[int, int] = field(default_factory=dict)  # extra headroom at steps (repair)
+    allow_regions: bool = True  # with allow_recompute: module calls replayed in backward (milp/region_vars.py)
 
 
 class CapInfeasible(Exception):
@@ -76,10 +82,13 @@ class CandidateVars:
     yin: dict = field(default_factory=dict)
     # (candidate r, its recipe option k, binary): rebuilt with r's recipe k
     rebuilt_with: list = field(default_factory=list)
+    region_ok: bool = False  # may be rebuilt by a region (Candidate.regions)
+    regions: list = field(default_factory=list)  # (region index, binary reg_{t,R}): rebuilt by region R
 
     def actions(self) -> list:
         """The binaries of every non-keep action (their sum is at most 1)."""
-        return self.rec + [x for _, _, x in self.rebuilt_with] + ([self.swap] if self.swap is not None else [])
+        return (self.rec + [x for _, _, x in self.rebuilt_with] + [x for _, x in self.regions]
+                + ([self.swap] if self.swap is not None else []))
 
     def od_expr(self, j: int):
         """Copy-out complete by the end of step j: 0 before the first break, swap_t from the last."""
@@ -97,6 +106,9 @@ class CandidateVars:
             out[r] = out.get(r, 0) + 1
         for ri, _, x in self.rebuilt_with:
             if s < graph.candidates[ri].first_backward:
+                out[x] = out.get(x, 0) + 1
+        for ri, x in self.regions:
+            if s < graph.regions[ri].replay_step:
                 out[x] = out.get(x, 0) + 1
         od = self.od_expr(s - 1)
         if od is not None:
@@ -129,6 +141,7 @@ class Model:
         self.vars: dict[int, CandidateVars] = {}
         self.stall: dict[int, object] = {}
         self.segments: list[tuple[int, int, object]] = []  # (first step, last step, S variable)
+        self.regions: dict[int, RegionVars] = {}  # region index -> its variables (milp/region_vars.py)
         self.cap_var = None
         self._build()
 
@@ -141,6 +154,7 @@ class Model:
                 self.vars[c.index] = v
         if opt.allow_rebuilt_with:
             self._rebuilt_with_vars()
+        add_region_vars(self)
         for i, v in self.vars.items():
             want = fixed.get(i)
             chosen = v.actions()
@@ -153,6 +167,7 @@ class Model:
             if v.swap is not None:
                 self._swap_constraints(v)
         self._anchor_constraints()
+        add_region_input_constraints(self)
         for a, b in opt.fifo_pairs:
             self._fifo_constraint(a, b)
         objective_terms = self._channel_constraints()
@@ -161,6 +176,7 @@ class Model:
         for v in self.vars.values():
             for k, r in enumerate(v.rec):
                 objective_terms.append((v.c.recipes[k].time_s / tu) * r)
+        objective_terms += [x for terms in region_time_terms(self).values() for x in terms]
         time_obj = pulp.lpSum(objective_terms) + sum(g.time_s) / tu
         if opt.minimize_peak:
             # lexicographic enough: a unit of memory outweighs the whole step time
@@ -175,11 +191,12 @@ class Model:
             return None
         rec_ok = opt.allow_recompute and c.can_recompute and want in (None, ACTION_RECOMPUTE)
         swap_ok = opt.allow_swap and c.can_swap and want in (None, ACTION_SWAP)
-        if not rec_ok and not swap_ok:
+        region_ok = opt.allow_recompute and opt.allow_regions and bool(c.regions) and want in (None, ACTION_RECOMPUTE)
+        if not rec_ok and not swap_ok and not region_ok:
             if want not in (None, ACTION_KEEP):
                 raise SolverError(f"candidate {c.id} cannot be {want}")
             return None
-        v = CandidateVars(c=c, rec=[])
+        v = CandidateVars(c=c, rec=[], region_ok=region_ok)
         i = c.index
         if rec_ok:
             v.rec = [new_var(f"rec_{i}_{k}", 0, 1, cat=pulp.LpBinary) for k in range(len(c.recipes))]
@@ -272,7 +289,7 @@ class Model:
         g, prob, mu, tu = self.graph, self.prob, self.mem_unit, self.time_unit
         out_at: dict[int, list] = {}
         in_at: dict[int, list] = {}
-        rec_at: dict[int, list] = {}
+        rec_at: dict[int, list] = region_time_terms(self)  # region replays, then recipes, at their steps
         for v in self.vars.values():
             for s, y in v.yout.items():
                 out_at.setdefault(s, []).append((v.c.bytes / mu) * y)
@@ -319,7 +336,7 @@ class Model:
             margin = max((margin_at.get(s, 0) for s in range(s0, s1 + 1)), default=0)
             seg_peak = max(unplanned_step_bytes(g, s) for s in range(s0, s1 + 1)) + margin
             trans = transients.get(s0, [])
-            worst_trans = sum(coef for coef, _ in trans) * mu
+            worst_trans = sum(coef for coef, _ in trans if coef > 0) * mu
             self.segments.append((s0, s1, var))
             if self.cap_var is not None:
                 prob += var + self.cap_var >= seg_peak / mu, f"mem_{s0}"
@@ -344,6 +361,7 @@ class Model:
             f, b = c.last_forward, c.first_backward
             points = {f + 1, b}
             points.update(g.candidates[ri].first_backward for ri, _, _ in v.rebuilt_with)
+            points.update(g.regions[ri].replay_step for ri, _ in v.regions)
             if v.swap is not None:
                 points.update(s + 1 for s in c.out_breaks)
                 points.update(c.in_breaks)
@@ -360,4 +378,5 @@ class Model:
                 tb = c.recipes[k].transient_bytes
                 if tb:
                     transients.setdefault(b, []).append((tb / mu, r))
+        region_transients(self, transients)
         return changes, transients

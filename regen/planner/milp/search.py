@@ -112,12 +112,15 @@ def is_large(graph: PlanningGraph) -> bool:
 
 def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
                say: Say) -> dict[int, Choice] | None:
-    """The greedy plan, or for hybrid the recompute-only MILP's plan when it is cheaper (it solves fast:
-    few binaries), so the hybrid search starts from a plan at least as good as recompute-only's."""
+    """The greedy plan, per-block checkpointing (when the profile has regions), or for hybrid the
+    recompute-only MILP's plan (it solves fast: few binaries), whichever is the fastest under the cap, so
+    the search starts from a plan at least as good as each of them."""
     candidates = []
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_recompute)
     if greedy is not None:
         candidates.append(("greedy", greedy))
+    if allow_recompute and graph.regions:  # per-block checkpointing: the MILP starts no worse than it
+        candidates.append(("checkpoint-blocks", heuristics.checkpoint_blocks(graph)))
     if allow_swap and allow_recompute:
         # the recompute-only MILP (few binaries: a plan in seconds), with the rebuilt-with options
         # (sharing rebuilt work is often most of what recompute-only plans gain) or, when that finds

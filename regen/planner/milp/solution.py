@@ -20,6 +20,7 @@ from regen.planner.copy_order import latest_copy_in_steps
 from regen.planner.milp.highs import SOLVER_THREADS, run_highs, size_message, value_of
 from regen.planner.milp.model import DEFAULT_REL_GAP, CapInfeasible, Model
 from regen.planner.recipes import rebuilt_with_recipe
+from regen.planner.regions import region_transient_bytes
 from regen.planner.residency import unplanned_step_bytes
 from regen.planner.result import Choice
 from regen.units import format_duration
@@ -107,6 +108,9 @@ def read_choices(model: Model) -> dict[int, Choice]:
             if (x.varValue or 0) > BINARY_THRESHOLD:
                 out[i] = Choice(ACTION_RECOMPUTE, recipe=rebuilt_with_recipe(model.graph, v.c, ri, k),
                                 rebuilt_with=ri)
+        for ri, x in v.regions:
+            if (x.varValue or 0) > BINARY_THRESHOLD:
+                out[i] = Choice(ACTION_RECOMPUTE, region=ri)
         if v.swap is not None and (v.swap.varValue or 0) > BINARY_THRESHOLD:
             start = next(s for s in v.c.in_breaks if value_of(v.is_expr(s)) > BINARY_THRESHOLD)
             out[i] = Choice(ACTION_SWAP, swap_in_step=start)
@@ -129,6 +133,10 @@ def predicted_peak_bytes(model: Model) -> int:
         for k, r in enumerate(v.rec):
             if value_of(r) > BINARY_THRESHOLD:
                 trans[v.c.first_backward] += v.c.recipes[k].transient_bytes
+    for rv in model.regions.values():
+        if value_of(rv.z) > BINARY_THRESHOLD:
+            rebuilt = {t for t, x in rv.members.items() if value_of(x) > BINARY_THRESHOLD}
+            trans[rv.region.replay_step] += region_transient_bytes(g, rv.region, rebuilt)
     peak = 0
     for s in range(n):
         saved = (value_of(seg_of[s]) * model.mem_unit) if seg_of[s] is not None else 0.0
@@ -142,6 +150,7 @@ def step_time_s(model: Model) -> float:
     for v in model.vars.values():
         for k, r in enumerate(v.rec):
             total += value_of(r) * v.c.recipes[k].time_s
+    total += sum(value_of(rv.z) * rv.region.time_s for rv in model.regions.values())
     total += sum(value_of(s) for s in model.stall.values()) * model.time_unit
     return total
 
@@ -157,6 +166,8 @@ def warm_start_values(model: Model, choices: dict[int, Choice]) -> dict[str, flo
             other = choices.get(ri, Choice())
             values[x.name] = 1.0 if (ch.rebuilt_with == ri and other.recipe is model.graph.candidates[ri].recipes[k]) \
                 else 0.0
+        for ri, x in v.regions:
+            values[x.name] = 1.0 if ch.region == ri else 0.0
         if v.swap is not None:
             on = ch.action == ACTION_SWAP
             values[v.swap.name] = 1.0 if on else 0.0
@@ -164,4 +175,7 @@ def warm_start_values(model: Model, choices: dict[int, Choice]) -> dict[str, flo
                 values[x.name] = 0.0  # copy-out done only at the window's end (always feasible)
             for s, x in v.is_.items():
                 values[x.name] = 1.0 if on and ch.swap_in_step is not None and s >= ch.swap_in_step else 0.0
+    chosen = {ch.region for ch in choices.values() if ch.region is not None}
+    for r, rv in model.regions.items():
+        values[rv.z.name] = 1.0 if r in chosen else 0.0
     return values

@@ -1,0 +1,176 @@
+"""Region candidates: module calls whose forward the runtime can run again in backward.
+
+A *region* is one call of a submodule (`Profile.module_calls`) replayed once in backward, the way
+`torch.utils.checkpoint` (non-reentrant) re-runs a checkpointed function: just before the first of the
+tensors packed during the call is needed (`replay_step`, b_R: the first backward op after the first
+unpack of one of its entries; the runtime issues it at that unpack, `replay_at_unpack`), re-running the
+module's forward from its arguments rebuilds every tensor the call saved at once. A candidate produced
+inside the call with an entry packed inside it and no backward use before b_R is a *member*: it may be
+rebuilt by the region (a per-candidate choice, docs/milp.md), and is then gone from after its last
+forward use until b_R and resident from b_R to its last backward use. The replay also makes a copy of
+every other candidate produced inside (`produced`), and its own intermediates (`transient_bytes`), freed
+when the replay ends.
+
+A call is a region only if its replay is exact and its memory is what the planner charges:
+* every op in it is a forward op, and every activation an op in it reads that was produced before the
+  call is (a view of) one of its arguments;
+* every argument that is an activation is a candidate: the runtime holds the arguments from the call to
+  the replay, so a chosen region requires its argument candidates (`inputs`) kept;
+* no op in it writes in place a storage made before the call, except module buffers (BatchNorm's
+  running stats), which the runtime restores after the replay (their bytes are part of the transient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
+
+if TYPE_CHECKING:
+    from regen.planner.graph import PlanningGraph
+
+
+@dataclass
+class Region:
+    """One replayable module call (see the module doc)."""
+
+    index: int  # position in PlanningGraph.regions
+    call: ModuleCall
+    replay_step: int  # b_R
+    replay_at_unpack: int | None
+    members: list[int]  # candidate indices it may rebuild
+    produced: list[int]  # candidate indices produced inside with an entry inside (members included)
+    inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
+    packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
+    time_s: float  # the replay: the call's profiled op times
+    transient_bytes: int  # replay intermediates besides `produced`, and the buffers' snapshot
+    is_random: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.call.module}#{self.call.call}"
+
+
+def add_regions(graph: PlanningGraph) -> None:
+    """Every region of the profile's module calls (graph.regions), and each candidate's `regions`."""
+    profile = graph.profile
+    if not profile.module_calls:
+        return
+    tensors = profile.tensor_by_id()
+    cand_by_storage = {}
+    for c in graph.candidates:
+        cand_by_storage.setdefault(c.saved.storage, c)
+    for call in profile.module_calls:
+        region = _region_of(graph, call, tensors, cand_by_storage, len(graph.regions))
+        if region is not None:
+            graph.regions.append(region)
+            for t in region.members:
+                graph.candidates[t].regions.append(region.index)
+
+
+def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_storage: dict,
+               index: int) -> Region | None:
+    """The region of one module call, or None when it is not replayable (see the module doc)."""
+    profile = graph.profile
+    ops = profile.ops
+    if call.depth < 1 or call.num_entries <= 0 or ops[call.last_op].phase != PHASE_FORWARD:
+        return None
+    extent = range(call.first_op, call.last_op + 1)
+    input_storages = {tensors[x].storage for x in call.inputs if x in tensors}
+    inputs = []
+    for st in input_storages:
+        rec = next(tensors[x] for x in call.inputs if x in tensors and tensors[x].storage == st)
+        if rec.kind != KIND_ACTIVATION:
+            continue
+        cand = cand_by_storage.get(st)
+        if cand is None:
+            return None  # an activation argument no backward saves: holding it would cost unplanned memory
+        inputs.append(cand.index)
+    created_inside = set()
+    for q in extent:
+        op = ops[q]
+        for x in op.inputs:
+            rec = tensors.get(x)
+            if rec is None or rec.producer_op is None or rec.producer_op >= call.first_op:
+                continue
+            if rec.storage not in input_storages and rec.storage not in created_inside:
+                return None  # reads an activation made before the call that is not an argument
+        for o in op.outputs:
+            rec = tensors.get(o)
+            if rec is None:
+                continue
+            if op.is_inplace:
+                if rec.storage not in created_inside and rec.kind != KIND_BUFFER:
+                    return None  # writes in place a storage made before the call
+            elif not op.is_view:
+                created_inside.add(rec.storage)
+    entries = profile.saved_entries[call.first_entry:call.first_entry + call.num_entries]
+    by_id = graph.by_saved_id()
+    produced = {}
+    for e in entries:
+        c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None
+        if c is not None and call.first_op <= c.producer <= call.last_op and e.unpack_order is not None:
+            produced.setdefault(c.index, []).append(e)
+    if not produced:
+        return None
+    first = min((e for es in produced.values() for e in es), key=lambda e: e.unpack_order)
+    b = first.unpack_before_op if first.unpack_before_op is not None else min(
+        graph.candidates[t].first_backward for t in produced)
+    members = [t for t in produced if _can_be_member(graph.candidates[t], b)]
+    if not members:
+        return None
+    member_set = set(members)
+    packs = []
+    for e in entries:
+        c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None
+        packs.append(c.index if c is not None and c.index in member_set else None)
+    produced_storages = {graph.candidates[t].saved.storage for t in produced}
+    return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
+                  produced=sorted(produced), inputs=sorted(inputs), packs=packs,
+                  time_s=float(sum(graph.time_s[q] for q in extent)),
+                  transient_bytes=_replay_transient_bytes(profile, tensors, extent, produced_storages)
+                  + int(call.buffer_bytes),
+                  is_random=any(ops[q].is_random for q in extent))
+
+
+def _can_be_member(c, replay_step: int) -> bool:
+    """Rebuilt by a replay at `replay_step`: not needed before it, and gone for at least one step."""
+    return (not c.trivial and c.bytes > 0 and c.first_backward >= replay_step
+            and c.last_forward + 1 < replay_step)
+
+
+def _replay_transient_bytes(profile, tensors: dict, extent: range, produced_storages: set[int]) -> int:
+    """Peak bytes of the replay's own intermediates: each storage an op of the call creates lives until
+    its last read inside the call (to the end when a later forward op reads it: the call's output);
+    the produced candidates are charged apart."""
+    ops = profile.ops
+    last = extent[-1]
+    last_read: dict[int, int] = {}
+    for op in ops[extent[0]:]:
+        if op.phase != PHASE_FORWARD:
+            break
+        for x in op.inputs:
+            rec = tensors.get(x)
+            if rec is not None:
+                last_read[rec.storage] = min(op.index, last + 1)
+    live: dict[int, int] = {}
+    peak = 0
+    for q in extent:
+        op = ops[q]
+        if not op.is_view and not op.is_inplace:
+            for o in op.outputs:
+                rec = tensors.get(o)
+                if rec is not None and rec.storage not in produced_storages and rec.storage_bytes:
+                    live[rec.storage] = rec.storage_bytes
+        peak = max(peak, sum(live.values()))
+        for st in [st for st in live if last_read.get(st, -1) <= q]:
+            del live[st]
+    return int(peak)
+
+
+def region_transient_bytes(graph: PlanningGraph, region: Region, rebuilt: set[int]) -> int:
+    """A replay's transient when it rebuilds the members in `rebuilt`: its intermediates and buffer
+    snapshot, and its copy of every produced candidate it does not rebuild (docs/milp.md "Regions")."""
+    return region.transient_bytes + sum(graph.candidates[u].bytes for u in region.produced if u not in rebuilt)

@@ -1,0 +1,204 @@
+"""Region replays: a module call held in forward and run again in backward (Plan.regions).
+
+In forward, the handle's hooks on each region's module tell the step about every call of it
+(`RegionReplays.called` / `.returned`): the call whose number is the region's (`RegionDecision.call`)
+is captured as a `RegionCall`: the module, its arguments (held until the replay: the plan keeps them),
+the RNG state when the region draws from it (CPU, and the CUDA device's), the autocast state and the
+grad mode, and the number of tensors autograd packed during it (the plan's `packs` must match).
+
+In backward, `replay` runs the module's forward again once, as torch.utils.checkpoint (non-reentrant)
+does, with the RNG state, autocast state and grad mode of the original call, under saved-tensor hooks
+that take the k-th tensor the replay packs for the plan's k-th pack of the call: a tensor over the
+storage of the member rebuilt there. The module's buffers are swapped for copies during the replay, so
+running statistics (BatchNorm's running mean and var, num_batches_tracked) are not updated twice and
+the originals are not written at all. Nothing is replayed op by op: the module's own forward runs at
+native speed, with the handle's dispatch mode paused. A replay that packs another number of tensors,
+or a member of another size, is a PlanMismatchError: never an approximate rebuild.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from regen.errors import PlanMismatchError
+from regen.runtime.plan_index import PlanIndex, RegionInfo
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class RegionCall:
+    """The captured call of one region in one step."""
+
+    info: RegionInfo
+    module: nn.Module
+    args: tuple | None
+    kwargs: dict | None
+    grad_enabled: bool
+    autocast: tuple  # (device type, enabled, dtype) per device type, as at the call
+    autocast_cache: bool
+    packs_at_call: int  # the step's forward packs before the call
+    cpu_rng_state: torch.Tensor | None = None
+    cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
+    packed: int | None = None  # packs during the call, once it returned
+    replayed: bool = False
+
+
+class RegionReplays:
+    """One step's region calls: captured in forward, replayed in backward."""
+
+    def __init__(self, index: PlanIndex, pause_tracker: Callable, mismatch: Callable[[str], None],
+                 forward_packs: Callable[[], int]):
+        """`pause_tracker()`: a context during which the handle's dispatch mode counts nothing;
+        `mismatch(message)`: the step's; `forward_packs()`: the step's forward packs so far."""
+        self.index = index
+        self._pause = pause_tracker
+        self._mismatch = mismatch
+        self._forward_packs = forward_packs
+        self.call_counts: dict[str, int] = {}
+        self.calls: dict[int, RegionCall] = {}  # region id -> its captured call
+        self._open: list[RegionCall] = []
+        # (unpack position, region id), in order: the replays the backward clock issues
+        self.due: list[tuple[int, int]] = sorted((r.region.replay_at_unpack, rid) for rid, r in index.regions.items()
+                                                 if r.region.replay_at_unpack is not None)
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call of a region module in the step's forward: capture it when it is the region's call."""
+        call = self.call_counts.get(path, 0)
+        self.call_counts[path] = call + 1
+        rid = self.index.region_by_call.get((path, call))
+        if rid is None:
+            return
+        info = self.index.regions[rid]
+        rc = RegionCall(info=info, module=module, args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
+                        autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                                       for d in _AUTOCAST_DEVICES),
+                        autocast_cache=torch.is_autocast_cache_enabled(), packs_at_call=self._forward_packs())
+        if info.region.is_random:
+            rc.cpu_rng_state = torch.get_rng_state()
+            device = _module_device(module)
+            if device is not None and device.type == "cuda":
+                rc.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
+        self.calls[rid] = rc
+        self._open.append(rc)
+
+    def returned(self, module: nn.Module) -> None:
+        """A region module's call returned: check the packs of a captured call against the plan."""
+        if not self._open or self._open[-1].module is not module:
+            return
+        rc = self._open.pop()
+        rc.packed = self._forward_packs() - rc.packs_at_call
+        expected = len(rc.info.pack_keys)
+        if rc.packed != expected:
+            self._mismatch(f"module {rc.info.region.module!r} saved {rc.packed} tensors during its call, the plan "
+                           f"expects {expected}")
+
+    def captured(self, rid: int) -> bool:
+        """The region's call ran in this step's forward (its members can be dropped)."""
+        return rid in self.calls
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def replay(self, rid: int) -> dict[tuple[int, int], torch.Tensor]:
+        """Run the region's module again; the rebuilt storages by member key. Once per step."""
+        rc = self.calls.get(rid)
+        if rc is None or rc.replayed:
+            return {}
+        if rc.packed is None:
+            raise PlanMismatchError(f"regen.apply: module {rc.info.region.module!r} is replayed before its call "
+                                    f"returned; the plan does not fit this run")
+        rc.replayed = True
+        keys = rc.info.pack_keys
+        packed: list[torch.Tensor | None] = []
+
+        def pack(x):
+            k = len(packed)
+            with torch._C._DisableTorchDispatch():
+                packed.append(x.detach() if k < len(keys) and keys[k] is not None else None)
+            return None
+
+        def unpack(_):
+            raise PlanMismatchError("regen.apply: a region replay's graph was run backward")
+
+        args, kwargs = rc.args, rc.kwargs
+        rc.args = rc.kwargs = None  # the arguments are needed no more after the replay
+        with self._pause(), _state_of(rc), _buffers_copied(rc.module), \
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = rc.module(*args, **kwargs)
+        del out, args, kwargs
+        if len(packed) != len(keys):
+            raise PlanMismatchError(f"regen.apply: replaying module {rc.info.region.module!r} saved {len(packed)} "
+                                    f"tensors, its call in forward saved {len(keys)}; the plan does not fit this model")
+        rebuilt = {}
+        for key, t in zip(keys, packed):
+            if key is not None and key not in rebuilt:
+                rebuilt[key] = t
+        return rebuilt
+
+    def release(self) -> None:
+        """Let go of every captured call (arguments, RNG states)."""
+        self.calls.clear()
+        self._open.clear()
+
+
+def _module_device(module: nn.Module) -> torch.device | None:
+    for p in module.parameters():
+        return p.device
+    for b in module.buffers():
+        return b.device
+    return None
+
+
+class _state_of:
+    """Grad mode, autocast state and RNG state of the original call, for the replay; the ambient RNG
+    state is restored after it."""
+
+    def __init__(self, rc: RegionCall):
+        self.rc = rc
+        self.contexts = [torch.enable_grad() if rc.grad_enabled else torch.no_grad()]
+        for device, enabled, dtype in rc.autocast:
+            if enabled or torch.is_autocast_enabled(device):
+                self.contexts.append(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                    cache_enabled=rc.autocast_cache))
+        self.ambient_cpu = self.ambient_cuda = None
+
+    def __enter__(self):
+        rc = self.rc
+        if rc.cpu_rng_state is not None:
+            self.ambient_cpu = torch.get_rng_state()
+            torch.set_rng_state(rc.cpu_rng_state)
+        if rc.cuda_rng_state is not None:
+            device, state = rc.cuda_rng_state
+            self.ambient_cuda = torch.cuda.get_rng_state(device)
+            torch.cuda.set_rng_state(state, device)
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+        if self.ambient_cpu is not None:
+            torch.set_rng_state(self.ambient_cpu)
+        if self.ambient_cuda is not None:
+            torch.cuda.set_rng_state(self.ambient_cuda, self.rc.cuda_rng_state[0])
+
+
+class _buffers_copied:
+    """The module's buffers (all of its submodules') replaced by copies while it replays, so the replay
+    neither updates running statistics a second time nor bumps the originals' version counters."""
+
+    def __init__(self, module: nn.Module):
+        self.saved = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+
+    def __enter__(self):
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            for m, name, b in self.saved:
+                m._buffers[name] = b.clone()
+
+    def __exit__(self, *exc):
+        for m, name, b in self.saved:
+            m._buffers[name] = b

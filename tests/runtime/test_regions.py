@@ -1,0 +1,228 @@
+"""Region plans in the runtime: module calls replayed in backward (Plan.regions).
+
+Plans come from real profiles: per-block checkpointing (`checkpoint-blocks`) and the recompute MILP
+solved with regions as the only way to recompute (per-tensor recipes switched off), at a cap between
+per-block checkpointing's peak and the unplanned one, so some regions rebuild only part of what they
+saved. Gradients and module buffers (BatchNorm running stats) are bitwise those of the unplanned run,
+on the verified step and on the fast path; the measured peak is within the cap + 5% and within 10% of
+the simulator; mismatches, exceptions, gradient accumulation and 50 steps behave as for other plans.
+"""
+
+import functools
+import gc
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import regen
+from common import accumulate_grads, assert_nothing_left, assert_same, make, run_and_grads, step
+from regen.errors import PlanMismatchError
+from regen.measure import measure_memory
+from regen.runtime import PlanMismatchWarning
+
+CAP_TOLERANCE = 0.05
+SIMULATOR_TOLERANCE = 0.10
+KINDS = ["blocks", "milp"]
+
+
+@functools.lru_cache(maxsize=None)
+def _region_plan(name: str, kind: str):
+    """(workload, profile, plan) of a region plan for a built-in workload (see the module doc)."""
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    w = make(name)
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    blocks = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+    if kind == "blocks":
+        return w, profile, blocks
+    cap = (blocks.simulated.peak_bytes + profile.peak_bytes) // 2
+    with mock.patch("regen.planner.graph.add_recipes", lambda graph: None):
+        plan = solve(profile, memory_cap_bytes=cap, strategy="recompute", time_limit_s=30)
+    return w, profile, plan
+
+
+def _buffers(model):
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def _set_buffers(model, values):
+    with torch.no_grad():
+        for k, v in values.items():
+            model.get_buffer(k).copy_(v)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2"])
+def test_gradients_and_buffers_are_bitwise_the_unplanned_ones(name, kind):
+    w, _, plan = _region_plan(name, kind)
+    assert plan.regions and plan.region_member_count() > 0
+    start = _buffers(w.model)
+    reference = []
+    for _ in range(2):
+        reference.append((run_and_grads(w), _buffers(w.model)))
+    _set_buffers(w.model, start)
+    with regen.apply(w.model, plan) as handle:
+        for ref_grads, ref_buffers in reference:  # the verified step, then the pack-order fast path
+            assert_same(ref_grads, run_and_grads(w))
+            got = _buffers(w.model)
+            for k in ref_buffers:
+                assert torch.equal(ref_buffers[k], got[k]), f"buffer {k} differs"
+    stats = handle.stats
+    counts = plan.action_counts()
+    assert stats.planned_steps == 2 and stats.region_replays == 2 * len(plan.regions)
+    assert stats.dropped_tensors == 2 * counts["recompute"]
+    assert stats.recomputes == 2 * (counts["recompute"] - plan.rebuilt_count() - plan.region_member_count())
+    assert_nothing_left(handle, w.model)
+
+
+def test_a_model_without_replayable_blocks_is_one_clear_error():
+    """mlp's layers save their ReLU output, which the next layer (or the head) reads first in backward:
+    no layer call can rebuild it, so there are no regions."""
+    from regen.errors import RegenError
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    w = make("mlp")
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
+    with pytest.raises(RegenError, match="no repeated blocks"):
+        solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2"])
+def test_measured_peak_is_within_the_cap_and_the_simulator(name, kind):
+    w, profile, plan = _region_plan(name, kind)
+    with regen.apply(w.model, plan):
+        step(w)
+        w.model.zero_grad(set_to_none=True)  # as profiled: gradients are allocated inside the step
+        measured = measure_memory(lambda: step(w))
+    start = profile.memory_at_start_bytes
+    cap_increase = plan.memory_cap_bytes - start
+    simulated_increase = plan.simulated.peak_bytes - start
+    peak = measured.peak_increase_bytes
+    assert peak <= cap_increase * (1 + CAP_TOLERANCE), (peak, cap_increase)
+    assert abs(peak - simulated_increase) <= SIMULATOR_TOLERANCE * simulated_increase, (peak, simulated_increase)
+
+
+def test_later_steps_run_the_forward_without_a_dispatch_mode():
+    w, _, plan = _region_plan("gpt", "blocks")
+    seen = []
+    hook = w.model.blocks[1].register_forward_hook(lambda *_: seen.append(len(_get_current_dispatch_mode_stack())))
+    try:
+        with regen.apply(w.model, plan):
+            run_and_grads(w)
+            run_and_grads(w)
+    finally:
+        hook.remove()
+    assert seen[0] == 1 and seen[1] == 0  # the verified step is tracked op by op, the next is not
+
+
+def test_other_batch_size_raises_or_runs_unplanned():
+    _, _, plan = _region_plan("gpt", "blocks")
+    other = make("gpt", batch_size=2)
+    with pytest.raises(PlanMismatchError):
+        with regen.apply(other.model, plan) as handle:
+            step(other)
+    assert_nothing_left(handle, other.model)
+    reference = run_and_grads(other)
+    with regen.apply(other.model, plan, on_mismatch="keep") as handle:
+        with pytest.warns(PlanMismatchWarning):
+            planned = run_and_grads(other)
+    assert_same(reference, planned)
+    assert handle.stats.unplanned_steps == 1 and handle.stats.region_replays == 0
+    assert_nothing_left(handle, other.model)
+
+
+def test_a_plan_for_a_module_the_model_lacks_is_refused():
+    _, _, plan = _region_plan("gpt", "blocks")
+    mlp = make("mlp")
+    with pytest.raises(PlanMismatchError, match="replays module"):
+        regen.apply(mlp.model, plan)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward", "between", "backward"])
+def test_exception_inside_a_step_leaves_nothing_behind(where):
+    w, _, plan = _region_plan("gpt", "blocks")
+
+    def explode(*_):
+        raise Boom("user code failed")
+
+    with pytest.raises(Boom):
+        with regen.apply(w.model, plan) as handle:
+            if where == "forward":
+                h = w.model.blocks[1].register_forward_hook(explode)
+                try:
+                    step(w)
+                finally:
+                    h.remove()
+            else:
+                out = w.model(*w.batch)
+                loss = w.loss_fn(out, w.batch)
+                if where == "backward":
+                    out.register_hook(explode)
+                    loss.backward()
+                raise Boom("after forward")
+    assert_nothing_left(handle, w.model)
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan) as handle2:
+        planned = run_and_grads(w)
+    assert_same(reference, planned)
+    assert_nothing_left(handle2, w.model)
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_gradient_accumulation_pairs_and_interleaved(name):
+    w, _, plan = _region_plan(name, "milp")
+    start = _buffers(w.model)
+    for interleaved in (False, True):
+        _set_buffers(w.model, start)
+        reference = accumulate_grads(w, interleaved)
+        ref_buffers = _buffers(w.model)
+        _set_buffers(w.model, start)
+        with regen.apply(w.model, plan) as handle:
+            planned = accumulate_grads(w, interleaved)
+        assert reference.keys() == planned.keys()
+        assert all(torch.equal(reference[k], planned[k]) for k in reference)
+        assert all(torch.equal(ref_buffers[k], v) for k, v in _buffers(w.model).items())
+        assert handle.stats.steps == 2 and handle.stats.planned_steps == 2
+        assert_nothing_left(handle, w.model)
+
+
+def test_fifty_steps_without_growth():
+    w, _, plan = _region_plan("cnn", "blocks")
+    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
+
+    def train_step():
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    with regen.apply(w.model, plan) as handle:
+        for _ in range(4):
+            train_step()
+        gc.collect()  # what earlier tests left to the cyclic collector is not this step's
+        early = measure_memory(train_step)
+        early_tensors = live_tensors()
+        for _ in range(44):
+            train_step()
+        late = measure_memory(train_step)
+        late_tensors = live_tensors()
+    assert handle.stats.steps == 50 and handle.stats.planned_steps == 50
+    assert handle.stats.region_replays == 50 * len(plan.regions)
+    assert early.end_bytes - early.start_bytes == 0 and late.end_bytes - late.start_bytes == 0
+    assert late.peak_increase_bytes == early.peak_increase_bytes
+    assert late_tensors == early_tensors
