@@ -12,7 +12,9 @@ stages are imported lazily so `regen --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,32 @@ DEFAULT_TIME_LIMIT_S = 60.0
 
 def _print_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _native_output_silenced():
+    """File descriptors 1 and 2 to /dev/null: what C++ libraries print (HiGHS's banner) is dropped under
+    -q. Errors are raised as exceptions and printed after this has restored both."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [devnull]:
+            os.close(fd)
+
+
+def _progress(quiet: bool):
+    """Where a command's messages go: stderr, or nowhere with -q (errors are printed either way)."""
+    return (lambda _message: None) if quiet else _print_progress
 
 
 # ---- profile -----------------------------------------------------------------------------------
@@ -46,6 +74,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         batch_size = batch_size if batch_size is not None else config["batch_size"]
     if not spec:
         raise RegenError("give a workload: --model NAME|module:function, or --config configs/X.yaml")
+    from regen.formats.yamlio import check_output_path
+
+    check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
+    say = _progress(args.quiet)
     for item in args.arg or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -54,12 +86,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         wargs[key] = yaml.safe_load(value)
     device = str(resolve_device(args.device))  # a DeviceError before the workload is built
-    _print_progress(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
+    say(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
     workload = build_workload(spec, batch_size=batch_size, args=wargs, device=device)
     profile = profile_workload(workload, device=device, repeats=args.repeats, warmup_steps=args.warmup,
                                progress=None if args.quiet else _print_progress)
     save_profile(profile, args.output)
-    _print_progress(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
+    say(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
                     f"unplanned peak {format_bytes(profile.peak_bytes)}")
     return 0
 
@@ -72,15 +104,20 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from regen.planner import solve
     from regen.units import format_duration, parse_memory_cap
 
+    from regen.formats.yamlio import check_output_path
+
+    check_output_path(args.output, inputs=(args.input,))
+    say = _progress(args.quiet)
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
-    plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
-                 bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
+    with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
+        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
+                     bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
     plan.profile_path = str(args.input)
     save_plan(plan, args.output)
     counts = plan.action_counts()
     time_unit = plan.workload.get("time_unit")
-    _print_progress(
+    say(
         f"wrote {args.output}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
         f"peak {format_bytes(plan.simulated.peak_bytes)} under cap {format_bytes(plan.memory_cap_bytes)} "
         f"(unplanned {format_bytes(plan.baseline.peak_bytes)}); step time "
@@ -111,6 +148,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from regen.formats import Plan, load_profile_or_plan
     from regen.show import plan_summary, plan_summary_json, plot_timeline, profile_summary, profile_summary_json
 
+    from regen.formats.yamlio import check_output_path
+
+    if args.plot:
+        check_output_path(args.plot, inputs=(args.file,), what="--plot")
     document = load_profile_or_plan(Path(args.file))
     if not isinstance(document, Plan):
         if args.plot:

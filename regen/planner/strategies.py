@@ -50,6 +50,7 @@ def chen(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, sa
     return _heuristic("chen", graph, heuristics.chen(graph), cap)
 
 
+MILP_STRATEGIES = ("hybrid", "recompute", "swap")
 STRATEGIES: dict[str, Callable[[PlanningGraph, int, float, float, Say], StrategyResult]] = {
     "hybrid": hybrid, "recompute": recompute, "swap": swap, "str": str_formulation, "keep-all": keep_all,
     "chen": chen,
