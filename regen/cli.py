@@ -1,9 +1,10 @@
 """The `regen` command line: profile a workload, solve a plan under a memory cap, show either file,
-and run the end-to-end demo.
+check a plan against the unplanned step, and run the end-to-end demo.
 
     regen profile --model mypkg.train:build --batch-size 8 -o run.profile.yaml
     regen solve run.profile.yaml --memory-cap 60% -o run.plan.yaml
     regen show run.plan.yaml
+    regen check --model mypkg.train:build --batch-size 8 --plan run.plan.yaml
 
 Errors caused by input (see regen.errors) print one line, `error: ...`, and exit non-zero; the
 stages are imported lazily so `regen --help` stays fast.
@@ -12,7 +13,9 @@ stages are imported lazily so `regen --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,14 +32,55 @@ def _print_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _native_output_silenced():
+    """File descriptors 1 and 2 to /dev/null: what C++ libraries print (HiGHS's banner) is dropped under
+    -q. Errors are raised as exceptions and printed after this has restored both."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [devnull]:
+            os.close(fd)
+
+
+def _progress(quiet: bool):
+    """Where a command's messages go: stderr, or nowhere with -q (errors are printed either way)."""
+    return (lambda _message: None) if quiet else _print_progress
+
+
 # ---- profile -----------------------------------------------------------------------------------
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from regen.formats import save_profile
+    from regen.formats.yamlio import check_output_path
     from regen.profiler import profile_workload
-    from regen.profiler.environment import resolve_device
-    from regen.workloads import build_workload, load_config
+
+    spec, wargs, batch_size = _workload_options(args)
+    check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
+    say = _progress(args.quiet)
+    device, build = _workload_builder(args, spec, wargs, batch_size, say)
+    profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
+                               progress=None if args.quiet else _print_progress)
+    save_profile(profile, args.output)
+    say(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
+        f"unplanned peak {format_bytes(profile.peak_bytes)}")
+    return 0
+
+
+def _workload_options(args: argparse.Namespace) -> tuple[str, dict, int | None]:
+    """The workload spec, its keyword arguments and the batch size from --model/--config/--arg/--batch-size."""
+    from regen.workloads import load_config
 
     spec, wargs, batch_size = args.model, {}, args.batch_size
     if args.config:
@@ -53,15 +97,38 @@ def cmd_profile(args: argparse.Namespace) -> int:
         import yaml
 
         wargs[key] = yaml.safe_load(value)
-    device = str(resolve_device(args.device))  # a DeviceError before the workload is built
-    _print_progress(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
-    workload = build_workload(spec, batch_size=batch_size, args=wargs, device=device)
-    profile = profile_workload(workload, device=device, repeats=args.repeats, warmup_steps=args.warmup,
-                               progress=None if args.quiet else _print_progress)
-    save_profile(profile, args.output)
-    _print_progress(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
-                    f"unplanned peak {format_bytes(profile.peak_bytes)}")
-    return 0
+    return spec, wargs, batch_size
+
+
+def _workload_builder(args: argparse.Namespace, spec: str, wargs: dict, batch_size: int | None, say):
+    """A function building the workload on --device (checked now, before anything is built)."""
+    from regen.profiler.environment import resolve_device
+    from regen.workloads import build_workload
+
+    device = str(resolve_device(args.device))
+
+    def build():
+        say(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
+        return build_workload(spec, batch_size=batch_size, args=wargs, device=device)
+
+    return device, build
+
+
+# ---- check -------------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from regen.check import check_plan, report_lines
+    from regen.formats import load_plan
+
+    plan = load_plan(args.plan)
+    spec, wargs, batch_size = _workload_options(args)
+    say = _progress(args.quiet)
+    _, build = _workload_builder(args, spec, wargs, batch_size, say)
+    report = check_plan(build, plan, timed_steps=args.steps, progress=say)
+    print(f"regen check: plan {args.plan} ({plan.strategy}) on {spec}")
+    print("\n".join(report_lines(report)))
+    return 0 if report.passed else 1
 
 
 # ---- solve -------------------------------------------------------------------------------------
@@ -72,15 +139,20 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from regen.planner import solve
     from regen.units import format_duration, parse_memory_cap
 
+    from regen.formats.yamlio import check_output_path
+
+    check_output_path(args.output, inputs=(args.input,))
+    say = _progress(args.quiet)
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
-    plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
-                 bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
+    with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
+        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
+                     bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
     plan.profile_path = str(args.input)
     save_plan(plan, args.output)
     counts = plan.action_counts()
     time_unit = plan.workload.get("time_unit")
-    _print_progress(
+    say(
         f"wrote {args.output}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
         f"peak {format_bytes(plan.simulated.peak_bytes)} under cap {format_bytes(plan.memory_cap_bytes)} "
         f"(unplanned {format_bytes(plan.baseline.peak_bytes)}); step time "
@@ -111,6 +183,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from regen.formats import Plan, load_profile_or_plan
     from regen.show import plan_summary, plan_summary_json, plot_timeline, profile_summary, profile_summary_json
 
+    from regen.formats.yamlio import check_output_path
+
+    if args.plot:
+        check_output_path(args.plot, inputs=(args.file,), what="--plot")
     document = load_profile_or_plan(Path(args.file))
     if not isinstance(document, Plan):
         if args.plot:
@@ -153,13 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="record one real training step of a workload",
                        description="Run warm-up steps, then record one forward+backward step op by op "
                                    "(times, saved tensors, memory timeline) and write a profile.")
-    p.add_argument("--model", help="built-in workload (mlp, cnn, gpt, hf-gpt2, hf-bert) or module:function "
-                                   "returning (model, batch[, loss_fn])")
-    p.add_argument("--config", help="a workload config (configs/*.yaml): workload, args, batch_size")
-    p.add_argument("--batch-size", type=int, help="passed to the workload factory when it accepts one")
-    p.add_argument("--arg", action="append", metavar="KEY=VALUE",
-                   help="extra keyword argument for the factory (repeatable), e.g. --arg n_layer=4")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    _add_workload_options(p)
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help=f"timed steps; step and op times are their medians (default {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS,
@@ -194,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--plot", metavar="PNG", help="(plans) draw unplanned and planned memory timelines against the cap")
     sh.set_defaults(func=cmd_show)
 
+    c = sub.add_parser("check", help="run a plan against the unplanned step and compare results",
+                       description="Build the workload, run one unplanned and one planned step on the same batch "
+                                   "and RNG state, compare loss, gradients and module buffers bit for bit, and "
+                                   "print measured against planned peak memory and step time. Exit 1 on any "
+                                   "difference or a peak over the cap.")
+    c.add_argument("--plan", required=True, help="the plan file to check")
+    _add_workload_options(c)
+    c.add_argument("--steps", type=int, default=3, help="timed steps of each, interleaved (default 3)")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    c.set_defaults(func=cmd_check)
+
     d = sub.add_parser("demo", help="profile, solve at 50%% and train a built-in GPT, printing what it saved",
                        description="The main job end to end on a built-in GPT: profile, solve at 50% of the "
                                    "unplanned peak, train with and without the plan, and compare.")
@@ -201,6 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default=None, help="workload config (default: the built-in demo GPT)")
     d.set_defaults(func=cmd_demo)
     return parser
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="built-in workload (mlp, cnn, gpt, hf-gpt2, hf-bert) or module:function "
+                                        "returning (model, batch[, loss_fn])")
+    parser.add_argument("--config", help="a workload config (configs/*.yaml): workload, args, batch_size")
+    parser.add_argument("--batch-size", type=int, help="passed to the workload factory when it accepts one")
+    parser.add_argument("--arg", action="append", metavar="KEY=VALUE",
+                        help="extra keyword argument for the factory (repeatable), e.g. --arg n_layer=4")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
 
 
 def main(argv: list[str] | None = None) -> int:

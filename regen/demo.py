@@ -192,10 +192,13 @@ def _print_table(spec, profile, plan, run: DemoRun, within_cap: bool, files, ela
                                             f"({'within' if within_cap else 'OVER'} the cap; "
                                             f"simulator said {format_bytes(plan.simulated.peak_bytes)})"),
         ("step time, unplanned (measured)", f"{base_time * 1e3:.1f} ms"),
-        ("step time, planned (measured)", f"{plan_time * 1e3:.1f} ms  ({plan_time / base_time:.2f}x)"),
-        ("step time, planned (predicted)", f"{plan.simulated.step_time_s * 1e3:.1f} ms  "
-                                           f"({plan.simulated.step_time_s / plan.baseline.step_time_s:.2f}x)"),
+        ("step time, planned (measured)", f"{plan_time * 1e3:.1f} ms = {plan_time / base_time:.2f}x of unplanned"),
+        ("step time, planned (predicted)", f"{plan.simulated.step_time_s / plan.baseline.step_time_s:.2f}x of "
+                                           f"unplanned (the plan's {plan.simulated.step_time_s * 1e3:.1f} ms over "
+                                           f"the profile's {plan.baseline.step_time_s * 1e3:.1f} ms)"),
         ("decisions", f"keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}"),
+        ("swaps on this CPU", "copied to a host buffer in the same RAM at memcpy speed, counted apart from "
+                              "device memory: not what a GPU's host link costs"),
         ("gradients match unplanned", "yes (bitwise)" if run.grads_equal
          else f"NO (max |diff| {run.max_grad_diff:.3g})"),
     ] + files
@@ -204,4 +207,3 @@ def _print_table(spec, profile, plan, run: DemoRun, within_cap: bool, files, ela
     print(f"regen demo: {spec['workload']} on CPU, {elapsed_s:.0f} s end to end")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    print("  (CPU run: 'swap' copies to a host buffer counted apart from device memory)")

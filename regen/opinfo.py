@@ -42,6 +42,24 @@ def is_inplace(func) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
+# Ops that write arguments their schema does not mark as written: the legacy batch-norm kernels update
+# the running statistics in place (their `_native_batch_norm_legit` successor declares it as `(a!)`).
+UNDECLARED_WRITES = {
+    "aten.native_batch_norm.default": ("running_mean", "running_var"),
+    "aten.cudnn_batch_norm.default": ("running_mean", "running_var"),
+    "aten.miopen_batch_norm.default": ("running_mean", "running_var"),
+}
+
+
+@functools.cache  # OpOverloads are few and hashable
+def written_arguments(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the op writes: its schema's `(a!)` arguments and the writes
+    listed in UNDECLARED_WRITES."""
+    undeclared = UNDECLARED_WRITES.get(op_name(func), ())
+    return tuple((pos, a.name) for pos, a in enumerate(func._schema.arguments)
+                 if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
+
+
 @functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_view(func) -> bool:
     """The op's outputs alias an input without writing it (view, t, transpose, slice...)."""

@@ -88,6 +88,8 @@ def build_workload(spec: str, batch_size: int | None = None, args: dict[str, Any
     factory = resolve_factory(spec)
     kwargs = dict(args or {})
     if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise WorkloadError(f"--batch-size {batch_size}: must be a positive whole number")
         if _accepts(factory, "batch_size"):
             kwargs["batch_size"] = batch_size
         else:
@@ -142,12 +144,14 @@ def compute_loss(workload_name: str, output: Any, batch: Batch,
         loss = loss_fn(output, batch)
     elif getattr(output, "loss", None) is not None:
         loss = output.loss
+    elif isinstance(output, dict) and output.get("loss") is not None:  # {"loss": ..., "logits": ...}
+        loss = output["loss"]
     elif isinstance(output, torch.Tensor) and output.dim() == 0:
         loss = output
     else:
         raise WorkloadError(
             f"workload '{workload_name}': cannot find the loss; return (model, batch, loss_fn), or make "
-            f"the model return an object with .loss or a scalar tensor")
+            f"the model return an object with .loss, a dict with a 'loss' key, or a scalar tensor")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise WorkloadError(f"workload '{workload_name}': the loss must be a scalar tensor")
     if not loss.requires_grad:

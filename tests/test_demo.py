@@ -15,6 +15,11 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path, capsys):
         assert (tmp_path / "out" / name).stat().st_size > 0
     assert "gradients match unplanned" in out and "yes (bitwise)" in out
     assert "within the cap" in out
+    # measured and predicted step times on one scale (ratios to unplanned), the CPU caveat in the table
+    rows = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    assert "x of unplanned" in rows["step time, planned (measured)"]
+    assert "x of unplanned" in rows["step time, planned (predicted)"]
+    assert "not what a GPU's host link costs" in rows["swaps on this CPU"]
     assert any(m.startswith("[4/4]") for m in messages)
 
 

@@ -8,6 +8,7 @@ that names the file, what it found and what it expected.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from dataclasses import MISSING, fields
 from typing import Any
@@ -24,14 +25,42 @@ except AttributeError:  # pragma: no cover - depends on how PyYAML was built
     _Dumper = yaml.SafeDumper
 
 
-def dump_document(document: dict[str, Any], path: str | Path) -> None:
-    """Write `document` as YAML to `path`, atomically (a crash never leaves half a file)."""
+def check_output_path(path: str | Path, inputs: tuple[str | Path, ...] = (), what: str = "-o") -> Path:
+    """`path` as a file regen may write, checked before any long work: not empty, not a directory, in a
+    directory that exists and is writable, and not one of `inputs` (an input is never overwritten)."""
+    if path is None or not str(path).strip():
+        raise FormatError(f"{what}: the output path is empty")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise FormatError(f"{what} {path}: is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise FormatError(f"{what} {path}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise FormatError(f"{what} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FormatError(f"{what} {path}: the directory {parent} is not writable")
+    for source in inputs:
+        if path.exists() and Path(source).exists() and os.path.samefile(path, source):
+            raise FormatError(f"{what} {path}: is the input file; write the output to another path")
+    return path
+
+
+def dump_document(document: dict[str, Any], path: str | Path) -> None:
+    """Write `document` as YAML to `path`, atomically: a crash or a write error never leaves half a file
+    or a temporary file behind."""
+    path = check_output_path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.dump(document, f, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yaml.dump(document, f, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise FormatError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_document(path: str | Path, kind: str = "file") -> dict[str, Any]:

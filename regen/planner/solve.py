@@ -20,7 +20,8 @@ from regen.planner.graph import build_graph
 from regen.planner.milp.highs import reset_solver_threads
 from regen.planner.milp.model import DEFAULT_REL_GAP
 from regen.planner.simulator import simulate
-from regen.planner.strategies import STRATEGIES
+from regen.planner.residency import unplanned_peak_bytes
+from regen.planner.strategies import MILP_STRATEGIES, STRATEGIES
 from regen.units import BYTES_PER_GB, format_bytes, format_duration
 
 Progress = Callable[[str], None] | None
@@ -53,7 +54,14 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
         f"{graph.num_steps} ops; cap {format_bytes(memory_cap_bytes)} of unplanned peak "
         f"{format_bytes(profile.peak_bytes)}; "
         f"strategy {strategy}")
-    result = STRATEGIES[strategy](graph, memory_cap_bytes, time_limit_s, rel_gap, say)
+    run = STRATEGIES[strategy]
+    keep_everything = strategy in MILP_STRATEGIES and memory_cap_bytes >= unplanned_peak_bytes(graph)
+    if keep_everything:  # nothing to save: any swap or recompute would only cost time
+        run = STRATEGIES["keep-all"]
+        say("the cap is at or above the unplanned peak: every tensor is kept")
+    result = run(graph, memory_cap_bytes, time_limit_s, rel_gap, say)
+    if keep_everything:
+        result.notes.append("the cap is at or above the unplanned peak: every tensor is kept")
     order_copy_ins(graph, result.choices, memory_cap_bytes)
     sim = simulate(graph, result.choices)
     if not sim.valid:

@@ -60,6 +60,7 @@ def checkpoint_blocks(graph: PlanningGraph, cap: int, time_limit_s: float, rel_g
     return _heuristic("checkpoint-blocks", graph, heuristics.checkpoint_blocks(graph), cap)
 
 
+MILP_STRATEGIES = ("hybrid", "recompute", "swap")
 STRATEGIES: dict[str, Callable[[PlanningGraph, int, float, float, Say], StrategyResult]] = {
     "hybrid": hybrid, "recompute": recompute, "swap": swap, "str": str_formulation, "keep-all": keep_all,
     "chen": chen, "checkpoint-blocks": checkpoint_blocks,

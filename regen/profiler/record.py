@@ -12,7 +12,10 @@ Phases, in order (each announced through `progress`):
 4. op timing: `repeats` steps under a timing-only mode (and pass-through saved-tensor hooks, so the op
    sequence is the recorded one); each must dispatch exactly the recorded op sequence, and every op's
    `time_s` is the median over them;
-5. the bandwidth probe.
+5. a check that the plain step time and the summed op times agree: when they are far apart (another
+   process ran during one of them), a warning, and phases 2 and 4 again (at most 3 times in all; a
+   disagreement that persists is kept and noted in the profile);
+6. the bandwidth probe.
 
 The optimizer is `torch.optim.AdamW` with lr=0: the same kernels, time and state memory as a real step,
 without changing the model's weights (weight decay multiplies by 1 - lr*wd = 1, the update is scaled by 0).
@@ -52,6 +55,11 @@ from regen.profiler.modules import ModuleRecorder
 from regen.workloads import Workload, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
+# the plain step time and the summed op times disagree (a busy machine) when they differ by this factor
+# and by this much; then both are measured again, up to MAX_TIMING_ATTEMPTS times in all
+TIMING_DISAGREE_RATIO = 2.0
+TIMING_DISAGREE_MIN_S = 0.02
+MAX_TIMING_ATTEMPTS = 3
 
 Progress = Callable[[str], None]
 
@@ -66,60 +74,43 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     if warmup_steps < 0:
         raise RegenError(f"warm-up steps must be 0 or more, got {warmup_steps}")
     _check_model_device(workload, dev)
-    model = workload.model
-    parameters = list(model.parameters())
+    parameters = list(workload.model.parameters())
     trainable = [p for p in parameters if p.requires_grad]
     if not trainable:
         raise WorkloadError(f"workload '{workload.name}': the model has no trainable parameters")
     optimizer = torch.optim.AdamW(trainable, lr=OPTIMIZER_LR)
-    cuda = dev.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
-
+    timer = _StepTimer(workload, optimizer, dev, repeats, say)
     for k in range(warmup_steps):
         say(f"warm-up step {k + 1}/{warmup_steps}")
-        training_step(workload)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step_times_s, optimizer_times_s = [], []
-    for k in range(repeats):
-        say(f"timing plain step {k + 1}/{repeats}")
-        sync()
-        t0 = time.perf_counter()
-        training_step(workload)
-        sync()
-        t1 = time.perf_counter()
-        optimizer.step()
-        sync()
-        step_times_s.append(t1 - t0)
-        optimizer_times_s.append(time.perf_counter() - t1)
-        optimizer.zero_grad(set_to_none=True)
+        timer.plain_step()
+    step_times_s, optimizer_times_s = timer.plain_steps()
     optimizer_state_bytes = unique_storage_bytes(optimizer_state_tensors(optimizer))
 
     say("recording one step: ops, saved tensors, memory")
     capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer))
     gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
     optimizer.zero_grad(set_to_none=True)
-
-    per_step_times = []
-    for k in range(repeats):
-        say(f"timing ops: step {k + 1}/{repeats}")
-        names, times = _timed_step(workload, cuda)
-        optimizer.zero_grad(set_to_none=True)
-        _check_same_sequence(workload.name, capture.op_names, names)
-        per_step_times.append(times)
-    for i, op in enumerate(capture.ops):
-        op.time_s = statistics.median(times[i] for times in per_step_times)
+    op_times_s = timer.op_times(capture.op_names)
+    notes = list(capture.notes)
+    for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
+        problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
+        if problem is None:
+            break
+        if attempt == MAX_TIMING_ATTEMPTS:
+            say(f"warning: {problem}; kept as measured (is another process using the machine?)")
+            notes.append(f"timing: {problem} after {attempt} measurements (a busy machine?)")
+            break
+        say(f"warning: {problem} (another process?); measuring again")
+        step_times_s, optimizer_times_s = timer.plain_steps()
+        op_times_s = timer.op_times(capture.op_names)
+    for op, time_s in zip(capture.ops, op_times_s):
+        op.time_s = time_s
 
     say("measuring host<->device bandwidth")
     bandwidth = measure_bandwidth(dev)
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
-    notes = list(capture.notes)
     notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)")
-    if not cuda:
+    if dev.type != "cuda":
         notes.append("memory on CPU: live storages tracked by the profiler, kernel temporaries from the allocator's "
                      "profiler events")
     return Profile(
@@ -137,6 +128,65 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         ops=capture.ops, tensors=capture.tensors, saved_entries=capture.saved_entries,
         saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
     )
+
+
+def _timing_disagreement(step_time_s: float, op_sum_s: float) -> str | None:
+    """Why the plain step time and the summed op times cannot both be true measurements, or None.
+
+    A step costs its ops plus the framework's own work, so on a quiet machine the two stay within a
+    small factor of each other; a step many times its ops' sum (or far below it) means something else
+    ran during one of the two measurements. Small absolute differences (tiny models, where Python's
+    share is large) are never a disagreement."""
+    low, high = sorted((step_time_s, op_sum_s))
+    if high - low > TIMING_DISAGREE_MIN_S and high > TIMING_DISAGREE_RATIO * low:
+        return (f"the step time ({step_time_s * 1e3:.1f} ms) and the sum of its op times ({op_sum_s * 1e3:.1f} ms) "
+                f"disagree")
+    return None
+
+
+class _StepTimer:
+    """The timed phases of a profile: plain steps (with their optimizer step) and op-by-op timing."""
+
+    def __init__(self, workload: Workload, optimizer, device: torch.device, repeats: int, say: Progress):
+        self.workload, self.optimizer, self.device, self.repeats, self.say = workload, optimizer, device, repeats, say
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def plain_step(self) -> tuple[float, float]:
+        """One forward+backward and one optimizer step: (step time, optimizer time)."""
+        self.sync()
+        t0 = time.perf_counter()
+        training_step(self.workload)
+        self.sync()
+        t1 = time.perf_counter()
+        self.optimizer.step()
+        self.sync()
+        t2 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        return t1 - t0, t2 - t1
+
+    def plain_steps(self) -> tuple[list[float], list[float]]:
+        step_times_s, optimizer_times_s = [], []
+        for k in range(self.repeats):
+            self.say(f"timing plain step {k + 1}/{self.repeats}")
+            step_s, optimizer_s = self.plain_step()
+            step_times_s.append(step_s)
+            optimizer_times_s.append(optimizer_s)
+        return step_times_s, optimizer_times_s
+
+    def op_times(self, recorded_names: list[str]) -> list[float]:
+        """Each recorded op's median time over `repeats` timed steps of the same op sequence."""
+        per_step_times = []
+        for k in range(self.repeats):
+            self.say(f"timing ops: step {k + 1}/{self.repeats}")
+            names, times = _timed_step(self.workload, self.cuda)
+            self.optimizer.zero_grad(set_to_none=True)
+            _check_same_sequence(self.workload.name, recorded_names, names)
+            per_step_times.append(times)
+        return [statistics.median(times[i] for times in per_step_times) for i in range(len(recorded_names))]
 
 
 def record_step(workload: Workload, device: torch.device, extra_inputs: list[torch.Tensor] = ()) -> Capture:

@@ -1,8 +1,9 @@
 """`regen.apply(model, plan)`: replay a plan inside an unmodified training loop.
 
-A forward pre-hook on the root module starts a *step* (step.py) whenever the model is called in training
-mode with grad enabled (no_grad and eval forwards are left alone; under DistributedDataParallel the hooks
-go on the wrapped module). The handle pushes, for each step, the step's pair of saved-tensor hooks and,
+A forward pre-hook on the root module starts a *step* (step.py) whenever the model is called with grad
+enabled, in training or eval mode (no_grad forwards are left alone; an eval forward whose ops differ
+from the plan's, e.g. with dropout or batch norm, is a mismatch like any other; under
+DistributedDataParallel the hooks go on the wrapped module). The handle pushes, for each step, the step's pair of saved-tensor hooks and,
 while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
 forward ops (the loss included) until the plan's `num_forward_ops` have run or backward begins:
 
@@ -136,7 +137,7 @@ class RegenHandle:
     # ---- step boundaries ------------------------------------------------------------------------------
     def _pre_hook(self, module, args):
         self._depth += 1
-        if self._depth > 1 or not (torch.is_grad_enabled() and module.training):
+        if self._depth > 1 or not torch.is_grad_enabled():  # eval() with grad is planned too: its ops decide
             return
         if torch._C._current_graph_task_id() != -1:  # a forward run inside backward (checkpoint): leave it
             return

@@ -4,7 +4,10 @@ In forward, every op whose index is in `Plan.recipe_ops` is captured as `(func, 
 each tensor argument that an op of this step wrote replaced by a `Ref` (the op and output slot that
 wrote its storage, plus the argument's own view geometry), so a capture holds no activation alive.
 Tensors no op of the step wrote (parameters, buffers, the batch) are held by reference, with their
-version counter so an in-place change before the replay is caught. Random ops also save the RNG
+version counter so an in-place change before the replay is caught; those the op itself writes (its
+schema's `(a!)` arguments, e.g. BatchNorm's running statistics) are captured as a copy of their value
+before the op (`Scratch`), and the replay writes a fresh copy of that: a recompute never applies a
+buffer update twice. Random ops also save the RNG
 state they ran with (CPU, and the CUDA device's when they ran there).
 
 In backward, `replay_recipe` runs a decision's recipe in order with grad off, resolving each `Ref`
@@ -26,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import (is_inplace, op_name, reads_first_arg_metadata_only, storage_key, tensor_outputs,
+from regen.opinfo import (op_name, reads_first_arg_metadata_only, storage_key, tensor_outputs, written_arguments,
                            written_outputs)
 from regen.runtime.swap import Geometry, view_of
 
@@ -59,6 +62,18 @@ class Like:
 
     def materialize(self) -> torch.Tensor:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A tensor no op of the step wrote that the op writes (its schema's `(a!)` arguments: BatchNorm's
+    running statistics, a user's cache), as it was before the op ran. The replay writes a copy of it,
+    so a recompute never applies the op's update a second time."""
+
+    before: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.before.clone()
 
 
 @dataclass
@@ -102,14 +117,35 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
     if captured_args and isinstance(captured_args[0], torch.Tensor) and reads_first_arg_metadata_only(op_name(func)):
         a = captured_args[0]  # only its metadata matters: hold none of its memory
         captured_args[0] = Like(tuple(a.shape), tuple(a.stride()), a.dtype, a.device)
+    captured_kwargs = dict(kwargs)
+    _snapshot_written_externals(func, captured_args, captured_kwargs, writer)
     cap = CapturedOp(index=index, func=func, args=tree_map(template, tuple(captured_args)),
-                  kwargs=tree_map(template, dict(kwargs)), refs=tuple(refs))
+                     kwargs=tree_map(template, captured_kwargs), refs=tuple(refs))
     if random:
         cap.cpu_rng_state = torch.get_rng_state()
         device = _op_device(args, kwargs)
         if device.type == "cuda":
             cap.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
     return cap
+
+
+def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) -> None:
+    """Replace, in place, each tensor the op's schema says it writes and no op of the step produced by a
+    Scratch copy of its current value (the op has not run yet)."""
+    schema_args = func._schema.arguments
+    for pos, name in written_arguments(func):
+        in_kwargs = schema_args[pos].kwarg_only or pos >= len(args)
+        value = kwargs.get(name) if in_kwargs else args[pos]
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = storage_key(value)
+        if key and writer.get(key) is not None:  # the step's own tensor: a Ref, replayed as the recipe says
+            continue
+        snapshot = Scratch(value.detach().clone())
+        if in_kwargs:
+            kwargs[name] = snapshot
+        else:
+            args[pos] = snapshot
 
 
 def _run_with_rng(cap: CapturedOp, args, kwargs):
@@ -131,14 +167,12 @@ def _run_with_rng(cap: CapturedOp, args, kwargs):
 
 
 def _written_args(cap: CapturedOp) -> list:
-    """The arguments an in-place op writes (schema alias info), as captured (Ref / External / value)."""
-    schema = cap.func._schema
+    """The arguments the op writes (opinfo.written_arguments), as captured (Ref / External / Scratch / value)."""
+    schema_args = cap.func._schema.arguments
     written = []
-    for pos, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        if arg.kwarg_only or pos >= len(cap.args):
-            value = cap.kwargs.get(arg.name)
+    for pos, name in written_arguments(cap.func):
+        if schema_args[pos].kwarg_only or pos >= len(cap.args):
+            value = cap.kwargs.get(name)
         else:
             value = cap.args[pos]
         flat, _ = tree_flatten(value)
@@ -182,13 +216,13 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                     f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
                     f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
             return a.tensor
-        if isinstance(a, Like):
+        if isinstance(a, (Like, Scratch)):
             return a.materialize()
         return a
 
     with torch.no_grad():
         for pos, cap in enumerate(caps):
-            if is_inplace(cap.func):
+            if written_arguments(cap.func):
                 for a in _written_args(cap):
                     if isinstance(a, (torch.Tensor, External)) or (
                             isinstance(a, Ref) and (a.op, a.slot) not in table):

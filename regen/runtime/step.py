@@ -129,10 +129,8 @@ class Step:
 
     def backward_began(self):
         """Backward started before the plan's forward ops had all run."""
-        if self.phase == PHASE_FORWARD and not self.ops.all_ran:
-            count = self.ops.count
-            self.end_forward()
-            self.mismatch(f"the forward ran {count} ops, the plan expects {self.index.num_forward_ops}")
+        if self.phase == PHASE_FORWARD and not self.ops.all_ran:  # before end_forward: it may release the step
+            self.mismatch(f"the forward ran {self.ops.count} ops, the plan expects {self.index.num_forward_ops}")
         self.end_forward()
 
     def end_forward(self, in_pack_hook: bool = False):
@@ -260,9 +258,12 @@ class Step:
         k = self.unpack_count
         self.unpack_count = k + 1
         if k == 0 and self.phase != PHASE_CLOSED:
-            self.end_forward()
-            if self.sequence is not None and self.pack_count < len(self.sequence):
-                self.mismatch(fewer_packs_mismatch(self.pack_count, self.sequence))
+            if self.sequence is None:  # ops are counted: a forward shorter than the plan's is a mismatch
+                self.backward_began()
+            else:
+                self.end_forward()
+                if self.pack_count < len(self.sequence):
+                    self.mismatch(fewer_packs_mismatch(self.pack_count, self.sequence))
         copy_ins = self._copy_ins
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)

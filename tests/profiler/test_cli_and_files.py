@@ -180,3 +180,24 @@ def test_a_profile_of_thousands_of_ops_loads_quickly(profile_small, tmp_path):
           f"{path.stat().st_size / 1e6:.1f} MB in {load_s:.2f} s")
     assert len(loaded.ops) == len(profile.ops)
     assert load_s < LOAD_BOUND_S
+
+
+def test_a_forward_returning_a_dict_with_a_loss(tmp_cwd, capsys):
+    write_module(tmp_cwd, "dict_loss", """
+        import torch
+        from torch import nn
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, x):
+                logits = self.fc(x).relu()
+                return {"loss": logits.pow(2).mean(), "logits": logits}
+
+        def build():
+            return Model(), torch.randn(4, 8)
+        """)
+    assert main(["profile", "--model", "dict_loss:build", "--repeats", "1", "-o", str(tmp_cwd / "p.yaml"), "-q"]) == 0
+    assert (tmp_cwd / "p.yaml").exists()

@@ -72,19 +72,34 @@ def accumulate_grads(w, interleaved: bool) -> dict[str, torch.Tensor]:
     return grads(w.model)
 
 
+def buffers(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
 def run_and_grads(w, seed: int = STEP_SEED):
+    """(loss, gradients, module buffers after the step) of one step; the buffers are then put back as
+    they were before it, so every call starts from the same state (BatchNorm statistics included)."""
     w.model.zero_grad(set_to_none=True)
+    before = buffers(w.model)
     loss = step(w, seed)
-    return loss, grads(w.model)
+    after = buffers(w.model)
+    with torch.no_grad():
+        for name, b in w.model.named_buffers():
+            b.copy_(before[name])
+    return loss, grads(w.model), after
 
 
 def assert_same(a, b):
-    loss_a, g_a = a
-    loss_b, g_b = b
+    """Same loss, gradients and module buffers, bit for bit."""
+    loss_a, g_a, buf_a = a
+    loss_b, g_b, buf_b = b
     assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
     assert g_a.keys() == g_b.keys()
     for k in g_a:
         assert torch.equal(g_a[k], g_b[k]), f"gradient of {k} differs"
+    assert buf_a.keys() == buf_b.keys()
+    for k in buf_a:
+        assert torch.equal(buf_a[k], buf_b[k]), f"buffer {k} differs"
 
 
 def assert_nothing_left(handle, model=None):

@@ -6,9 +6,10 @@ import torch
 
 import regen
 from common import assert_nothing_left, assert_same, make, run_and_grads, step, traced
-from handmade import PLANS
+from handmade import PLANS, trace_workload
 from regen.errors import FormatError, PlanMismatchError, RegenError
 from regen.runtime import PlanMismatchWarning
+from regen.workloads import Workload
 
 
 def test_other_batch_size_raises():
@@ -83,22 +84,82 @@ def test_recipe_op_name_is_checked():
             step(w)
 
 
-def test_no_grad_and_eval_forwards_are_left_alone():
+def test_no_grad_forwards_are_left_alone():
     w, trace = traced("gpt")
     plan = PLANS["hybrid"](trace)
     with regen.apply(w.model, plan) as handle:
         with torch.no_grad():
             w.model(*w.batch)
-        w.model.eval()
-        try:
-            w.model(*w.batch)
-        finally:
-            w.model.train()
         assert handle.stats.steps == 0
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         reference = run_and_grads(w)  # inside: the first training step is planned
     assert handle.stats.steps == 1 and handle.stats.planned_steps == 1
     assert_same(reference, run_and_grads(w))
+
+
+def test_eval_forwards_with_grad_are_planned_when_their_ops_match():
+    """eval() with grad (no dropout or batch norm in the mlp): the same ops, a planned step."""
+    w, trace = traced("mlp")
+    plan = PLANS["recompute"](trace)
+    w.model.eval()
+    try:
+        reference = run_and_grads(w)
+        with regen.apply(w.model, plan) as handle:
+            planned = run_and_grads(w)
+    finally:
+        w.model.train()
+    assert_same(reference, planned)
+    assert handle.stats.planned_steps == 1 and handle.stats.dropped_tensors > 0
+
+
+def test_eval_forwards_with_grad_and_other_ops_are_a_mismatch():
+    """eval() with grad on a model with dropout runs other ops than the plan's: never silently unplanned."""
+    w, trace = traced("gpt")
+    plan = PLANS["recompute"](trace)
+    w.model.eval()
+    try:
+        with pytest.raises(PlanMismatchError):
+            with regen.apply(w.model, plan):
+                step(w)
+        with regen.apply(w.model, plan, on_mismatch="keep") as handle:
+            with pytest.warns(PlanMismatchWarning):
+                step(w)
+    finally:
+        w.model.train()
+    assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 0
+
+
+class Stack(torch.nn.Module):
+    """`depth` identical layers: a shorter stack runs the same ops as a prefix of a longer one."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def stack_workload(depth: int) -> Workload:
+    return Workload(name=f"stack-{depth}", model=Stack(depth), batch=(torch.randn(64, 32),), loss_fn=None)
+
+
+@pytest.mark.parametrize("strategy", ["keep-all", "swap", "recompute"])
+def test_a_forward_shorter_than_the_plan_is_a_mismatch(strategy):
+    """A plan for a 2-layer stack on a 1-layer one: its forward ends (backward begins) before the plan's."""
+    plan = PLANS[strategy](trace_workload(stack_workload(2)))
+    shorter = stack_workload(1)
+    why = "the forward ran|the plan's recipe expects"  # a recompute plan's recipe op names may see it first
+    with pytest.raises(PlanMismatchError, match=why):
+        with regen.apply(shorter.model, plan):
+            step(shorter)
+    with regen.apply(shorter.model, plan, on_mismatch="keep") as handle:
+        with pytest.warns(PlanMismatchWarning, match=why):
+            step(shorter)
+    assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 0
 
 
 def test_bad_arguments_are_clear_errors():

@@ -1,0 +1,56 @@
+"""A profile made while something else used the machine: the plain step time and the summed op times
+disagree, regen says so and measures again."""
+
+import time
+
+import torch
+from torch import nn
+
+from regen.profiler import profile_workload
+from regen.workloads import Workload
+
+SLEEP_S = 0.08  # outside any op: step time only
+
+
+class SometimesBusy(nn.Module):
+    """A small MLP whose first `busy_calls` forwards also wait, as if another process held the CPU."""
+
+    def __init__(self, busy_calls: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.busy_calls = busy_calls
+
+    def forward(self, x):
+        if self.busy_calls > 0:
+            self.busy_calls -= 1
+            time.sleep(SLEEP_S)
+        return self.net(x).pow(2).mean()
+
+
+def profile_busy(busy_calls: int):
+    model = SometimesBusy(busy_calls)
+    workload = Workload(name="busy", model=model, batch=(torch.randn(8, 16),), loss_fn=None, args={}, batch_size=8)
+    messages = []
+    profile = profile_workload(workload, "cpu", repeats=2, warmup_steps=1, progress=messages.append)
+    return profile, messages
+
+
+def test_a_step_slowed_by_another_process_is_measured_again():
+    """Busy during warm-up and plain timing only: the second measurement agrees and is kept."""
+    profile, messages = profile_busy(busy_calls=3)
+    assert any("disagree (another process?); measuring again" in m for m in messages)
+    assert profile.step_time_s < SLEEP_S / 2
+    assert not any(n.startswith("timing:") for n in profile.notes)
+
+
+def test_a_disagreement_that_persists_is_kept_and_noted():
+    profile, messages = profile_busy(busy_calls=10**6)
+    assert sum("measuring again" in m for m in messages) == 2
+    assert any(m.startswith("warning:") and "kept as measured" in m for m in messages)
+    assert profile.step_time_s >= SLEEP_S
+    assert any(n.startswith("timing:") and "after 3 measurements" in n for n in profile.notes)
+
+
+def test_a_quiet_profile_is_measured_once():
+    profile, messages = profile_busy(busy_calls=0)
+    assert not any("disagree" in m for m in messages)

@@ -1,0 +1,58 @@
+"""`regen check`: a plan that gives the same result passes; any difference fails with exit 1."""
+
+import textwrap
+
+from regen.cli import main
+
+MLP = ["--model", "mlp", "--batch-size", "256", "--arg", "in_features=64", "--arg", "hidden=128", "--arg", "depth=4"]
+
+DRIFTING = """
+    import torch
+    from torch import nn
+
+    CALLS = [0]
+
+    class Drifting(nn.Module):
+        '''Each forward adds how many forwards ran before: a second run gives another loss.'''
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            CALLS[0] += 1
+            return (self.fc(x).relu() + CALLS[0]).pow(2).mean()
+
+    def build(batch_size=8):
+        torch.manual_seed(0)
+        return Drifting(), torch.randn(batch_size, 16)
+    """
+
+
+def plan_for(tmp_path, workload_args, strategy="recompute", cap="90%"):
+    profile, plan = tmp_path / "w.profile.yaml", tmp_path / "w.plan.yaml"
+    assert main(["profile", *workload_args, "--repeats", "1", "-o", str(profile), "-q"]) == 0
+    assert main(["solve", str(profile), "--memory-cap", cap, "--strategy", strategy, "-o", str(plan), "-q"]) == 0
+    return plan
+
+
+def test_a_plan_that_gives_the_same_result_passes(tmp_path, capsys):
+    plan = plan_for(tmp_path, MLP)
+    assert main(["check", *MLP, "--plan", str(plan), "--steps", "1", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "same" in out and "PASS" in out and "peak memory" in out and "within" in out
+    assert "predicted by the plan" in out
+
+
+def test_any_difference_fails(tmp_cwd, capsys):
+    (tmp_cwd / "drifting.py").write_text(textwrap.dedent(DRIFTING))
+    args = ["--model", "drifting:build"]
+    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
+    assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "DIFFER" in out and "loss (max |difference|" in out
+
+
+def test_check_needs_a_workload_and_a_readable_plan(tmp_path, capsys):
+    assert main(["check", "--plan", str(tmp_path / "none.yaml"), *MLP]) == 2
+    assert "no such file" in capsys.readouterr().err
