@@ -129,6 +129,7 @@ class Plan:
     decisions: list[Decision]
     recipe_ops: list[RecipeOp] = field(default_factory=list)
     memory_at_start_bytes: int = 0  # the profile's: device bytes allocated when the step began
+    num_forward_packs: int | None = None  # tensors autograd saved in the profiled forward (the saved set)
     baseline_timeline_bytes: list[int] = field(default_factory=list)  # unplanned, after each op
     planned_timeline_bytes: list[int] = field(default_factory=list)  # simulator's, after each op
     format: str = PLAN_FORMAT
@@ -197,6 +198,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             decisions=decisions, recipe_ops=recipe_ops, format=str(doc["format"]),
             profile_path=doc.get("profile_path"), notes=list(doc.get("notes") or []),
             memory_at_start_bytes=int(doc.get("memory_at_start_bytes") or 0),
+            num_forward_packs=None if doc.get("num_forward_packs") is None else int(doc["num_forward_packs"]),
             baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
             planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []), regions=regions,
         )

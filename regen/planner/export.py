@@ -65,6 +65,8 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=float(base_time + sim.step_time_s - compute)),
         solver=result.report, d2h_bytes_per_s=graph.d2h_bytes_per_s, h2d_bytes_per_s=graph.h2d_bytes_per_s,
         host_pool_bytes=_peak_concurrent(host_intervals), num_forward_ops=graph.num_forward_ops,
+        num_forward_packs=sum(1 for e in profile.saved_entries
+                              if e.pack_after_op is not None and e.pack_after_op < graph.num_forward_ops),
         memory_at_start_bytes=int(profile.memory_at_start_bytes),
         decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
         baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],

@@ -281,6 +281,10 @@ class StepRecorder:
             raise
 
     def _pack(self, x: torch.Tensor) -> Any:
+        if torch._C._current_graph_task_id() != -1:
+            # saved during backward (the forward that reentrant checkpointing re-runs there, double
+            # backward): a phase of its own, never a saved tensor of a forward op; the runtime keeps these
+            return None, x
         index = len(self.entries)
         tid, info = self.id_of_input(x)
         writer = None
@@ -296,6 +300,8 @@ class StepRecorder:
 
     def unpack(self, handle: Any) -> torch.Tensor:
         index, x = handle
+        if index is None:  # saved during backward: not on the backward clock (the runtime's neither)
+            return x
         entry = self.entries[index]
         if entry.unpack_order is None:
             entry.unpack_order = self.unpack_count

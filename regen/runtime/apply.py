@@ -69,6 +69,10 @@ class RegenHandle:
             raise RegenError(f"regen.apply: expected a regen Plan (regen.load_plan(path)), got {type(plan).__name__}")
         if not isinstance(model, nn.Module):
             raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
+        if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            raise RegenError("regen.apply: this module is torch.compile'd; regen plans eager execution (its hooks "
+                             "and recipes run op by op), so apply the plan to the original module "
+                             "(model._orig_mod) and train it without torch.compile")
         self.model = model
         self.root = _unwrap(model)
         self.plan = plan
@@ -141,6 +145,9 @@ class RegenHandle:
             return
         if torch._C._current_graph_task_id() != -1:  # a forward run inside backward (checkpoint): leave it
             return
+        if torch.compiler.is_compiling():
+            raise RegenError("regen.apply: the model is being run by torch.compile; regen plans eager "
+                             "execution, so train the module under regen.apply without torch.compile")
         prev = self.current
         if prev is not None:
             if prev.phase != PHASE_CLOSED:

@@ -7,13 +7,17 @@ ops were captured as they ran); a swapped or dropped entry is packed as a `Saved
 `materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
 by its recipe (`recompute.replay_recipe`), which also hands over the candidates rebuilt with it
 (docs/internals.md "Rebuilt with another's recipe"), held until their own use, or by replaying its
-region's module call (regions.py), which rebuilds all of the region's dropped members at once. A resident storage is
-dropped after its last use (its first unpacks and the recipes reading it); everything else the
-candidate holds goes when autograd frees its last handle, or when the step is released.
+region's module call (regions.py), which rebuilds all of the region's dropped members at once. A
+resident storage is dropped after its last use (its first unpacks and the recipes reading it);
+everything else the candidate holds goes when autograd frees its last handle, or when the step is
+released. A backward over a retained graph (`retain_graph=True`, then another backward) unpacks
+again: swapped storages are restored and recipes run again, reading kept anchors through the tensor
+autograd still holds for them (a weak reference: it costs no memory once autograd frees it).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -33,7 +37,7 @@ class Candidate:
     """One storage of one step: what the runtime did with it and what it still owes."""
 
     __slots__ = ("key", "info", "mode", "pending", "live", "storage", "copy_out", "copy_in", "recipe_ran",
-                 "version", "released", "storage_key")
+                 "version", "released", "storage_key", "kept_by_autograd")
 
     def __init__(self, key, info):
         self.key = key
@@ -48,6 +52,8 @@ class Candidate:
         self.version = 0  # kept anchors: version counter when packed
         self.released = False
         self.storage_key: int | None = None  # swapped: the storage copied out (fast-path check)
+        # kept anchors: the tensor autograd holds for it, weakly: alive again in a backward over a retained graph
+        self.kept_by_autograd: weakref.ref | None = None
 
 
 class Saved:
@@ -111,10 +117,12 @@ class CandidateTable:
             else:  # its recipe was not captured: keep
                 cand.mode = ACTION_KEEP
         if cand.mode == ACTION_KEEP:
+            kept = x.detach()
             if key in self.index.anchor_keys and cand.storage is None:
-                cand.storage = x.detach()
+                cand.storage = kept
+                cand.kept_by_autograd = weakref.ref(kept)
                 cand.version = x._version
-            return x.detach()
+            return kept
         cand.pending += 1
         cand.live += 1
         self.live += 1
@@ -150,6 +158,8 @@ class CandidateTable:
                              f"after autograd freed it (a retained graph over an aborted step?)")
         if cand.mode == ACTION_SWAP:
             return self.swaps.restored(cand)
+        if cand.storage is None and cand.kept_by_autograd is not None:  # a second backward (retain_graph)
+            cand.storage = cand.kept_by_autograd()
         if cand.storage is not None:
             if cand.mode == ACTION_KEEP and cand.storage._version != cand.version:
                 raise PlanMismatchError(f"regen.apply: op {cand.key[0]}'s output, read by a recompute recipe, was "

@@ -18,11 +18,13 @@ or a member of another size, is a PlanMismatchError: never an approximate rebuil
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from regen.errors import PlanMismatchError
 from regen.runtime.plan_index import PlanIndex, RegionInfo
@@ -46,6 +48,7 @@ class RegionCall:
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
     packed: int | None = None  # packs during the call, once it returned
     replayed: bool = False
+    weak_inputs: tuple | None = None  # after the replay: (args, kwargs) with weak references to tensors
 
 
 class RegionReplays:
@@ -106,11 +109,13 @@ class RegionReplays:
     def replay(self, rid: int) -> dict[tuple[int, int], torch.Tensor]:
         """Run the region's module again; the rebuilt storages by member key. Once per step."""
         rc = self.calls.get(rid)
-        if rc is None or rc.replayed:
+        if rc is None:
             return {}
         if rc.packed is None:
             raise PlanMismatchError(f"regen.apply: module {rc.info.region.module!r} is replayed before its call "
                                     f"returned; the plan does not fit this run")
+        if rc.replayed:  # a backward over a retained graph needs its members again
+            rc.args, rc.kwargs = _inputs_again(rc)
         rc.replayed = True
         keys = rc.info.pack_keys
         packed: list[torch.Tensor | None] = []
@@ -125,7 +130,10 @@ class RegionReplays:
             raise PlanMismatchError("regen.apply: a region replay's graph was run backward")
 
         args, kwargs = rc.args, rc.kwargs
-        rc.args = rc.kwargs = None  # the arguments are needed no more after the replay
+        # after the replay the call holds its arguments weakly: no memory, yet there for a second backward
+        # over a retained graph as long as something else (that graph) holds them
+        rc.args = rc.kwargs = None
+        rc.weak_inputs = tree_map(lambda a: weakref.ref(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         with self._pause(), _state_of(rc), _buffers_copied(rc.module), \
                 torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = rc.module(*args, **kwargs)
@@ -143,6 +151,22 @@ class RegionReplays:
         """Let go of every captured call (arguments, RNG states)."""
         self.calls.clear()
         self._open.clear()
+
+
+def _inputs_again(rc: RegionCall) -> tuple[tuple, dict]:
+    """The arguments of a replayed call, for another replay (a backward over a retained graph)."""
+    def strong(a):
+        if isinstance(a, weakref.ref):
+            tensor = a()
+            if tensor is None:
+                raise PlanMismatchError(
+                    f"regen.apply: a second backward needs module {rc.info.region.module!r} replayed again, and its "
+                    f"inputs were freed after its first replay (a region replays again only while something "
+                    f"else holds its inputs)")
+            return tensor
+        return a
+
+    return tree_map(strong, rc.weak_inputs, is_leaf=lambda a: isinstance(a, weakref.ref))
 
 
 def _module_device(module: nn.Module) -> torch.device | None:

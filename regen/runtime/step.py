@@ -115,6 +115,7 @@ class Step:
         self.cands = CandidateTable(ctx.index, self.ops.captures, self.swaps, ctx.stats, self.mismatch,
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
+        self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
@@ -198,6 +199,7 @@ class Step:
         phase = self.phase
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x.detach())
+        self.forward_packs_seen += 1
         if phase == PHASE_CLOSED:
             return x.detach()
         if self._pending_copy_outs:
@@ -224,6 +226,7 @@ class Step:
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x.detach())
+        self.forward_packs_seen += 1
         if self.phase == PHASE_CLOSED:
             return x.detach()
         if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
@@ -257,13 +260,8 @@ class Step:
             raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
         k = self.unpack_count
         self.unpack_count = k + 1
-        if k == 0 and self.phase != PHASE_CLOSED:
-            if self.sequence is None:  # ops are counted: a forward shorter than the plan's is a mismatch
-                self.backward_began()
-            else:
-                self.end_forward()
-                if self.pack_count < len(self.sequence):
-                    self.mismatch(fewer_packs_mismatch(self.pack_count, self.sequence))
+        if k == 0:
+            self._first_unpack()
         copy_ins = self._copy_ins
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)
@@ -282,6 +280,20 @@ class Step:
             obj.unpacked = True
             self.cands.used(cand)
         return out
+
+    def _first_unpack(self):
+        """Backward began: close the forward, and check that it ran the plan's ops and saved its set."""
+        if self.phase != PHASE_CLOSED:
+            if self.sequence is None:  # ops are counted: a forward shorter than the plan's is a mismatch
+                self.backward_began()
+            else:
+                self.end_forward()
+                if self.pack_count < len(self.sequence):
+                    self.mismatch(fewer_packs_mismatch(self.pack_count, self.sequence))
+        expected = self.index.plan.num_forward_packs
+        if expected is not None and self.forward_packs_seen != expected and self.planned:
+            self.mismatch(f"the forward saved {self.forward_packs_seen} tensors for backward, the plan's saved "
+                          f"{expected} (parameters frozen or unfrozen since it was profiled, or another model)")
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _maybe_release(self):

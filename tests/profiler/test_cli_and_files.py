@@ -201,3 +201,49 @@ def test_a_forward_returning_a_dict_with_a_loss(tmp_cwd, capsys):
         """)
     assert main(["profile", "--model", "dict_loss:build", "--repeats", "1", "-o", str(tmp_cwd / "p.yaml"), "-q"]) == 0
     assert (tmp_cwd / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_inside_the_model(tmp_cwd, reentrant):
+    """Reentrant checkpointing saves tensors during backward, when it re-runs the forward: those saves are
+    a phase of their own, never attributed to forward ops. Profile, solve and a planned step work, with
+    the unplanned gradients."""
+    import torch
+
+    import regen
+    from regen.formats import load_plan
+    from regen.workloads import build_workload, training_step
+
+    write_module(tmp_cwd, "ckpt", f"""
+        import torch
+        from torch import nn
+        from torch.utils.checkpoint import checkpoint
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+            def forward(self, x):
+                x = self.a(x).tanh()
+                x = checkpoint(lambda y: self.b(y).relu(), x, use_reentrant={reentrant})
+                return self.c(x).tanh().pow(2).mean()
+
+        def build():
+            torch.manual_seed(1)
+            return Model(), torch.randn(256, 64)
+        """)
+    profile_path, plan_path = tmp_cwd / "p.yaml", tmp_cwd / "plan.yaml"
+    assert main(["profile", "--model", "ckpt:build", "--repeats", "1", "-o", str(profile_path), "-q"]) == 0
+    assert main(["solve", str(profile_path), "--memory-cap", "95%", "--strategy", "recompute", "-o",
+                 str(plan_path), "-q"]) == 0
+    plain, planned = build_workload("ckpt:build"), build_workload("ckpt:build")
+    torch.manual_seed(2)
+    training_step(plain)
+    with regen.apply(planned.model, load_plan(plan_path)) as handle:
+        torch.manual_seed(2)
+        training_step(planned)
+    assert handle.stats.planned_steps == 1
+    for p, q in zip(plain.model.parameters(), planned.model.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -170,3 +170,30 @@ def test_batchnorm_statistics_are_updated_once_under_recompute():
     plain.model.eval(), planned.model.eval()
     with torch.no_grad():
         assert torch.equal(plain.model(*plain.batch), planned.model(*planned.batch))
+
+
+@pytest.mark.slow
+def test_a_plan_for_another_saved_set_is_a_mismatch():
+    """Solved with the first layer frozen, applied with every parameter trainable (gradual unfreezing):
+    autograd saves more tensors than the plan knows of, which is a mismatch, never a silent overrun."""
+    from regen.errors import PlanMismatchError
+    from regen.profiler import profile_workload
+    from regen.runtime import PlanMismatchWarning
+
+    w = make("mlp")
+    first = next(w.model.parameters())
+    first.requires_grad_(False)
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    plan, _ = _solve(profile, "recompute")
+    assert plan.num_forward_packs == sum(1 for e in profile.saved_entries if e.pack_after_op < plan.num_forward_ops)
+    with regen.apply(w.model, plan) as handle:
+        step(w)  # the saved set it was solved for
+    assert handle.stats.planned_steps == 1
+    first.requires_grad_(True)
+    with pytest.raises(PlanMismatchError, match="saved .* tensors for backward, the plan's saved"):
+        with regen.apply(w.model, plan):
+            step(w)
+    with regen.apply(w.model, plan, on_mismatch="keep") as handle:
+        with pytest.warns(PlanMismatchWarning, match="frozen or unfrozen"):
+            step(w)
+    assert handle.stats.unplanned_steps == 1
