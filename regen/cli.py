@@ -72,10 +72,18 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from regen.planner import solve
     from regen.units import format_duration, parse_memory_cap
 
+    from regen.planner.link import check_one_link, machine_ram_bytes
+
+    check_one_link(args.bandwidth, args.link_ratio)
+    host_cap_bytes = None
+    if args.host_memory_cap is not None:
+        host_cap_bytes = parse_memory_cap(args.host_memory_cap, machine_ram_bytes() or 0, flag="--host-memory-cap",
+                                          percent_of="this machine's RAM")
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
     plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
-                 bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
+                 bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress,
+                 link_ratio=args.link_ratio, host_memory_cap_bytes=host_cap_bytes)
     plan.profile_path = str(args.input)
     save_plan(plan, args.output)
     counts = plan.action_counts()
@@ -182,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"solver time limit in seconds; the best plan found is kept (default {DEFAULT_TIME_LIMIT_S:g})")
     s.add_argument("--bandwidth", type=float, metavar="GB/s",
                    help="host<->device copy bandwidth in GB/s (overrides the profile's measurement)")
+    s.add_argument("--link-ratio", type=float, metavar="R",
+                   help="set both bandwidths so that copying every saved tensor one way takes R x the unplanned "
+                        "step time (0.9: PCIe next to a fast GPU; 0.1: NVLink-C2C); not with --bandwidth. A CPU-device "
+                        "profile without --link-ratio or --bandwidth is planned with recompute only")
+    s.add_argument("--host-memory-cap", metavar="SIZE",
+                   help="bound on the host pool (pinned on CUDA): bytes with a unit (16GiB) or a percentage of this "
+                        "machine's RAM (default 50%%)")
     s.add_argument("-o", "--output", required=True, help="where to write the plan (YAML)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     s.set_defaults(func=cmd_solve)

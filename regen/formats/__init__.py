@@ -23,6 +23,7 @@ from regen.formats.plan import (
     Decision,
     Plan,
     PlanFigures,
+    PlanLink,
     RecipeOp,
     SolverReport,
     PLAN_VERSIONS,
@@ -34,7 +35,7 @@ from regen.formats.plan import (
 __all__ = [
     "PROFILE_FORMAT", "DeviceInfo", "OpRecord", "Profile", "SavedEntry", "SavedTensor", "StaticMemory",
     "TensorRecord", "load_profile", "op_fingerprint", "save_profile",
-    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "RecipeOp", "SolverReport", "load_plan", "save_plan",
+    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "SolverReport", "load_plan", "save_plan",
     "load_profile_or_plan",
 ]
 

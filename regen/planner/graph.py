@@ -96,6 +96,8 @@ class PlanningGraph:
     # issues copy-ins at unpacks (docs/internals.md), so a copy-in can only start right before an op that
     # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
     copy_in_starts: list[int] = field(default_factory=list)
+    # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
+    host_memory_cap_bytes: int | None = None
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime

@@ -38,6 +38,7 @@ from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.milp.highs import new_var
+from regen.planner.milp.host_memory import add_host_memory_constraints
 from regen.planner.residency import resident_without_plan, unplanned_step_bytes
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
@@ -157,6 +158,7 @@ class Model:
             self._fifo_constraint(a, b)
         objective_terms = self._channel_constraints()
         self._memory_constraints()
+        add_host_memory_constraints(self)
         tu = self.time_unit
         for v in self.vars.values():
             for k, r in enumerate(v.rec):
