@@ -36,9 +36,19 @@ def is_random(func) -> bool:
     return _NONDETERMINISTIC_SEEDED in func.tags
 
 
+# Ops that write into arguments their schema does not mark as written: batch norm updates its running
+# statistics (module buffers) in place in training mode. Replaying one would update them twice.
+UNDECLARED_WRITE_OPS = frozenset({
+    "aten.native_batch_norm.default", "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default",
+    "aten._batch_norm_impl_index.default",
+})
+
+
 @functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_inplace(func) -> bool:
-    """The op writes into one of its arguments (add_, copy_, out= variants)."""
+    """The op writes into one of its arguments (add_, copy_, out= variants, batch norm's running stats)."""
+    if op_name(func) in UNDECLARED_WRITE_OPS:
+        return True
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 

@@ -17,3 +17,4 @@ class RuntimeStats:
     dropped_tensors: int = 0  # dropped in forward for recompute
     recomputes: int = 0  # recipe replays
     synchronous_copy_ins: int = 0  # copy-ins issued at their consumer instead of their planned unpack
+    link_wait_s: float = 0.0  # emulated link (emulate_link=True): wall time the compute thread waited on copies
