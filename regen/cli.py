@@ -183,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-cap", required=True,
                    help="device memory cap: bytes with a unit (6GiB, 512MB) or a percentage of the unplanned peak (60%%)")
     s.add_argument("--strategy", default="hybrid",
-                   choices=["hybrid", "recompute", "swap", "str", "keep-all", "chen"],
+                   choices=["hybrid", "recompute", "swap", "str", "keep-all", "chen", "offload-all"],
                    help="hybrid (default): MILP over keep/swap/recompute; recompute or swap only; str: STR's "
-                        "formulation (small graphs); keep-all and chen (sqrt(n) checkpointing) heuristics")
+                        "formulation (small graphs); keep-all, chen (sqrt(n) checkpointing) and offload-all (swap "
+                        "every saved tensor of 1 MiB or more, as torchtune's activation offloading) heuristics")
     s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
                    help=f"solver time limit in seconds; the best plan found is kept (default {DEFAULT_TIME_LIMIT_S:g})")
     s.add_argument("--bandwidth", type=float, metavar="GB/s",

@@ -27,7 +27,7 @@ from regen.planner.strategies import STRATEGIES
 from regen.units import format_bytes, format_duration
 
 Progress = Callable[[str], None] | None
-SWAPPING_STRATEGIES = ("hybrid", "swap", "str")  # strategies that may swap (hybrid can do without)
+SWAPPING_STRATEGIES = ("hybrid", "swap", "str", "offload-all")  # strategies that may swap (hybrid can do without)
 
 
 # ---- solve -------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 * `hybrid`: the MILP over keep / swap / recompute (regen.planner.milp.search);
 * `recompute`, `swap`: the same MILP with one action switched off;
 * `str`: STR's formulation (regen.planner.str_milp), for comparison;
-* `keep-all`, `chen`: heuristics for comparison (regen.planner.heuristics); a heuristic plan over the
-  cap is an InfeasibleCapError naming the strategy's own peak.
+* `keep-all`, `chen`, `offload-all`: heuristics for comparison (regen.planner.heuristics); a heuristic
+  plan over the cap is an InfeasibleCapError naming the strategy's own peak.
 """
 
 from __future__ import annotations
@@ -50,9 +50,13 @@ def chen(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, sa
     return _heuristic("chen", graph, heuristics.chen(graph), cap)
 
 
+def offload_all(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, say: Say) -> StrategyResult:
+    return _heuristic("offload-all", graph, heuristics.offload_all(graph), cap)
+
+
 STRATEGIES: dict[str, Callable[[PlanningGraph, int, float, float, Say], StrategyResult]] = {
     "hybrid": hybrid, "recompute": recompute, "swap": swap, "str": str_formulation, "keep-all": keep_all,
-    "chen": chen,
+    "chen": chen, "offload-all": offload_all,
 }
 
 

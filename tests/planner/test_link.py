@@ -117,3 +117,19 @@ def test_host_memory_cap_bounds_the_host_pool(small_transformer):
     assert bounded.simulated.peak_bytes <= cap
     with pytest.raises(InfeasibleCapError):  # swap only cannot reach the cap through a tiny host pool
         solve(small_transformer, cap, "swap", time_limit_s=20, link_ratio=0.05, host_memory_cap_bytes=2**20)
+
+
+def test_offload_all_swaps_every_large_saved_tensor(small_transformer, real_gpt_profile):
+    from regen.planner.graph import build_graph
+    from regen.planner.heuristics import OFFLOAD_MIN_BYTES
+
+    plan = solve(small_transformer, small_transformer.peak_bytes, "offload-all", link_ratio=0.9)
+    graph = build_graph(small_transformer)
+    expected = {c.id for c in graph.candidates if c.bytes >= OFFLOAD_MIN_BYTES and c.can_swap}
+    assert expected and {d.saved_tensor for d in plan.decisions if d.action == "swap"} == expected
+    assert plan.action_counts()["recompute"] == 0 and plan.strategy == "offload-all"
+    assert plan.simulated.peak_bytes < small_transformer.peak_bytes
+    with pytest.raises(InfeasibleCapError, match="offload-all"):  # a heuristic: its peak is what it is
+        solve(small_transformer, int(plan.simulated.peak_bytes * 0.9), "offload-all", link_ratio=0.9)
+    with pytest.raises(RegenError, match="--link-ratio"):  # a CPU device has no link to offload over
+        solve(real_gpt_profile, real_gpt_profile.peak_bytes, "offload-all")
