@@ -133,3 +133,23 @@ def test_offload_all_swaps_every_large_saved_tensor(small_transformer, real_gpt_
         solve(small_transformer, int(plan.simulated.peak_bytes * 0.9), "offload-all", link_ratio=0.9)
     with pytest.raises(RegenError, match="--link-ratio"):  # a CPU device has no link to offload over
         solve(real_gpt_profile, real_gpt_profile.peak_bytes, "offload-all")
+
+
+def test_cli_host_memory_cap(small_transformer, tmp_path, capsys):
+    from regen.cli import main
+
+    profile_path = tmp_path / "t.profile.yaml"
+    save_profile(small_transformer, profile_path)
+    out = str(tmp_path / "p.yaml")
+    base = ["solve", str(profile_path), "--memory-cap", "60%", "--link-ratio", "0.05", "-q", "-o", out]
+    assert main(base + ["--host-memory-cap", "12 parsecs"]) == 2
+    assert "--host-memory-cap '12 parsecs'" in capsys.readouterr().err
+    assert main(base + ["--strategy", "swap", "--host-memory-cap", "1MiB", "--time-limit", "20"]) == 3
+    assert main(base + ["--host-memory-cap", "8MiB", "--time-limit", "20"]) == 0
+    plan = load_plan(out)
+    assert plan.host_memory_cap_bytes == 8 * 2**20 and plan.host_pool_bytes <= 8 * 2**20
+    assert main(["show", out, "--json"]) == 0
+    import json
+
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["host_memory_cap_bytes"] == 8 * 2**20 and summary["link"]["source"] == "link-ratio"
