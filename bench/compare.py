@@ -283,7 +283,8 @@ def _link_plans(model: str, profile, caps: list[tuple[str, int]], link_ratio: fl
                 continue
             except InfeasibleCapError as exc:
                 smallest = exc.smallest_feasible_cap_bytes
-            progress(f"[{label}] {row}: no plan under {cap / 2**20:.1f} MiB; smallest {(smallest or 0) / 2**20:.1f} MiB")
+            progress(f"[{label}] {row}: no plan under {cap / 2**20:.1f} MiB; "
+                     f"smallest {(smallest or 0) / 2**20:.1f} MiB")
             failed.append(Result(model, row, cap, 0, 0.0,
                                  f"no {strategy} plan reaches this cap; the smallest it reaches is "
                                  f"{(smallest or 0) / 2**20:.1f} MiB", link_ratio=link_ratio))
@@ -355,7 +356,8 @@ def link_table(results: list[Result]) -> str:
             pred = r.predicted_step_time_s
             pred_s = f"{pred * 1e3:.1f} ms" if pred else "–"
             ratio_s = f"{r.step_time_s / pred:.2f}" if pred else "–"
-            lines.append(f"| {r.variant} | {cap} | {r.peak_bytes / 2**20:.1f} MiB | {r.peak_bytes / base.peak_bytes:.2f} "
+            lines.append(f"| {r.variant} | {cap} | {r.peak_bytes / 2**20:.1f} MiB "
+                         f"| {r.peak_bytes / base.peak_bytes:.2f} "
                          f"| {r.step_time_s * 1e3:.1f} ms | {r.step_time_s / base.step_time_s:.2f} | {pred_s} | "
                          f"{ratio_s} | {r.note} |")
         lines.append("")

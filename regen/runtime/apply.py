@@ -89,7 +89,7 @@ class RegenHandle:
         self._depth = 0
         self._removed = False
         device = _model_device(self.root)
-        self.link = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
+        self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
         if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
         self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0,
@@ -228,7 +228,7 @@ class RegenHandle:
     def engine_for(self, device: torch.device) -> SwapEngine:
         engine = self.engines.get(device)
         if engine is None:
-            engine = self.engines[device] = new_engine(device, self.pool, self.link, self.stats)
+            engine = self.engines[device] = new_engine(device, self.pool, self.emulated_link_bytes_per_s, self.stats)
         return engine
 
 
