@@ -5,7 +5,9 @@
 time in issue order, as a CUDA copy stream does: a copy of n bytes starts once the thread is free and
 the copies it depends on have landed, takes n / bandwidth of wall time (the plan's d2h_ or
 h2d_bytes_per_s), and only then writes its bytes into the destination, so a reader that does not wait
-reads stale bytes. Its `LinkEvent` is set once the bytes have landed; the compute thread waits on these
+reads stale bytes. Times are kept on the link's own clock (a copy starts when it was issued, the copy
+before it was due to end and its dependencies were due to land), so a copy thread that wakes up late
+(the GIL, a loaded machine) delays the copy it is doing, never the ones after it. Its `LinkEvent` is set once the bytes have landed; the compute thread waits on these
 events (a copy-in's consumer, the release of a copy-out's source), and those waits are real stalls
 (`RuntimeStats.link_wait_s`). A copy-in's buffer is allocated by the compute thread when the copy-in is
 issued, so its memory counts from then, and filled with POISON_BYTE so that a read before the copy
@@ -37,11 +39,12 @@ POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane
 class LinkEvent:
     """Set by a copy thread when a copy's bytes have landed (or the copy failed: `error`)."""
 
-    __slots__ = ("_flag", "error")
+    __slots__ = ("_flag", "error", "landed_at")
 
     def __init__(self):
         self._flag = threading.Event()
         self.error: BaseException | None = None
+        self.landed_at = 0.0  # time.perf_counter() when the copy's bytes were due to land
 
     def query(self) -> bool:
         return self._flag.is_set()
@@ -57,10 +60,11 @@ class LinkEvent:
 
 
 class _Copy:
-    __slots__ = ("src", "dst", "after", "done")
+    __slots__ = ("src", "dst", "after", "done", "issued_at")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, after: tuple, done: LinkEvent):
         self.src, self.dst, self.after, self.done = src, dst, after, done
+        self.issued_at = time.perf_counter()
 
 
 class CopyThread:
@@ -72,6 +76,7 @@ class CopyThread:
         self.bytes_per_s = float(bytes_per_s)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._hurry = False  # closing: queued copies land at once
+        self._free_at = 0.0  # when the link finishes the copy before (its due time, not the thread's)
         self._thread: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -97,10 +102,13 @@ class CopyThread:
                 event._flag.wait()
                 if event.error is not None:
                     raise RuntimeError("a copy it depends on failed") from event.error
-            if not self._hurry:
-                deadline = time.perf_counter() + task.dst.numel() * task.dst.element_size() / self.bytes_per_s
-                while (left := deadline - time.perf_counter()) > 0:
-                    time.sleep(left)
+            # the copy starts when it was issued, the link was free and what it depends on had landed, on
+            # the link's clock: a late wake-up of this thread delays no later copy
+            start = max([task.issued_at, self._free_at] + [e.landed_at for e in task.after])
+            due = start + task.dst.numel() * task.dst.element_size() / self.bytes_per_s
+            self._free_at = task.done.landed_at = due
+            while not self._hurry and (left := due - time.perf_counter()) > 0:
+                time.sleep(left)
             task.dst.copy_(task.src)
         except BaseException as exc:  # raised to whoever waits on the copy
             error = exc

@@ -31,6 +31,7 @@ from regen.runtime.swap import HostPool
 SLOW_LINK_RATIO = 2.0  # the swapped bytes take twice a step to copy one way: copies stall compute
 LINK_THREAD_PREFIX = "regen-link"
 CAP_TOLERANCE = 0.05
+SOLVED_CAP_FRACTION = 0.7  # of the unplanned peak, for the solved plans
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -211,7 +212,7 @@ def test_swaps_on_a_cpu_device_without_emulation_warn():
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["swap", "hybrid"])
 def test_solved_plans_under_a_slow_link_are_exact_and_within_the_cap(strategy):
-    """A real profile, solved at 50% of its peak (or the strategy's smallest cap) for a slow link
+    """A real profile, solved at 70% of its peak (or just above the strategy's smallest cap) for a slow link
     (R = SLOW_LINK_RATIO), run over the emulated link: exact gradients and buffers, and the allocator's
     peak within the cap + 5%, counting copy-in buffers from their allocation."""
     from regen.planner import solve
@@ -219,11 +220,11 @@ def test_solved_plans_under_a_slow_link_are_exact_and_within_the_cap(strategy):
 
     w = make("gpt")
     profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
-    cap = int(profile.peak_bytes * 0.5)
+    cap = int(profile.peak_bytes * SOLVED_CAP_FRACTION)
     try:
-        plan = solve(profile, cap, strategy, time_limit_s=10, link_ratio=SLOW_LINK_RATIO)
-    except InfeasibleCapError as exc:
-        plan = solve(profile, exc.smallest_feasible_cap_bytes, strategy, time_limit_s=10,
+        plan = solve(profile, cap, strategy, time_limit_s=30, link_ratio=SLOW_LINK_RATIO)
+    except InfeasibleCapError as exc:  # a little above the smallest cap, so the solver finds a plan quickly
+        plan = solve(profile, int(exc.smallest_feasible_cap_bytes * 1.02), strategy, time_limit_s=30,
                      link_ratio=SLOW_LINK_RATIO)
     assert plan.action_counts()["swap"] > 0
     reference = _grads_and_buffers(w)
