@@ -1,5 +1,20 @@
 """Side-by-side benchmark: regen against what users reach for today, measured in one run.
 
+The default run is over an emulated host link (`--link-ratio R`, default R = 0.9 and R = 0.1): the link
+copies every saved tensor of the step one way in R x the unplanned step time, as a GPU's host link
+does (0.9: PCIe next to a fast GPU; 0.1: NVLink-C2C), and regen's runtime runs every swap over it
+(`regen.apply(..., emulate_link=True)`: copy threads, real stalls). Rows, per model and ratio: no plan;
+per-block `torch.utils.checkpoint`; offload-all (every saved tensor of 1 MiB or more swapped, as
+torchtune's activation offloading, through the same link); regen's recompute-only, swap-only and
+hybrid plans at 50% of the unplanned peak and at each peer's measured peak. Every row gives the
+measured peak, the measured step time and the predicted step time (the plan's simulator figure).
+
+    python bench/compare.py                                  # R = 0.9 and 0.1, writes docs/benchmarks.md
+    python bench/compare.py --models gpt --link-ratio 0.9 --no-write --timed-steps 2 --time-limit 10
+
+`--memcpy-link` runs the comparison below instead, where swaps copy at memcpy speed (no link at all),
+labelled as such.
+
 For each model (the built-in GPT, Hugging Face GPT-2, the built-in CNN) and each way of saving
 memory, this runs forward+backward steps on the same weights and batch and measures:
 
@@ -14,11 +29,12 @@ Variants: no plan; per-block `torch.utils.checkpoint`; Hugging Face `gradient_ch
 `torch.autograd.graph.save_on_cpu` (offload everything); and regen's recompute-only, swap-only and
 hybrid plans solved at caps matched to each peer's measured peak (rows "regen recompute @ checkpoint
 per block's peak", "@ HF gradient checkpointing's peak"...), each with its plan's predicted step time
-next to the measured one. Everything is reported as a ratio to no plan. It writes docs/benchmarks.md
-with the machine, the date and the command, and with `--json PATH` every row as JSON.
+next to the measured one. Everything is reported as a ratio to no plan. It writes
+docs/benchmarks-memcpy.md with the machine, the date and the command; `--json PATH` also writes every
+row as JSON (either run).
 
-    python bench/compare.py                 # all models, writes docs/benchmarks.md
-    python bench/compare.py --models gpt --no-write --json rows.json
+    python bench/compare.py --memcpy-link   # all models, writes docs/benchmarks-memcpy.md
+    python bench/compare.py --memcpy-link --models gpt --no-write --json rows.json
 """
 
 from __future__ import annotations
@@ -69,7 +85,8 @@ class Result:
     peak_bytes: int
     step_time_s: float
     note: str = ""
-    predicted_step_time_s: float | None = None  # regen rows: the plan's simulated step time
+    predicted_step_time_s: float | None = None  # the plan's simulated step time (link runs)
+    link_ratio: float | None = None  # the emulated link's R (link runs)
 
 
 @dataclass
@@ -84,7 +101,7 @@ class Variant:
     handle: object = None  # a regen.apply handle, removed at the end
     increase_bytes: int = 0
     times_s: list = None
-    predicted_s: float | None = None  # regen rows: the plan's simulated step time
+    predicted_step_time_s: float | None = None
 
     def step(self) -> None:
         from contextlib import nullcontext
@@ -150,6 +167,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
 
     progress(f"[{name}] profiling")
     profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None)
+    memcpy_gb_s = profile.device.d2h_bytes_per_s / 1e9  # the memcpy "link", given explicitly
     start = profile.memory_at_start_bytes
     variants = peer_variants(name, spec, progress)
     for v in variants:  # memory first: the allocator's figures do not depend on machine load
@@ -165,7 +183,8 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
             cap = peer_cap
             label = f"regen {strategy} @ {peer.name}'s peak"
             try:
-                plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S)
+                plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S,
+                             bandwidth_gb_s=memcpy_gb_s)
             except InfeasibleCapError as exc:
                 smallest = exc.smallest_feasible_cap_bytes
                 progress(f"[{name}] {label}: no plan under {cap / 2**20:.1f} MiB; smallest feasible "
@@ -176,10 +195,11 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
                     continue
                 smallest_done.add(strategy)
                 cap, label = smallest, f"regen {strategy} @ its smallest cap"
-                plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S)
+                plan = solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=SOLVE_TIME_LIMIT_S,
+                             bandwidth_gb_s=memcpy_gb_s)
             w = build(spec)
             v = Variant(label, w, cap_bytes=cap, handle=regen.apply(w.model, plan),
-                        predicted_s=plan.simulated.step_time_s,
+                        predicted_step_time_s=plan.simulated.step_time_s,
                         note=f"{plan.action_counts()['swap']} swap, {plan.action_counts()['recompute']} recompute"
                              + (f" ({plan.region_member_count()} by {len(plan.regions)} module replays)"
                                 if plan.regions else ""))
@@ -202,7 +222,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
         if v.handle is not None:
             v.handle.remove()
         results.append(Result(name, v.name, v.cap_bytes, start + v.increase_bytes, statistics.median(v.times_s),
-                              v.note, v.predicted_s))
+                              v.note, v.predicted_step_time_s))
     torch._dynamo.reset()
     return results + failed
 
@@ -230,6 +250,154 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+# ---- over an emulated host link (the default run) ----------------------------------------------------
+
+LINK_RATIOS = (0.9, 0.1)
+LINK_CAP_FRACTION = 0.5
+LINK_STRATEGIES = ("recompute", "swap", "hybrid")
+
+
+def _measured(v: Variant, start: int, label: str, progress) -> Variant:
+    """Warm the variant up and measure its peak (the allocator's increase over the step's start)."""
+    for _ in range(WARMUP_STEPS):
+        v.step()
+    v.increase_bytes = measure_memory(v.step).peak_increase_bytes
+    cap = f" (cap {v.cap_bytes / 2**20:.1f})" if v.cap_bytes else ""
+    progress(f"[{label}] {v.name:<34} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB{cap}")
+    return v
+
+
+def _planned(label: str, spec: dict, plan, cap_bytes: int | None) -> Variant:
+    """A fresh model under `plan`, its swaps over the emulated link at the plan's bandwidth."""
+    import regen
+
+    w = build(spec)
+    counts = plan.action_counts()
+    return Variant(label, w, cap_bytes=cap_bytes, handle=regen.apply(w.model, plan, emulate_link=True),
+                   note=f"{counts['swap']} swap, {counts['recompute']} recompute",
+                   predicted_step_time_s=plan.simulated.step_time_s)
+
+
+def _link_plans(model: str, profile, caps: list[tuple[str, int]], link_ratio: float, time_limit_s: float, label: str,
+                progress) -> tuple[list[tuple[str, object, int]], list[Result]]:
+    """regen's plans at each (name, cap): (row label, plan, cap), and rows for caps a strategy cannot reach
+    (each strategy then runs once at the smallest cap it reaches)."""
+    from regen.planner import solve
+
+    plans, failed, smallest_done = [], [], set()
+    for cap_name, cap in caps:
+        for strategy in LINK_STRATEGIES:
+            row = f"regen {strategy} @ {cap_name}"
+            try:
+                plans.append((row, solve(profile, cap, strategy, time_limit_s=time_limit_s, link_ratio=link_ratio),
+                              cap))
+                continue
+            except InfeasibleCapError as exc:
+                smallest = exc.smallest_feasible_cap_bytes
+            progress(f"[{label}] {row}: no plan under {cap / 2**20:.1f} MiB; "
+                     f"smallest {(smallest or 0) / 2**20:.1f} MiB")
+            failed.append(Result(model, row, cap, 0, 0.0,
+                                 f"no {strategy} plan reaches this cap; the smallest it reaches is "
+                                 f"{(smallest or 0) / 2**20:.1f} MiB", link_ratio=link_ratio))
+            if smallest is not None and strategy not in smallest_done:
+                smallest_done.add(strategy)
+                plan = solve(profile, smallest, strategy, time_limit_s=time_limit_s, link_ratio=link_ratio)
+                plans.append((f"regen {strategy} @ its smallest cap", plan, smallest))
+    return plans, failed
+
+
+def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time_limit_s: float = SOLVE_TIME_LIMIT_S,
+                        timed_steps: int = TIMED_STEPS) -> list[Result]:
+    """One model over an emulated link of ratio `link_ratio` (see the module doc)."""
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    label = f"{name} R={link_ratio:g}"
+    progress(f"[{label}] profiling")
+    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None)
+    start = profile.memory_at_start_bytes
+    variants = [_measured(Variant("no plan", build(spec), predicted_step_time_s=profile.step_time_s), start, label,
+                          progress)]
+    w = build(spec)
+    n = checkpoint_blocks(w.model)
+    peers = [_measured(Variant("checkpoint per block", w, note=f"{n} blocks"), start, label, progress)]
+    offload = solve(profile, profile.peak_bytes, "offload-all", link_ratio=link_ratio)
+    peers.append(_measured(_planned("offload-all", spec, offload, None), start, label, progress))
+    variants += peers
+    caps = [(f"{LINK_CAP_FRACTION:.0%}", int(profile.peak_bytes * LINK_CAP_FRACTION))]
+    caps += [(peer.name, start + peer.increase_bytes) for peer in peers]
+    plans, failed = _link_plans(name, profile, caps, link_ratio, time_limit_s, label, progress)
+    for row, plan, cap in plans:
+        variants.append(_measured(_planned(row, spec, plan, cap), start, label, progress))
+    for v in variants:  # round-robin, so load on a shared machine hits every variant alike
+        v.times_s = []
+    for round_ in range(timed_steps):
+        for v in variants:
+            t0 = time.perf_counter()
+            v.step()
+            v.times_s.append(time.perf_counter() - t0)
+        progress(f"[{label}] timing round {round_ + 1}/{timed_steps}")
+    results = []
+    for v in variants:
+        waited = v.handle.stats.link_wait_s if v.handle is not None else 0.0
+        if v.handle is not None:
+            v.handle.remove()
+        note = v.note + (f"; waited on the link {waited * 1e3 / (WARMUP_STEPS + 1 + timed_steps):.1f} ms/step"
+                         if waited else "")
+        results.append(Result(name, v.name, v.cap_bytes, start + v.increase_bytes, statistics.median(v.times_s),
+                              note, predicted_step_time_s=v.predicted_step_time_s, link_ratio=link_ratio))
+    return results + failed
+
+
+def link_table(results: list[Result]) -> str:
+    """One table per model and link ratio: measured peak, measured and predicted step time."""
+    lines = []
+    for model, ratio in dict.fromkeys((r.model, r.link_ratio) for r in results):
+        rows = [r for r in results if r.model == model and r.link_ratio == ratio]
+        base = next(r for r in rows if r.variant == "no plan")
+        lines += [f"### {model}, link ratio R = {ratio:g}", "",
+                  "| variant | cap | measured peak | peak vs no plan | step time | time vs no plan | predicted step "
+                  "time | measured vs predicted | note |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            cap = f"{r.cap_bytes / 2**20:.1f} MiB" if r.cap_bytes else ""
+            if not r.peak_bytes:
+                lines.append(f"| {r.variant} | {cap} | – | – | – | – | – | – | {r.note} |")
+                continue
+            pred = r.predicted_step_time_s
+            pred_s = f"{pred * 1e3:.1f} ms" if pred else "–"
+            ratio_s = f"{r.step_time_s / pred:.2f}" if pred else "–"
+            lines.append(f"| {r.variant} | {cap} | {r.peak_bytes / 2**20:.1f} MiB "
+                         f"| {r.peak_bytes / base.peak_bytes:.2f} "
+                         f"| {r.step_time_s * 1e3:.1f} ms | {r.step_time_s / base.step_time_s:.2f} | {pred_s} | "
+                         f"{ratio_s} | {r.note} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def link_document(body: str, command: str, elapsed_s: float, timed_steps: int) -> str:
+    return "\n".join([
+        "# Benchmarks: regen against checkpointing and offloading over an emulated host link",
+        "",
+        f"Produced by `{command}` on {datetime.date.today().isoformat()} ({elapsed_s:.0f} s), on {machine()}.",
+        "",
+        "A CPU has no host link, so these runs emulate one (`regen.apply(..., emulate_link=True)`): one copy "
+        "thread per direction, each copy of n bytes taking n / bandwidth of wall time, the compute thread "
+        "waiting on it where the plan needs the bytes. The link ratio R sets the bandwidth: copying every saved "
+        "tensor of the step one way takes R x the unplanned step time (R = 0.9: PCIe next to a fast GPU; "
+        "R = 0.1: NVLink-C2C). offload-all swaps every saved tensor of 1 MiB or more through the same link, "
+        "run by regen's runtime. Peak memory is measured by the allocator (torch.profiler's timeline) as the "
+        "increase over the step's start plus the profile's memory at the start of the step; copy-in buffers "
+        "count from their allocation, and the host pool (the same RAM on a CPU) is allocated before the step "
+        "and counted apart, as a GPU's pinned host memory is. Step time is the median of "
+        f"{timed_steps} forward+backward steps after {WARMUP_STEPS} warm-up steps, round-robin over all variants. "
+        "The predicted step time is the plan's simulated one (the profile's for no plan). regen's plans are "
+        f"solved at {LINK_CAP_FRACTION:.0%} of the unplanned peak and at each peer's measured peak.",
+        "",
+        body,
+    ])
+
+
 def machine() -> str:
     return (f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
             f"Python {platform.python_version()}, torch {torch.__version__}, "
@@ -239,8 +407,15 @@ def machine() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks.md")
-    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write the benchmarks page")
+    parser.add_argument("--output", default=None,
+                        help="default docs/benchmarks.md (docs/benchmarks-memcpy.md with --memcpy-link)")
+    parser.add_argument("--link-ratio", type=float, nargs="+", default=list(LINK_RATIOS), metavar="R",
+                        help=f"emulated link ratios (default {' and '.join(map(str, LINK_RATIOS))})")
+    parser.add_argument("--memcpy-link", action="store_true",
+                        help="the memcpy comparison instead (torch.compile, save_on_cpu, HF checkpointing; no link)")
+    parser.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="solver time limit per plan (s)")
+    parser.add_argument("--timed-steps", type=int, default=TIMED_STEPS, help="timed steps per variant (link runs)")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON (a list of objects) to PATH")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -250,18 +425,31 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
+    if not args.memcpy_link:
+        results = []
+        for ratio in args.link_ratio:
+            for name in args.models:
+                results += bench_model_on_link(name, MODELS[name], ratio, progress, args.time_limit, args.timed_steps)
+        body = link_table(results)
+        print(body)
+        _write_json(args.json, results)
+        if not args.no_write:
+            output = args.output or str(ROOT / "docs" / "benchmarks.md")
+            command = "python bench/compare.py" + (f" {' '.join(argv)}" if argv else "")
+            Path(output).write_text(link_document(body, command, time.perf_counter() - t0, args.timed_steps))
+            print(f"wrote {output}", file=sys.stderr)
+        return 0
     results = []
     for name in args.models:
         results += bench_model(name, MODELS[name], progress)
     body = table(results)
     print(body)
-    if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+    _write_json(args.json, results)
     if not args.no_write:
-        command = "python bench/compare.py" + (f" --models {' '.join(args.models)}" if argv else "")
+        args.output = args.output or str(ROOT / "docs" / "benchmarks-memcpy.md")
+        command = "python bench/compare.py --memcpy-link" + (f" --models {' '.join(args.models)}" if argv else "")
         text = "\n".join([
-            "# Benchmarks: regen against checkpointing, torch.compile and offloading",
+            "# Benchmarks over a memcpy link: regen against checkpointing, torch.compile and offloading",
             "",
             f"Produced by `{command}` on {datetime.date.today().isoformat()} "
             f"({time.perf_counter() - t0:.0f} s), on {machine()}.",
@@ -292,6 +480,12 @@ def main(argv=None) -> int:
         Path(args.output).write_text(text)
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def _write_json(path: str | None, results: list[Result]) -> None:
+    if path:
+        Path(path).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+        print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One command for the GPU check (see bench/gpu_check.py): profile a GPT-2-sized workload, solve at 50%
-# (hybrid, recompute, swap), train 20 steps each and with per-block checkpointing, and compare measured
-# peak and step time with the plans' predictions. Without a CUDA device it says so and exits 0.
+# One command for the GPU check (see bench/gpu_check.py): bench/compare.py's link comparison over the real
+# host link. Profile a GPT-2-sized workload; train no plan, per-block checkpointing, offload-all, and regen's
+# recompute, swap and hybrid plans at 50% and at the peers' peaks; print max_memory_allocated next to
+# max_memory_reserved and the measured step time next to the predicted one. Without CUDA it says so, exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"

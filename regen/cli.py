@@ -136,18 +136,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats import save_plan
+    from regen.formats.yamlio import check_output_path
     from regen.planner import solve
+    from regen.planner.link import check_one_link, machine_ram_bytes
     from regen.units import format_duration, parse_memory_cap
 
-    from regen.formats.yamlio import check_output_path
-
     check_output_path(args.output, inputs=(args.input,))
+    check_one_link(args.bandwidth, args.link_ratio)
+    host_cap_bytes = None
+    if args.host_memory_cap is not None:
+        host_cap_bytes = parse_memory_cap(args.host_memory_cap, machine_ram_bytes() or 0, flag="--host-memory-cap",
+                                          percent_of="this machine's RAM")
     say = _progress(args.quiet)
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
     with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
         plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
-                     bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress)
+                     bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress,
+                     link_ratio=args.link_ratio, host_memory_cap_bytes=host_cap_bytes)
     plan.profile_path = str(args.input)
     save_plan(plan, args.output)
     counts = plan.action_counts()
@@ -245,14 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-cap", required=True,
                    help="device memory cap: bytes with a unit (6GiB, 512MB) or a percentage of the unplanned peak (60%%)")
     s.add_argument("--strategy", default="hybrid",
-                   choices=["hybrid", "recompute", "swap", "str", "keep-all", "chen", "checkpoint-blocks"],
+                   choices=["hybrid", "recompute", "swap", "str", "keep-all", "chen", "checkpoint-blocks",
+                            "offload-all"],
                    help="hybrid (default): MILP over keep/swap/recompute; recompute or swap only; str: STR's "
-                        "formulation (small graphs); keep-all, chen (sqrt(n) checkpointing) and checkpoint-blocks "
-                        "(per-block checkpointing) heuristics")
+                        "formulation (small graphs); keep-all, chen (sqrt(n) checkpointing), checkpoint-blocks "
+                        "(per-block checkpointing) and offload-all (swap every saved tensor of 1 MiB or more, as "
+                        "torchtune's activation offloading) heuristics")
     s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
                    help=f"solver time limit in seconds; the best plan found is kept (default {DEFAULT_TIME_LIMIT_S:g})")
     s.add_argument("--bandwidth", type=float, metavar="GB/s",
                    help="host<->device copy bandwidth in GB/s (overrides the profile's measurement)")
+    s.add_argument("--link-ratio", type=float, metavar="R",
+                   help="set both bandwidths so that copying every saved tensor one way takes R x the unplanned "
+                        "step time (0.9: PCIe next to a fast GPU; 0.1: NVLink-C2C); not with --bandwidth. A CPU-device "
+                        "profile without --link-ratio or --bandwidth is planned with recompute only")
+    s.add_argument("--host-memory-cap", metavar="SIZE",
+                   help="bound on the host pool (pinned on CUDA): bytes with a unit (16GiB) or a percentage of this "
+                        "machine's RAM (default 50%%)")
     s.add_argument("-o", "--output", required=True, help="where to write the plan (YAML)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     s.set_defaults(func=cmd_solve)

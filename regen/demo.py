@@ -1,15 +1,14 @@
 """`regen demo` (what `make demo` runs): the main job end to end on a built-in GPT.
 
 1. profile one training step of a small GPT on the CPU;
-2. solve a hybrid plan at 50% of the unplanned peak;
+2. solve a hybrid plan at 50% of the unplanned peak (on a CPU device, which has no host link, the
+   planner makes it recompute only and says so: regen.planner.link);
 3. train a few steps without the plan and with it (same initial weights, same RNG seed), measuring
    peak memory with the allocator (regen.measure) and step time;
 4. print a table: measured peak (unplanned, cap, planned), step time (unplanned, planned, predicted),
    whether gradients matched, and where the profile, the plan and a memory-timeline PNG went.
 
 Sized to take about half a minute to a minute on 2 CPU cores (a 6-layer GPT, ~700 MiB unplanned peak).
-On a CPU "swap" copies to another host buffer, so the planned peak is the device-side figure with the
-host pool counted apart, as on a GPU.
 """
 
 from __future__ import annotations

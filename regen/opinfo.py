@@ -44,6 +44,8 @@ def is_inplace(func) -> bool:
 
 # Ops that write arguments their schema does not mark as written: the legacy batch-norm kernels update
 # the running statistics in place (their `_native_batch_norm_legit` successor declares it as `(a!)`).
+# A recipe replays such an op on copies of those arguments (regen.runtime.recompute.Scratch), so the
+# buffers are updated once.
 UNDECLARED_WRITES = {
     "aten.native_batch_norm.default": ("running_mean", "running_var"),
     "aten.cudnn_batch_norm.default": ("running_mean", "running_var"),

@@ -40,22 +40,26 @@ CAP_UNIT_BYTES = {
 _CAP_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")
 
 
-def parse_memory_cap(text: str, baseline_peak_bytes: int) -> int:
-    """'6GiB', '512MB', '1.5e9' (bytes), '60%' (of the unplanned peak) -> bytes."""
+def parse_memory_cap(text: str, baseline_peak_bytes: int, flag: str = "--memory-cap",
+                     percent_of: str = "the unplanned peak") -> int:
+    """'6GiB', '512MB', '1.5e9' (bytes), '60%' (of `baseline_peak_bytes`, which is `percent_of`) -> bytes.
+    `flag` names the option in error messages."""
     m = _CAP_RE.match(str(text))
     if not m:
-        raise RegenError(f"--memory-cap '{text}': expected a number with a unit (6GiB, 512MB, 1.5e9) "
-                         f"or a percentage of the unplanned peak (60%)")
+        raise RegenError(f"{flag} '{text}': expected a number with a unit (6GiB, 512MB, 1.5e9) "
+                         f"or a percentage of {percent_of} (60%)")
     value, unit = float(m.group(1)), m.group(2)
     if unit == "%":
         if not 0 < value:
-            raise RegenError(f"--memory-cap '{text}': a percentage must be positive")
+            raise RegenError(f"{flag} '{text}': a percentage must be positive")
+        if not baseline_peak_bytes:
+            raise RegenError(f"{flag} '{text}': {percent_of} is unknown here; give bytes with a unit")
         return int(baseline_peak_bytes * value / 100.0)
     factor = CAP_UNIT_BYTES.get(unit.lower())
     if factor is None:
         known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %"
-        raise RegenError(f"--memory-cap '{text}': unknown unit '{unit}' (use {known})")
+        raise RegenError(f"{flag} '{text}': unknown unit '{unit}' (use {known})")
     cap = int(value * factor)
     if cap <= 0:
-        raise RegenError(f"--memory-cap '{text}': the cap must be positive")
+        raise RegenError(f"{flag} '{text}': the cap must be positive")
     return cap

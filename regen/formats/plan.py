@@ -112,6 +112,21 @@ class SolverReport:
     time_limit_s: float | None = None
 
 
+LINK_FROM_RATIO = "link-ratio"  # both bandwidths from --link-ratio
+LINK_FROM_BANDWIDTH = "bandwidth"  # --bandwidth
+LINK_FROM_PROFILE = "profile"  # the profile's measured (or a graph's default) bandwidth
+LINK_SOURCES = (LINK_FROM_RATIO, LINK_FROM_BANDWIDTH, LINK_FROM_PROFILE)
+
+
+@dataclass
+class PlanLink:
+    """The host link a plan was solved for (its bandwidths are the plan's d2h/h2d_bytes_per_s)."""
+
+    source: str  # link-ratio | bandwidth | profile
+    link_ratio: float  # time to copy every candidate's bytes one way (slower direction) / unplanned step time
+    candidate_bytes: int  # bytes of every saved tensor of the profile, each storage once
+
+
 @dataclass
 class Plan:
     fingerprint: str  # the profile's (forward op names and shapes)
@@ -140,6 +155,8 @@ class Plan:
     def region_member_count(self) -> int:
         """Recompute decisions rebuilt by a region replay (Decision.region)."""
         return sum(1 for d in self.decisions if d.region is not None)
+    link: PlanLink | None = None  # absent in plans written before the link was recorded
+    host_memory_cap_bytes: int | None = None  # the bound on host_pool_bytes the plan was solved under
 
     def rebuilt_count(self) -> int:
         """Recompute decisions rebuilt with another's recipe (Decision.rebuilt_with)."""
@@ -201,6 +218,9 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             num_forward_packs=None if doc.get("num_forward_packs") is None else int(doc["num_forward_packs"]),
             baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
             planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []), regions=regions,
+            link=_optional_link(doc.get("link"), where),
+            host_memory_cap_bytes=(int(doc["host_memory_cap_bytes"]) if doc.get("host_memory_cap_bytes") is not None
+                                   else None),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed plan ({exc})") from None
@@ -234,6 +254,14 @@ def region_error(d: Decision, regions: list[RegionDecision]) -> str | None:
         return (f"is rebuilt by region {d.region}, but is not a recompute decision without a recipe of its own "
                 f"whose tensor that region packs")
     return None
+def _optional_link(raw: Any, where: str) -> PlanLink | None:
+    if raw is None:
+        return None
+    link = build_dataclass(PlanLink, raw, f"{where}: link")
+    link.link_ratio, link.candidate_bytes = float(link.link_ratio), int(link.candidate_bytes)
+    if link.source not in LINK_SOURCES:
+        raise FormatError(f"{where}: link source '{link.source}', expected one of {', '.join(LINK_SOURCES)}")
+    return link
 
 
 def rebuilt_with_error(d: Decision, by_saved_id: dict[int, Decision]) -> str | None:

@@ -100,6 +100,8 @@ class PlanningGraph:
     # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
     copy_in_starts: list[int] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
+    # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
+    host_memory_cap_bytes: int | None = None
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime

@@ -9,6 +9,10 @@
   block) in regen's terms: every block call is a region replayed in backward and rebuilds all its
   members, except those another block holds as its argument (the next block's input), which are kept;
   tensors outside the blocks are kept. A peer for comparison, and a warm start of the MILP.
+* `offload_all`: what torchtune's activation offloading and `torch.autograd.graph.save_on_cpu` do:
+  every saved tensor of at least OFFLOAD_MIN_BYTES is swapped, copied out after its producer and
+  issued back at the start of its copy-in window (about twice its transfer time ahead of its first
+  backward use), whatever the cap: a peer paying the same link as regen's plans.
 * `greedy`: simulator-driven: while the simulated peak is over the cap, take candidates not resident
   at the worst step by cheapest cost per byte (recompute time, or a swap's estimated exposed
   transfer), checking recipe inputs stay resident. Its plans are simulator-feasible by construction.
@@ -28,6 +32,13 @@ from regen.planner.simulator import simulate
 MAX_GREEDY_ROUNDS = 400
 SWAP_TRAFFIC_WEIGHT = 0.05  # fraction of a swap's transfer time counted even when it hides behind compute
 CHEN_MAX_PASSES = 4
+OFFLOAD_MIN_BYTES = 1 << 20  # torchtune's activation offloading leaves smaller tensors on the device
+
+
+def offload_all(graph: PlanningGraph, min_bytes: int = OFFLOAD_MIN_BYTES) -> dict[int, Choice]:
+    """Swap every candidate of at least `min_bytes` that can be swapped."""
+    return {c.index: Choice(ACTION_SWAP, swap_in_step=c.in_breaks[0])
+            for c in graph.candidates if c.bytes >= min_bytes and c.can_swap}
 
 
 def chen(graph: PlanningGraph) -> dict[int, Choice]:

@@ -1,6 +1,7 @@
 """`regen solve`'s planning: validate the request, run a strategy, check the result, build the Plan.
 
-The walk from `solve` to the written Plan: validate the request, build the planning graph
+The walk from `solve` to the written Plan: validate the request, settle the host link and host memory
+(regen.planner.link: a CPU device without an explicit link plans recompute only), build the planning graph
 (regen.planner.graph), run the strategy (regen.planner.strategies), put the copy-ins where the runtime
 issues them (regen.planner.copy_order), replay the plan in the simulator (the one final check: a plan
 that is inconsistent or over the cap is never returned), and export it (regen.planner.export).
@@ -17,25 +18,31 @@ from regen.formats.profile import Profile
 from regen.planner.copy_order import order_copy_ins
 from regen.planner.export import build_plan
 from regen.planner.graph import build_graph
+from regen.planner.link import (default_host_memory_cap_bytes, has_no_link, host_memory_error, link_bandwidth,
+                                no_link_error, no_link_note, plan_link)
 from regen.planner.milp.highs import reset_solver_threads
 from regen.planner.milp.model import DEFAULT_REL_GAP
 from regen.planner.simulator import simulate
 from regen.planner.residency import unplanned_peak_bytes
 from regen.planner.strategies import MILP_STRATEGIES, STRATEGIES
-from regen.units import BYTES_PER_GB, format_bytes, format_duration
+from regen.units import format_bytes, format_duration
 
 Progress = Callable[[str], None] | None
+SWAPPING_STRATEGIES = ("hybrid", "swap", "str", "offload-all")  # strategies that may swap (hybrid can do without)
 
 
 # ---- solve -------------------------------------------------------------------------------------
 
 
 def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", time_limit_s: float = 60.0,
-          bandwidth_gb_s: float | None = None, progress: Progress = None, rel_gap: float = DEFAULT_REL_GAP) -> Plan:
+          bandwidth_gb_s: float | None = None, progress: Progress = None, rel_gap: float = DEFAULT_REL_GAP,
+          link_ratio: float | None = None, host_memory_cap_bytes: int | None = None) -> Plan:
     """A plan for `profile` under `memory_cap_bytes`, checked by the simulator.
 
     The MILP strategies stop at `rel_gap` (relative gap between the plan and the solver's bound, 1% by
-    default) or at `time_limit_s`, whichever comes first."""
+    default) or at `time_limit_s`, whichever comes first. The host link is `bandwidth_gb_s` or
+    `link_ratio` (one of them, or neither for the profile's own bandwidth; regen.planner.link), and the
+    host pool stays within `host_memory_cap_bytes` (default: a fraction of this machine's RAM)."""
     if strategy not in STRATEGIES:
         raise RegenError(f"unknown strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
     if not memory_cap_bytes or memory_cap_bytes <= 0:
@@ -44,11 +51,23 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
         raise RegenError(f"--time-limit must be positive (got {time_limit_s})")
     if not 0 <= rel_gap < 1:
         raise RegenError(f"the relative gap must be in [0, 1) (got {rel_gap})")
-    bw = bandwidth_gb_s * BYTES_PER_GB if bandwidth_gb_s else None
+    bw, link_source = link_bandwidth(profile, bandwidth_gb_s, link_ratio)
+    if host_memory_cap_bytes is None:
+        host_memory_cap_bytes = default_host_memory_cap_bytes()
+    elif host_memory_cap_bytes <= 0:
+        raise RegenError(f"the host memory cap must be positive (got {host_memory_cap_bytes})")
+    say = progress or (lambda _m: None)
+    notes = []
+    if has_no_link(profile, link_source) and strategy in SWAPPING_STRATEGIES:
+        if strategy != "hybrid":
+            raise no_link_error(strategy)
+        notes.append(no_link_note(strategy))
+        say(notes[-1])
+        strategy = "recompute"
     reset_solver_threads()
     t0 = time.perf_counter()
     graph = build_graph(profile, bw, bw)
-    say = progress or (lambda _m: None)
+    graph.host_memory_cap_bytes = host_memory_cap_bytes
     decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
     say(f"planning {len(graph.candidates)} saved tensors ({len(decidable)} with a choice) over "
         f"{graph.num_steps} ops; cap {format_bytes(memory_cap_bytes)} of unplanned peak "
@@ -71,6 +90,11 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
                              f"{sim.peak_bytes} is over the cap {memory_cap_bytes}; not writing it")
     result.report.solve_time_s = time.perf_counter() - t0
     plan = build_plan(graph, result, memory_cap_bytes, strategy, sim)
+    if host_memory_cap_bytes is not None and plan.host_pool_bytes > host_memory_cap_bytes:
+        raise host_memory_error(plan.host_pool_bytes, host_memory_cap_bytes, strategy)
+    plan.link = plan_link(profile, graph.d2h_bytes_per_s, graph.h2d_bytes_per_s, link_source)
+    plan.host_memory_cap_bytes = host_memory_cap_bytes
+    plan.notes[:0] = notes
     unit = graph.time_unit
     say(f"simulated: peak {format_bytes(sim.peak_bytes)}, step {format_duration(plan.simulated.step_time_s, unit)} "
         f"(predicted {format_duration(plan.predicted.step_time_s, unit)}, unplanned "

@@ -3,9 +3,9 @@
 * `hybrid`: the MILP over keep / swap / recompute (regen.planner.milp.search);
 * `recompute`, `swap`: the same MILP with one action switched off;
 * `str`: STR's formulation (regen.planner.str_milp), for comparison;
-* `keep-all`, `chen`, `checkpoint-blocks` (per-block checkpointing as region decisions): heuristics for
-  comparison (regen.planner.heuristics); a heuristic plan over the cap is an InfeasibleCapError naming
-  the strategy's own peak.
+* `keep-all`, `chen`, `checkpoint-blocks` (per-block checkpointing as region decisions), `offload-all`
+  (every saved tensor of 1 MiB or more swapped): heuristics for comparison (regen.planner.heuristics); a
+  heuristic plan over the cap is an InfeasibleCapError naming the strategy's own peak.
 """
 
 from __future__ import annotations
@@ -60,10 +60,14 @@ def checkpoint_blocks(graph: PlanningGraph, cap: int, time_limit_s: float, rel_g
     return _heuristic("checkpoint-blocks", graph, heuristics.checkpoint_blocks(graph), cap)
 
 
+def offload_all(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, say: Say) -> StrategyResult:
+    return _heuristic("offload-all", graph, heuristics.offload_all(graph), cap)
+
+
 MILP_STRATEGIES = ("hybrid", "recompute", "swap")
 STRATEGIES: dict[str, Callable[[PlanningGraph, int, float, float, Say], StrategyResult]] = {
     "hybrid": hybrid, "recompute": recompute, "swap": swap, "str": str_formulation, "keep-all": keep_all,
-    "chen": chen, "checkpoint-blocks": checkpoint_blocks,
+    "chen": chen, "checkpoint-blocks": checkpoint_blocks, "offload-all": offload_all,
 }
 
 

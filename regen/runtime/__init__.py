@@ -6,7 +6,9 @@
 * forward_ops.py: what a step does per forward op: writer map, fingerprint, recipe captures;
 * packing.py: which decision a saved tensor gets (through the writer map, or by pack order);
 * candidates.py: one step's candidates: keep, swap or drop at pack, resident again at unpack;
-* swap_queue.py: one step's copy-outs, copy-in schedule and release; swap.py: the host pool and copies;
+* swap_queue.py: one step's copy-outs, copy-in schedule and release; swap.py: the host pool and the
+  SwapEngine interface, whose backends are swap_cuda.py (CUDA streams), link.py (an emulated host link on
+  CPU, `emulate_link=True`) and swap.py's synchronous one;
 * recompute.py: capture of recipe ops in forward and their replay in backward;
 * regions.py: capture of a region's module call in forward and its replay (the module's forward) in backward;
 * plan_index.py: the plan's lookup tables; stats.py: the handle's counters.

@@ -32,11 +32,18 @@ mode at all; with recipes they keep it until their last tracked op has run, doin
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
 no hook installed.
+
+The copies run on the device's `SwapEngine` (swap.py): CUDA streams on a GPU; on a CPU device, with
+`emulate_link=True`, an emulated link at the plan's bandwidths (link.py: copy threads, real stalls),
+else synchronous copies, with a warning for a plan that swaps (a CPU has no link: its host pool is the
+same RAM). Background copy threads stop when the handle is removed and no step holds copies any more,
+when an exception ends the `with` block, or at interpreter exit.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,7 +57,7 @@ from regen.runtime.packing import PackRecord
 from regen.runtime.plan_index import index_plan
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.step import Step, StepContext, StepFindings
-from regen.runtime.swap import HostPool, SwapEngine
+from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
 
 ON_MISMATCH_CHOICES = ("raise", "keep")
@@ -59,7 +66,7 @@ ON_MISMATCH_CHOICES = ("raise", "keep")
 class RegenHandle:
     """The object `regen.apply` returns: a context manager, or call `.remove()` when done."""
 
-    def __init__(self, model: nn.Module, plan: Plan, on_mismatch: str = "raise"):
+    def __init__(self, model: nn.Module, plan: Plan, on_mismatch: str = "raise", emulate_link: bool = False):
         if on_mismatch not in ON_MISMATCH_CHOICES:
             raise RegenError(f"regen.apply: on_mismatch must be one of {', '.join(ON_MISMATCH_CHOICES)}, "
                              f"got {on_mismatch!r}")
@@ -91,9 +98,13 @@ class RegenHandle:
         self._depth = 0
         self._removed = False
         device = _model_device(self.root)
+        self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
+        if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
+            warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
         self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0,
                              pin_memory=device is not None and device.type == "cuda")
         self.engines: dict[torch.device, SwapEngine] = {}
+        self._finalizer = weakref.finalize(self, _close_engines, self.engines)  # also at interpreter exit
         self._step_context = StepContext(
             index=self.index, on_mismatch=on_mismatch, stats=self.stats, pause_tracker=self.tracker.pause,
             engine_for=self.engine_for, pool=self.pool, forward_ended=self._forward_ended,
@@ -128,6 +139,8 @@ class RegenHandle:
         if abort:
             for s in list(self.live_steps):
                 s.release(aborted=True)
+        if not self.live_steps:
+            _close_engines(self.engines)
 
     @property
     def active_steps(self) -> int:
@@ -220,6 +233,8 @@ class RegenHandle:
             self.live_steps.remove(step)
             if followed_plan:
                 self.stats.planned_steps += 1
+        if self._removed and not self.live_steps:
+            _close_engines(self.engines)
 
     # ---- region modules -------------------------------------------------------------------------------
     def _region_hooks(self) -> list:
@@ -252,8 +267,32 @@ class RegenHandle:
     def engine_for(self, device: torch.device) -> SwapEngine:
         engine = self.engines.get(device)
         if engine is None:
-            engine = self.engines[device] = SwapEngine(device, self.pool)
+            engine = self.engines[device] = new_engine(device, self.pool, self.emulated_link_bytes_per_s, self.stats)
         return engine
+
+
+_NO_LINK_WARNING = (
+    "regen.apply: this plan swaps on a CPU device, which has no host link: the copies run synchronously at "
+    "memcpy speed into a host pool in the same RAM (nothing real is freed); pass emulate_link=True to run them "
+    "over an emulated link at the plan's bandwidth, or solve without a link for a recompute-only plan")
+
+
+def _emulated_link(plan: Plan, device: torch.device | None, swap_bytes: int) -> tuple[float, float]:
+    """(d2h, h2d) bytes/s of the emulated link: the plan's; only on a CPU device."""
+    if device is not None and device.type != "cpu":
+        raise RegenError(f"regen.apply: emulate_link=True emulates a GPU's host link on a CPU device; this model is "
+                         f"on {device}, whose real link regen uses")
+    if swap_bytes and not (plan.d2h_bytes_per_s > 0 and plan.h2d_bytes_per_s > 0):
+        raise RegenError("regen.apply: emulate_link=True needs the plan's copy bandwidths (d2h/h2d_bytes_per_s) "
+                         "to be positive")
+    return plan.d2h_bytes_per_s, plan.h2d_bytes_per_s
+
+
+def _close_engines(engines: dict) -> None:
+    """Stop the engines' background copies (each is closed once; later steps get new engines)."""
+    for engine in list(engines.values()):
+        engine.close()
+    engines.clear()
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -272,11 +311,13 @@ def _model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-def apply(model: nn.Module, plan: Plan | str | Path, on_mismatch: str = "raise") -> RegenHandle:
+def apply(model: nn.Module, plan: Plan | str | Path, on_mismatch: str = "raise",
+          emulate_link: bool = False) -> RegenHandle:
     """Replay `plan` on `model`'s training steps until the handle is removed (or the `with` ends).
 
     `plan` is a Plan or a path to a plan file. `on_mismatch="raise"` (default) raises PlanMismatchError
     when the model or batch shape is not the one the plan was made for; `"keep"` warns and runs that step
-    unplanned.
+    unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps over an emulated host link at
+    the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
     """
-    return RegenHandle(model, plan, on_mismatch=on_mismatch)
+    return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link)

@@ -18,3 +18,4 @@ class RuntimeStats:
     recomputes: int = 0  # recipe replays
     region_replays: int = 0  # module calls run again in backward (Plan.regions)
     synchronous_copy_ins: int = 0  # copy-ins issued at their consumer instead of their planned unpack
+    link_wait_s: float = 0.0  # emulated link (emulate_link=True): wall time the compute thread waited on copies

@@ -3,12 +3,17 @@
 * `HostPool`: host memory allocated once (pinned on CUDA: allocating pinned memory per tensor forces a
   device sync) and handed out as byte ranges, first fit; it grows by whole chunks when a step needs
   more than it holds, and every range goes back to it when its step is done, so later steps reuse it.
-* `SwapEngine`: the copies. On CUDA a device-to-host stream and a host-to-device stream: a copy-out
-  waits on an event recorded on the compute stream and records its own completion event; the device
-  storage is kept alive by the caller until the compute stream has waited on that event (no
-  `record_stream`). A copy-in allocates its buffer on the compute stream, runs on the host-to-device
-  stream after an event from the compute stream, and records an event the consumer waits on. On CPU
-  the same calls run synchronously (`copy_` between two host tensors) and return no events.
+* `SwapEngine`: the copies, one interface (the calls swap_queue.py makes) with three backends, chosen
+  by `new_engine`: `CudaEngine` (swap_cuda.py: a device-to-host and a host-to-device stream, events),
+  `EmulatedEngine` (link.py: a CPU device with `regen.apply(..., emulate_link=True)`: one copy thread
+  per direction at the plan's bandwidth, events the compute thread waits on) and `SyncEngine` (a CPU
+  device without an emulated link: `copy_` at once, no events).
+
+Every backend keeps the same contract: a copy-out's device storage (`CopyOut.source`) is held until the
+copy is finished and `release_source` is called; a copy-in's buffer is allocated by the caller's thread
+when it is issued (its memory counts from then) and may be read only after `wait_copy_in`; a host range
+given back to the pool is written again only after the copy-in reading it has finished
+(`HostSlot.last_read_event`, `HostPool.pending_read_events`).
 
 Copies are storage-level: the whole storage of the packed tensor moves once, however many saved entries
 view it; each entry is rebuilt over the restored bytes with its own geometry (see `view_of`).
@@ -69,7 +74,7 @@ class HostSlot:
     nbytes: int
     reserved_bytes: int
     tensor: torch.Tensor  # uint8 view of the range
-    # CUDA: the last copy reading this range (a copy-in); whoever writes the range next waits on it
+    # the last copy reading this range (a copy-in's event); whoever writes the range next waits on it
     last_read_event: object | None = None
 
 
@@ -81,7 +86,7 @@ class HostPool:
         self.chunks: list[_Chunk] = []
         self.checked_out_bytes = 0
         self.grow_count = 0
-        # CUDA: events of copy-ins that read ranges since given back; the next copy-out waits on them
+        # events of copy-ins that read ranges since given back; the next copy-out waits on them
         self.pending_read_events: list[object] = []
         if initial_bytes > 0:
             self._grow(initial_bytes)
@@ -144,92 +149,75 @@ class CopyOut:
     """A storage on its way to (or already in) the host pool."""
 
     slot: HostSlot
-    done_event: object | None  # CUDA event on the device-to-host stream; None on CPU (synchronous)
-    source: torch.Tensor | None  # the device bytes, held until the compute stream has waited on done_event
+    done_event: object | None  # the backend's completion event; None when the copy is done (SyncEngine)
+    source: torch.Tensor | None  # the device bytes, held until the copy is done and release_source ran
     device: torch.device  # where the storage lives (and comes back to)
 
 
 @dataclass
 class CopyIn:
     buffer: torch.Tensor  # uint8 device tensor holding the restored storage
-    done_event: object | None  # CUDA event on the host-to-device stream; None on CPU
-    waited_streams: set = field(default_factory=set)
+    done_event: object | None  # the backend's completion event; None when the copy is done (SyncEngine)
+    waited_streams: set = field(default_factory=set)  # CUDA: streams ordered after the copy; else {None}
 
 
 class SwapEngine:
-    """Copies between one device and the host pool; synchronous on CPU, on side streams on CUDA."""
+    """Copies between one device and the host pool (the calls of swap_queue.py). See the module doc."""
 
     def __init__(self, device: torch.device, pool: HostPool):
         self.device = device
         self.pool = pool
-        self.is_cuda = device.type == "cuda"
-        if self.is_cuda:
-            self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
 
-    # ---- forward -------------------------------------------------------------------------------
     def copy_out(self, t: torch.Tensor) -> CopyOut:
         """Start copying the whole storage of `t` into a host range."""
-        src = storage_bytes_view(t)
-        slot = self.pool.allocate(src.numel())
-        if not self.is_cuda:
-            slot.tensor.copy_(src)
-            return CopyOut(slot=slot, done_event=None, source=None, device=self.device)
-        compute = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        self.d2h_stream.wait_event(ready)
-        for event in self.pool.pending_read_events:  # recycled ranges: their last copy-in has read them
-            self.d2h_stream.wait_event(event)
-        self.pool.pending_read_events.clear()
-        with torch.cuda.stream(self.d2h_stream):
-            slot.tensor.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.d2h_stream)
-        return CopyOut(slot=slot, done_event=done, source=src, device=self.device)
+        raise NotImplementedError
 
     def copy_out_finished(self, out: CopyOut) -> bool:
         return out.done_event is None or out.done_event.query()
 
     def release_source(self, out: CopyOut) -> None:
-        """Let the device storage go: the compute stream first waits on the copy, so the allocator can
-        only hand the memory to work ordered after it."""
-        if out.source is None:
-            return
-        torch.cuda.current_stream(self.device).wait_event(out.done_event)
+        """Let the device storage go once the copy-out no longer reads it."""
         out.source = None
 
-    # ---- backward ------------------------------------------------------------------------------
     def copy_in(self, out: CopyOut) -> CopyIn:
-        """Start copying a host range back into a new device buffer allocated on the compute stream."""
-        buf = torch.empty(out.slot.nbytes, dtype=torch.uint8, device=self.device)
-        if not self.is_cuda:
-            buf.copy_(out.slot.tensor)
-            return CopyIn(buffer=buf, done_event=None)
-        compute = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        self.h2d_stream.wait_event(ready)
-        self.h2d_stream.wait_event(out.done_event)  # the host bytes are there
-        with torch.cuda.stream(self.h2d_stream):
-            buf.copy_(out.slot.tensor, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.h2d_stream)
-        out.slot.last_read_event = done
-        return CopyIn(buffer=buf, done_event=done)
+        """Start copying a host range back into a new device buffer (allocated now, by the caller)."""
+        raise NotImplementedError
 
     def wait_copy_in(self, cin: CopyIn) -> None:
-        """Make the current (consumer) stream wait for the copy-in."""
-        if cin.done_event is None:
-            return
-        stream = torch.cuda.current_stream(self.device)
-        if stream.cuda_stream not in cin.waited_streams:
-            stream.wait_event(cin.done_event)
-            cin.waited_streams.add(stream.cuda_stream)
+        """Make the consumer wait until the copy-in's bytes are in the buffer."""
 
     def drop_copy_in(self, cin: CopyIn) -> None:
-        """Before the buffer goes back to the allocator, order the compute stream after the copy into it."""
-        if cin.done_event is not None and not cin.waited_streams:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(cin.done_event)
-            cin.waited_streams.add(stream.cuda_stream)
+        """Before the buffer goes back to the allocator, make sure no copy still writes it."""
+
+    def close(self) -> None:
+        """Stop whatever the backend runs in the background (nothing to stop by default)."""
+
+
+class SyncEngine(SwapEngine):
+    """A CPU device without an emulated link: each copy runs at once (`copy_` between host tensors)."""
+
+    def copy_out(self, t: torch.Tensor) -> CopyOut:
+        src = storage_bytes_view(t)
+        slot = self.pool.allocate(src.numel())
+        slot.tensor.copy_(src)
+        return CopyOut(slot=slot, done_event=None, source=None, device=self.device)
+
+    def copy_in(self, out: CopyOut) -> CopyIn:
+        buf = torch.empty(out.slot.nbytes, dtype=torch.uint8, device=self.device)
+        buf.copy_(out.slot.tensor)
+        return CopyIn(buffer=buf, done_event=None)
+
+
+def new_engine(device: torch.device, pool: HostPool, link_bytes_per_s: tuple[float, float] | None,
+               stats=None) -> SwapEngine:
+    """The backend for `device`: CUDA streams, an emulated link at (d2h, h2d) bytes/s (its waits counted in
+    `stats`, a RuntimeStats), or synchronous."""
+    if device.type == "cuda":
+        from regen.runtime.swap_cuda import CudaEngine
+
+        return CudaEngine(device, pool)
+    if link_bytes_per_s is not None:
+        from regen.runtime.link import EmulatedEngine
+
+        return EmulatedEngine(device, pool, *link_bytes_per_s, stats=stats)
+    return SyncEngine(device, pool)

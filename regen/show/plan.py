@@ -42,12 +42,26 @@ def plan_summary(plan: Plan) -> str:
     lines += [
         f"  solver            {s.name}, {s.status}, gap {gap}, {s.solve_time_s:.2f} s"
         + (f" (limit {s.time_limit_s:g} s)" if s.time_limit_s else ""),
-        f"  host pool         {format_bytes(plan.host_pool_bytes)} (pinned on CUDA); copy bandwidth d2h "
-        f"{plan.d2h_bytes_per_s / BYTES_PER_GB:.2f} GB/s, h2d {plan.h2d_bytes_per_s / BYTES_PER_GB:.2f} GB/s",
+        f"  host pool         {format_bytes(plan.host_pool_bytes)} (pinned on CUDA)"
+        + (f" of a host memory cap of {format_bytes(plan.host_memory_cap_bytes)}"
+           if plan.host_memory_cap_bytes is not None else "")
+        + f"; copy bandwidth d2h {plan.d2h_bytes_per_s / BYTES_PER_GB:.2f} GB/s, "
+        f"h2d {plan.h2d_bytes_per_s / BYTES_PER_GB:.2f} GB/s",
+        f"  host link         {_link_line(plan)}",
         f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
         + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),
     ]
     return "\n".join(lines)
+
+
+def _link_line(plan: Plan) -> str:
+    link = plan.link
+    if link is None:
+        return "not recorded"
+    source = {"link-ratio": "from --link-ratio", "bandwidth": "from --bandwidth",
+              "profile": "the profile's bandwidth"}.get(link.source, link.source)
+    return (f"link ratio {link.link_ratio:.3g} ({source}): copying all {format_bytes(link.candidate_bytes)} of saved "
+            f"tensors one way takes {link.link_ratio:.3g}x the unplanned step time")
 
 
 def plan_summary_json(plan: Plan) -> dict:
@@ -71,6 +85,9 @@ def plan_summary_json(plan: Plan) -> dict:
         "action_bytes": plan.action_bytes(),
         "rebuilt_with_another": plan.rebuilt_count(),
         "host_pool_bytes": plan.host_pool_bytes,
+        "host_memory_cap_bytes": plan.host_memory_cap_bytes,
+        "link": None if plan.link is None else {"source": plan.link.source, "link_ratio": plan.link.link_ratio,
+                                                "candidate_bytes": plan.link.candidate_bytes},
     }
 
 

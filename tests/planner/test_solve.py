@@ -129,7 +129,9 @@ def test_real_gpt_profile_solves_within_cap(real_gpt_profile):
     profile = real_gpt_profile
     graph = build_graph(profile)
     assert any(c.can_recompute for c in graph.candidates) and any(c.can_swap for c in graph.candidates)
-    plan = solve(profile, int(profile.peak_bytes * 0.9), "hybrid", time_limit_s=30)
+    # the profile's own (memcpy) bandwidth, given explicitly: a CPU profile without a link plans no swaps
+    plan = solve(profile, int(profile.peak_bytes * 0.9), "hybrid", time_limit_s=30,
+                 bandwidth_gb_s=profile.device.d2h_bytes_per_s / 1e9)
     assert plan.simulated.peak_bytes <= plan.memory_cap_bytes < profile.peak_bytes
     assert plan.action_counts()["keep"] < len(profile.saved_tensors)
     # recipe_ops is exactly the ops the recipes replay, named as in the profile

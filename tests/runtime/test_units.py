@@ -5,7 +5,7 @@ import torch
 
 from regen.errors import FormatError
 from regen.runtime.plan_index import index_plan
-from regen.runtime.swap import MIN_CHUNK_BYTES, Geometry, HostPool, SwapEngine, view_of
+from regen.runtime.swap import MIN_CHUNK_BYTES, Geometry, HostPool, SyncEngine, view_of
 
 from common import traced
 from handmade import PLANS
@@ -28,7 +28,7 @@ def test_host_pool_first_fit_reuse_and_growth():
 
 
 def test_storage_level_swap_rebuilds_every_view():
-    engine = SwapEngine(torch.device("cpu"), HostPool())
+    engine = SyncEngine(torch.device("cpu"), HostPool())
     base = torch.randn(6, 8)
     views = [base, base.t(), base[2:4, 1::2], base.view(torch.int32)[1]]
     geometries = [Geometry.of(v) for v in views]

@@ -45,15 +45,18 @@ def _solve(profile, strategy):
     from regen.planner import solve
 
     cap = int(profile.peak_bytes * CAP_FRACTION)
+    # the profile's own (memcpy) bandwidth, given explicitly: a CPU profile without a link plans no swaps
+    bandwidth_gb_s = profile.device.d2h_bytes_per_s / 1e9
     try:
-        return solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=30), None
+        return solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=30,
+                     bandwidth_gb_s=bandwidth_gb_s), None
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
         note = (f"{strategy} cannot reach 50% of the unplanned peak; using its smallest cap "
                 f"{exc.smallest_feasible_cap_bytes} B ({exc.smallest_feasible_cap_bytes / profile.peak_bytes:.0%})")
         return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy=strategy,
-                      time_limit_s=30), note
+                      time_limit_s=30, bandwidth_gb_s=bandwidth_gb_s), note
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,6 +43,7 @@ from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.milp.highs import new_var
 from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
                                             region_time_terms, region_transients)
+from regen.planner.milp.host_memory import add_host_memory_constraints
 from regen.planner.residency import resident_without_plan, unplanned_step_bytes
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
@@ -172,6 +173,7 @@ class Model:
             self._fifo_constraint(a, b)
         objective_terms = self._channel_constraints()
         self._memory_constraints()
+        add_host_memory_constraints(self)
         tu = self.time_unit
         for v in self.vars.values():
             for k, r in enumerate(v.rec):

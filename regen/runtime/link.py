@@ -1,0 +1,186 @@
+"""The emulated host link: a CPU device's swaps run as they would over a GPU's link.
+
+`regen.apply(model, plan, emulate_link=True)` on a CPU device gives it an `EmulatedEngine`, the
+`SwapEngine` backend (swap.py) with one `CopyThread` per direction. Each thread runs its copies one at a
+time in issue order, as a CUDA copy stream does: a copy of n bytes starts once the thread is free and
+the copies it depends on have landed, takes n / bandwidth of wall time (the plan's d2h_ or
+h2d_bytes_per_s), and only then writes its bytes into the destination, so a reader that does not wait
+reads stale bytes. Times are kept on the link's own clock (a copy starts when it was issued, the copy
+before it was due to end and its dependencies were due to land), so a copy thread that wakes up late
+(the GIL, a loaded machine) delays the copy it is doing, never the ones after it. Its `LinkEvent` is set once the bytes have landed; the compute thread waits on these
+events (a copy-in's consumer, the release of a copy-out's source), and those waits are real stalls
+(`RuntimeStats.link_wait_s`). A copy-in's buffer is allocated by the compute thread when the copy-in is
+issued, so its memory counts from then, and filled with POISON_BYTE so that a read before the copy
+landed cannot pass for the right bytes. A host range given back to the pool is written by the next
+copy-out only after the copy-in that last read it has landed (`HostPool.pending_read_events`).
+
+The threads drop their references to the copied tensors before setting an event, so every tensor is
+freed by the compute thread (where the allocator's timeline, regen.measure, sees it). They stop at
+`close()`: the handle's remove() once no step holds copies, an exception in its `with` block, or
+interpreter exit; copies still queued then land at once. An error inside a copy is raised to the
+thread that waits on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from regen.errors import RegenError
+from regen.runtime.stats import RuntimeStats
+from regen.runtime.swap import CopyIn, CopyOut, HostPool, SwapEngine, storage_bytes_view
+
+POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane
+
+
+class LinkEvent:
+    """Set by a copy thread when a copy's bytes have landed (or the copy failed: `error`)."""
+
+    __slots__ = ("_flag", "error", "landed_at")
+
+    def __init__(self):
+        self._flag = threading.Event()
+        self.error: BaseException | None = None
+        self.landed_at = 0.0  # time.perf_counter() when the copy's bytes were due to land
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self) -> None:
+        self._flag.wait()
+        if self.error is not None:
+            raise RegenError(f"regen.apply: an emulated link copy failed: {self.error!r}") from self.error
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._flag.set()
+
+
+class _Copy:
+    __slots__ = ("src", "dst", "after", "done", "issued_at")
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, after: tuple, done: LinkEvent):
+        self.src, self.dst, self.after, self.done = src, dst, after, done
+        self.issued_at = time.perf_counter()
+
+
+class CopyThread:
+    """One direction of the link: copies one at a time, in issue order, each nbytes / bytes_per_s long."""
+
+    def __init__(self, name: str, bytes_per_s: float):
+        if not bytes_per_s > 0:
+            raise RegenError(f"regen.apply: the emulated link needs a positive bandwidth (got {bytes_per_s} B/s)")
+        self.bytes_per_s = float(bytes_per_s)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._hurry = False  # closing: queued copies land at once
+        self._free_at = 0.0  # when the link finishes the copy before (its due time, not the thread's)
+        self._thread: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, src: torch.Tensor, dst: torch.Tensor, after: tuple = ()) -> LinkEvent:
+        """Copy `src` into `dst` (same bytes) after the copies of the events `after` have landed."""
+        if self._thread is None:
+            raise RegenError("regen.apply: the emulated link was closed (the handle was removed)")
+        done = LinkEvent()
+        self._queue.put(_Copy(src, dst, tuple(after), done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            self._do(task)
+
+    def _do(self, task: _Copy) -> None:
+        error = None
+        try:
+            for event in task.after:
+                event._flag.wait()
+                if event.error is not None:
+                    raise RuntimeError("a copy it depends on failed") from event.error
+            # the copy starts when it was issued, the link was free and what it depends on had landed, on
+            # the link's clock: a late wake-up of this thread delays no later copy
+            start = max([task.issued_at, self._free_at] + [e.landed_at for e in task.after])
+            due = start + task.dst.numel() * task.dst.element_size() / self.bytes_per_s
+            self._free_at = task.done.landed_at = due
+            while not self._hurry and (left := due - time.perf_counter()) > 0:
+                time.sleep(left)
+            task.dst.copy_(task.src)
+        except BaseException as exc:  # raised to whoever waits on the copy
+            error = exc
+        task.src = task.dst = None  # the compute thread frees the tensors
+        task.done.set(error)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def close(self) -> None:
+        """Land every queued copy at once and stop the thread."""
+        if self._thread is None:
+            return
+        self._hurry = True
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = None
+
+
+class EmulatedEngine(SwapEngine):
+    """A CPU device's copies over an emulated link at (d2h, h2d) bytes/s (see the module doc)."""
+
+    def __init__(self, device: torch.device, pool: HostPool, d2h_bytes_per_s: float, h2d_bytes_per_s: float,
+                 stats: RuntimeStats | None = None):
+        super().__init__(device, pool)
+        self.stats = stats
+        self.d2h = CopyThread("regen-link-d2h", d2h_bytes_per_s)
+        self.h2d = CopyThread("regen-link-h2d", h2d_bytes_per_s)
+
+    def _wait(self, event: LinkEvent) -> None:
+        if event.query():
+            event.wait()  # raises a failed copy's error
+            return
+        t0 = time.perf_counter()
+        event.wait()
+        if self.stats is not None:
+            self.stats.link_wait_s += time.perf_counter() - t0
+
+    # ---- forward -------------------------------------------------------------------------------
+    def copy_out(self, t: torch.Tensor) -> CopyOut:
+        src = storage_bytes_view(t)
+        slot = self.pool.allocate(src.numel())
+        after = tuple(self.pool.pending_read_events)  # recycled ranges: their last copy-in has read them
+        self.pool.pending_read_events.clear()
+        done = self.d2h.submit(src, slot.tensor, after)
+        return CopyOut(slot=slot, done_event=done, source=src, device=self.device)
+
+    def release_source(self, out: CopyOut) -> None:
+        """Wait for the copy-out (a stall when it is still running), then let the device storage go."""
+        if out.source is None:
+            return
+        self._wait(out.done_event)
+        out.source = None
+
+    # ---- backward ------------------------------------------------------------------------------
+    def copy_in(self, out: CopyOut) -> CopyIn:
+        buf = torch.empty(out.slot.nbytes, dtype=torch.uint8, device=self.device)
+        buf.fill_(POISON_BYTE)
+        done = self.h2d.submit(out.slot.tensor, buf, (out.done_event,))  # after the host bytes are there
+        out.slot.last_read_event = done
+        return CopyIn(buffer=buf, done_event=done)
+
+    def wait_copy_in(self, cin: CopyIn) -> None:
+        if not cin.waited_streams:
+            self._wait(cin.done_event)
+            cin.waited_streams.add(None)
+
+    def drop_copy_in(self, cin: CopyIn) -> None:
+        """The buffer goes back to the allocator only once no copy writes it."""
+        self.wait_copy_in(cin)
+
+    def close(self) -> None:
+        self.d2h.close()
+        self.h2d.close()
