@@ -112,6 +112,18 @@ class Variant:
         self.workload.model.zero_grad(set_to_none=True)
 
 
+def time_round_robin(variants: list[Variant], steps: int, label: str, progress) -> None:
+    """Each variant's step times, one step of each in turn, so load on a shared machine hits all alike."""
+    for v in variants:
+        v.times_s = []
+    for round_ in range(steps):
+        for v in variants:
+            t0 = time.perf_counter()
+            v.step()
+            v.times_s.append(time.perf_counter() - t0)
+        progress(f"[{label}] timing round {round_ + 1}/{steps}")
+
+
 def build(spec):
     return build_workload(spec["workload"], batch_size=spec["batch_size"], args=spec["args"])
 
@@ -208,15 +220,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
             v.increase_bytes = measure_memory(v.step).peak_increase_bytes
             progress(f"[{name}] {v.name:<30} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB (cap {cap / 2**20:.1f})")
             variants.append(v)
-    # time: round-robin over every variant, so load on a shared machine hits all of them alike
-    for v in variants:
-        v.times_s = []
-    for round_ in range(TIMED_STEPS):
-        for v in variants:
-            t0 = time.perf_counter()
-            v.step()
-            v.times_s.append(time.perf_counter() - t0)
-        progress(f"[{name}] timing round {round_ + 1}/{TIMED_STEPS}")
+    time_round_robin(variants, TIMED_STEPS, name, progress)
     results = []
     for v in variants:
         if v.handle is not None:
@@ -329,14 +333,7 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
     plans, failed = _link_plans(name, profile, caps, link_ratio, time_limit_s, label, progress)
     for row, plan, cap in plans:
         variants.append(_measured(_planned(row, spec, plan, cap), start, label, progress))
-    for v in variants:  # round-robin, so load on a shared machine hits every variant alike
-        v.times_s = []
-    for round_ in range(timed_steps):
-        for v in variants:
-            t0 = time.perf_counter()
-            v.step()
-            v.times_s.append(time.perf_counter() - t0)
-        progress(f"[{label}] timing round {round_ + 1}/{timed_steps}")
+    time_round_robin(variants, timed_steps, label, progress)
     results = []
     for v in variants:
         waited = v.handle.stats.link_wait_s if v.handle is not None else 0.0

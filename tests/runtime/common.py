@@ -113,3 +113,44 @@ def assert_nothing_left(handle, model=None):
     assert handle.tracker not in _get_current_dispatch_mode_stack()
     assert handle.pool.checked_out_bytes == 0, "host buffers still checked out"
     assert handle.active_steps == 0
+
+
+def train_fifty_steps(w, plan):
+    """50 AdamW steps under `plan`: (handle, the allocator's figures of step 5 and step 50, the live tensor
+    counts after them, the host pool's capacity after step 5)."""
+    import gc
+
+    import regen
+    from regen.measure import measure_memory
+
+    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
+
+    def train_step():
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    with regen.apply(w.model, plan) as handle:
+        for _ in range(4):
+            train_step()
+        gc.collect()  # what earlier tests left to the cyclic collector is not this step's
+        early = measure_memory(train_step)
+        early_tensors, pool_capacity = live_tensors(), handle.pool.capacity_bytes
+        for _ in range(44):
+            train_step()
+        late = measure_memory(train_step)
+        late_tensors = live_tensors()
+    return handle, (early, late), (early_tensors, late_tensors), pool_capacity
+
+
+def assert_flat(measured, tensors):
+    """Nothing grows from step 5 to step 50: memory at the end of a step, its peak, live tensors."""
+    early, late = measured
+    assert early.end_bytes - early.start_bytes == 0 and late.end_bytes - late.start_bytes == 0
+    assert late.peak_increase_bytes == early.peak_increase_bytes
+    assert tensors[1] == tensors[0]

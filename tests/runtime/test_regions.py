@@ -9,7 +9,6 @@ the simulator; mismatches, exceptions, gradient accumulation and 50 steps behave
 """
 
 import functools
-import gc
 from unittest import mock
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import regen
-from common import accumulate_grads, assert_nothing_left, assert_same, make, run_and_grads, step
+from common import (accumulate_grads, assert_flat, assert_nothing_left, assert_same, make, run_and_grads, step,
+                    train_fifty_steps)
 from regen.errors import PlanMismatchError
 from regen.measure import measure_memory
 from regen.runtime import PlanMismatchWarning
@@ -199,30 +199,7 @@ def test_gradient_accumulation_pairs_and_interleaved(name):
 
 def test_fifty_steps_without_growth():
     w, _, plan = _region_plan("cnn", "blocks")
-    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
-
-    def train_step():
-        loss = w.loss_fn(w.model(*w.batch), w.batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def live_tensors():
-        gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-    with regen.apply(w.model, plan) as handle:
-        for _ in range(4):
-            train_step()
-        gc.collect()  # what earlier tests left to the cyclic collector is not this step's
-        early = measure_memory(train_step)
-        early_tensors = live_tensors()
-        for _ in range(44):
-            train_step()
-        late = measure_memory(train_step)
-        late_tensors = live_tensors()
+    handle, measured, tensors, _ = train_fifty_steps(w, plan)
     assert handle.stats.steps == 50 and handle.stats.planned_steps == 50
     assert handle.stats.region_replays == 50 * len(plan.regions)
-    assert early.end_bytes - early.start_bytes == 0 and late.end_bytes - late.start_bytes == 0
-    assert late.peak_increase_bytes == early.peak_increase_bytes
-    assert late_tensors == early_tensors
+    assert_flat(measured, tensors)

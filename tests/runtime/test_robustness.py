@@ -1,6 +1,5 @@
 """Exception safety, the handle API, gradient accumulation, no growth over 50 steps, and DDP."""
 
-import gc
 import os
 import socket
 
@@ -8,7 +7,8 @@ import pytest
 import torch
 
 import regen
-from common import accumulate_grads, assert_nothing_left, assert_same, make, run_and_grads, step, traced
+from common import (accumulate_grads, assert_flat, assert_nothing_left, assert_same, make, run_and_grads, step,
+                    traced, train_fifty_steps)
 from handmade import PLANS
 from regen.measure import measure_memory
 
@@ -90,35 +90,12 @@ def test_gradient_accumulation_forward_backward_pairs_and_interleaved():
 def test_fifty_steps_without_growth():
     """AdamW training under a hybrid plan: memory at the end of a step, the host pool and the live
     tensor count stay flat from step 5 to step 50 (the allocator's own figures, regen.measure)."""
-    w = make("gpt")
     from handmade import trace_workload
 
-    plan = PLANS["hybrid"](trace_workload(w))
-    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
-
-    def train_step():
-        loss = w.loss_fn(w.model(*w.batch), w.batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def live_tensors():
-        gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-    with regen.apply(w.model, plan) as handle:
-        for _ in range(4):
-            train_step()
-        early = measure_memory(train_step)
-        early_tensors, pool_capacity = live_tensors(), handle.pool.capacity_bytes
-        for _ in range(44):
-            train_step()
-        late = measure_memory(train_step)
-        late_tensors = live_tensors()
+    w = make("gpt")
+    handle, measured, tensors, pool_capacity = train_fifty_steps(w, PLANS["hybrid"](trace_workload(w)))
     assert handle.stats.steps == 50 and handle.stats.planned_steps == 50
-    assert early.end_bytes - early.start_bytes == 0 and late.end_bytes - late.start_bytes == 0
-    assert late.peak_increase_bytes == early.peak_increase_bytes
-    assert late_tensors == early_tensors
+    assert_flat(measured, tensors)
     assert handle.pool.capacity_bytes == pool_capacity and handle.pool.grow_count == 1
     assert handle.pool.checked_out_bytes == 0
 
