@@ -197,7 +197,8 @@ def _print_table(spec, profile, plan, run: DemoRun, within_cap: bool, files, ela
                                            f"the profile's {plan.baseline.step_time_s * 1e3:.1f} ms)"),
         ("decisions", f"keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}"),
         ("swaps on this CPU", "copied to a host buffer in the same RAM at memcpy speed, counted apart from "
-                              "device memory: not what a GPU's host link costs"),
+                              "device memory: not what a GPU's host link costs" if counts["swap"] else
+                              "none: without a host link a CPU profile is planned with recompute only"),
         ("gradients match unplanned", "yes (bitwise)" if run.grads_equal
          else f"NO (max |diff| {run.max_grad_diff:.3g})"),
     ] + files
