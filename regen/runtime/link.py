@@ -23,6 +23,7 @@ thread that waits on it.
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -34,6 +35,18 @@ from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import CopyIn, CopyOut, HostPool, SwapEngine, storage_bytes_view
 
 POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane
+
+
+def _copy_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """`dst.copy_(src)` without torch's intra-op thread pool when both are plain contiguous byte ranges: a
+    torch op in this thread would start an OpenMP team of its own, whose spinning workers then take the
+    cores from the compute thread (measured: unplanned steps 24% slower while a link thread existed)."""
+    nbytes = dst.numel() * dst.element_size()
+    if (src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.numel() == dst.numel()
+            and src.device.type == "cpu" and dst.device.type == "cpu"):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # ctypes releases the GIL meanwhile
+    else:
+        dst.copy_(src)
 
 
 class LinkEvent:
@@ -109,7 +122,7 @@ class CopyThread:
             self._free_at = task.done.landed_at = due
             while not self._hurry and (left := due - time.perf_counter()) > 0:
                 time.sleep(left)
-            task.dst.copy_(task.src)
+            _copy_bytes(task.src, task.dst)
         except BaseException as exc:  # raised to whoever waits on the copy
             error = exc
         task.src = task.dst = None  # the compute thread frees the tensors
