@@ -40,14 +40,14 @@ NO_BOUND_BLOCK_TIME_FRACTION = 0.5  # of the time left, for the sweeps when the 
 
 
 def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time_limit_s: float, rel_gap: float,
-                    say: Callable[[str], None]) -> tuple[MilpResult | None, dict[str, float] | None]:
+                    say: Callable[[str], None]) -> tuple[MilpResult | None, dict[str, float] | None, bool]:
     """The LP bound, then block sweeps from the warm start for the rest of the time.
 
-    Returns the result judged against the LP bound ("optimal" means within `rel_gap` of it) and the
-    values of its discrete variables. The result is None (the values a warm start for the full MILP,
-    which then reports its own bound) when the sweeps stop early above the gap with time left, or when
-    the LP did not finish in its share of the time (thousands of candidates); both are None when no
-    block found a solution.
+    Returns the result judged against the LP bound ("optimal" means within `rel_gap` of it), the values
+    of its discrete variables, and whether the full MILP should continue from them (and report its own
+    bound): when the sweeps stop early above the gap, or the LP did not finish in its share of the time
+    (thousands of candidates), and enough of the time limit is left. The result and values are None
+    when no block found a solution.
     """
     t0 = time.perf_counter()
     say(size_message(model.prob))
@@ -65,18 +65,17 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target,
                                  lp=lp)
     if improved is None:
-        return None, None
+        return None, None, False
     choices, values, objective = improved
     result = result_from_values(model, choices, objective, bound, rel_gap, time.perf_counter() - t0)
     if result.gap is not None:
         say(f"block search: objective {format_duration(result.objective_s, model.graph.time_unit)} "
             f"(profiled op times), "
             f"gap {100 * result.gap:.2f}% to the LP bound")
-    # the full MILP starts from this plan (and reports its own bound) only when it has time to: on
+    # the full MILP continues from this plan (and reports its own bound) only when it has time to: on
     # thousands of candidates its presolve alone takes seconds
-    if (bound is None or result.status != "optimal") and time_for_full_solve(deadline, time_limit_s):
-        return None, values
-    return result, values
+    continue_with_full = (bound is None or result.status != "optimal") and time_for_full_solve(deadline, time_limit_s)
+    return result, values, continue_with_full
 
 
 def time_for_full_solve(deadline: float, time_limit_s: float) -> bool:

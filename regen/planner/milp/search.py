@@ -74,16 +74,20 @@ def _solve_and_repair(graph: PlanningGraph, cap: int, options: MilpOptions, warm
     """The first MILP plan that passes the simulator, with repair rounds; (None, timed_out) when none
     does (timed_out: the solver stopped without a plan, and the warm start stands in)."""
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
+    block_plan = None  # large graphs: the block search's plan, kept if the full MILP then finds none
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         try:
             model = Model(graph, cap, options)
             if round_ == 0 and warm is not None and not is_large(graph):
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if round_ == 0 and warm is not None and is_large(graph):
-                result, warm_values = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap, say)
+                result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
+                                                             say)
                 if result is not None and simulate(graph, result.choices).fits(cap):
-                    return result, False
-                if not time_for_full_solve(deadline, time_limit_s):
+                    block_plan = result
+                    if not go_on or not time_for_full_solve(deadline, time_limit_s):
+                        return result, False
+                elif not time_for_full_solve(deadline, time_limit_s):
                     return None, True  # the warm start is the plan
             remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
             result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=start, progress=say,
@@ -93,6 +97,8 @@ def _solve_and_repair(graph: PlanningGraph, cap: int, options: MilpOptions, warm
                 raise_infeasible(graph, cap, options.allow_swap, options.allow_recompute, time_limit_s, say, lower)
             return None, False
         except SolverError:
+            if block_plan is not None:
+                return block_plan, False
             if warm is None:
                 raise
             return None, True
