@@ -154,3 +154,48 @@ def assert_flat(measured, tensors):
     assert early.end_bytes - early.start_bytes == 0 and late.end_bytes - late.start_bytes == 0
     assert late.peak_increase_bytes == early.peak_increase_bytes
     assert tensors[1] == tensors[0]
+
+
+class Boom(RuntimeError):
+    """The user's code failing inside a planned step."""
+
+
+def fail_inside_a_step(w, plan, where: str, after_forward=lambda handle: None):
+    """Run one planned step of `w` that raises Boom in the forward (a hook of the second block), between
+    forward and backward, or in backward; return the handle. `after_forward(handle)` runs before the
+    raise in the last two cases."""
+    import pytest
+
+    import regen
+
+    def explode(*_):
+        raise Boom("user code failed")
+
+    with pytest.raises(Boom):
+        with regen.apply(w.model, plan) as handle:
+            if where == "forward":
+                h = w.model.blocks[1].register_forward_hook(explode)
+                try:
+                    step(w)
+                finally:
+                    h.remove()
+            else:
+                out = w.model(*w.batch)
+                loss = w.loss_fn(out, w.batch)
+                if where == "backward":
+                    out.register_hook(explode)
+                    loss.backward()
+                after_forward(handle)
+                raise Boom("after forward")
+    return handle
+
+
+def assert_next_step_exact(w, plan):
+    """The next planned step starts clean and gives the unplanned loss, gradients and buffers."""
+    import regen
+
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan) as handle:
+        planned = run_and_grads(w)
+    assert_same(reference, planned)
+    assert_nothing_left(handle, w.model)

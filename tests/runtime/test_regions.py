@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import regen
-from common import (accumulate_grads, assert_flat, assert_nothing_left, assert_same, make, run_and_grads, step,
-                    train_fifty_steps)
+from common import (accumulate_grads, assert_flat, assert_next_step_exact, assert_nothing_left, assert_same,
+                    fail_inside_a_step, make, run_and_grads, step, train_fifty_steps)
 from regen.errors import PlanMismatchError
 from regen.measure import measure_memory
 from regen.runtime import PlanMismatchWarning
@@ -145,38 +145,12 @@ def test_a_plan_for_a_module_the_model_lacks_is_refused():
         regen.apply(mlp.model, plan)
 
 
-class Boom(RuntimeError):
-    pass
-
-
 @pytest.mark.parametrize("where", ["forward", "between", "backward"])
 def test_exception_inside_a_step_leaves_nothing_behind(where):
     w, _, plan = _region_plan("gpt", "blocks")
-
-    def explode(*_):
-        raise Boom("user code failed")
-
-    with pytest.raises(Boom):
-        with regen.apply(w.model, plan) as handle:
-            if where == "forward":
-                h = w.model.blocks[1].register_forward_hook(explode)
-                try:
-                    step(w)
-                finally:
-                    h.remove()
-            else:
-                out = w.model(*w.batch)
-                loss = w.loss_fn(out, w.batch)
-                if where == "backward":
-                    out.register_hook(explode)
-                    loss.backward()
-                raise Boom("after forward")
+    handle = fail_inside_a_step(w, plan, where)
     assert_nothing_left(handle, w.model)
-    reference = run_and_grads(w)
-    with regen.apply(w.model, plan) as handle2:
-        planned = run_and_grads(w)
-    assert_same(reference, planned)
-    assert_nothing_left(handle2, w.model)
+    assert_next_step_exact(w, plan)
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn"])

@@ -7,48 +7,23 @@ import pytest
 import torch
 
 import regen
-from common import (accumulate_grads, assert_flat, assert_nothing_left, assert_same, make, run_and_grads, step,
-                    traced, train_fifty_steps)
+from common import (accumulate_grads, assert_flat, assert_next_step_exact, assert_nothing_left, assert_same,
+                    fail_inside_a_step, make, run_and_grads, step, traced, train_fifty_steps)
 from handmade import PLANS
 from regen.measure import measure_memory
-
-
-class Boom(RuntimeError):
-    pass
 
 
 @pytest.mark.parametrize("where", ["forward", "between", "backward"])
 def test_exception_inside_a_step_leaves_nothing_behind(where):
     w, trace = traced("gpt")
     plan = PLANS["hybrid"](trace)
-    block = w.model.blocks[1]
 
-    def explode(*_):
-        raise Boom("user code failed")
+    def swapped_out(handle):
+        assert handle.pool.checked_out_bytes > 0  # swapped storages are out in the pool
 
-    with pytest.raises(Boom):
-        with regen.apply(w.model, plan) as handle:
-            if where == "forward":
-                h = block.register_forward_hook(explode)
-                try:
-                    step(w)
-                finally:
-                    h.remove()
-            else:
-                out = w.model(*w.batch)
-                loss = w.loss_fn(out, w.batch)
-                if where == "backward":
-                    out.register_hook(explode)
-                    loss.backward()
-                assert handle.pool.checked_out_bytes > 0  # swapped storages are out in the pool
-                raise Boom("after forward")
+    handle = fail_inside_a_step(w, plan, where, after_forward=swapped_out)
     assert_nothing_left(handle, w.model)
-    # the next planned step starts clean and is right
-    reference = run_and_grads(w)
-    with regen.apply(w.model, plan) as handle2:
-        planned = run_and_grads(w)
-    assert_same(reference, planned)
-    assert_nothing_left(handle2, w.model)
+    assert_next_step_exact(w, plan)
 
 
 def test_handle_remove_and_reuse_across_steps():
