@@ -56,3 +56,38 @@ def test_any_difference_fails(tmp_cwd, capsys):
 def test_check_needs_a_workload_and_a_readable_plan(tmp_path, capsys):
     assert main(["check", "--plan", str(tmp_path / "none.yaml"), *MLP]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+COUNTING = '''
+    import torch
+    from torch import nn
+
+    CALLS = [0]
+
+    class Counting(nn.Module):
+        """The loss of a plain layer; a buffer counts forwards across runs: only the buffers differ."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            CALLS[0] += 1
+            self.seen += CALLS[0]
+            return self.fc(x).relu().pow(2).mean()
+
+    def build(batch_size=8):
+        torch.manual_seed(0)
+        return Counting(), torch.randn(batch_size, 16)
+    '''
+
+
+def test_a_buffer_that_differs_fails(tmp_cwd, capsys):
+    """Loss and gradients equal, one module buffer not: the check compares buffers too."""
+    (tmp_cwd / "counting.py").write_text(textwrap.dedent(COUNTING))
+    args = ["--model", "counting:build"]
+    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
+    assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "1 DIFFER" in out and "buffer seen" in out

@@ -12,11 +12,10 @@ from __future__ import annotations
 import random
 
 from regen.formats.profile import KIND_INPUT, Profile
-from regen.graphs.builder import FLOAT32_BYTES, ProfileBuilder
+from regen.graphs.builder import DEFAULT_COPY_BYTES_PER_S, FLOAT32_BYTES, ProfileBuilder
 
 SYNTHETIC_DEVICE_FLOP_PER_S = 50e12  # matmul throughput of the synthetic device
 SYNTHETIC_DEVICE_MEMORY_BYTES_PER_S = 1.5e12  # elementwise ops are memory bound
-SYNTHETIC_COPY_BYTES_PER_S = 20e9  # host <-> device (PCIe-class)
 SYNTHETIC_OP_OVERHEAD_S = 5e-6  # launch overhead of every op
 SYNTHETIC_VOCAB = 4096  # embedding rows and logits width of the synthetic transformer
 
@@ -31,7 +30,7 @@ def _matmul_s(flops: float) -> float:
 
 
 def transformer_profile(n_layers: int = 4, batch: int = 8, seq: int = 512, d_model: int = 1024, n_head: int = 16,
-                        copy_bytes_per_s: float = SYNTHETIC_COPY_BYTES_PER_S) -> Profile:
+                        copy_bytes_per_s: float = DEFAULT_COPY_BYTES_PER_S) -> Profile:
     """A GPT-shaped training step with `n_layers` blocks (about 15 candidates each)."""
     tokens = batch * seq
     act = tokens * d_model * FLOAT32_BYTES

@@ -20,7 +20,7 @@ from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import PlanningGraph
 from regen.planner.residency import resident_without_plan
 from regen.planner.result import Choice
-from regen.planner.simulator import simulate
+from regen.planner.simulator import SimulationResult, simulate
 
 MAX_UNBLOCK_TRIES = 400  # simulations the copy-in reordering may spend
 
@@ -65,10 +65,11 @@ def latest_copy_in_steps(graph: PlanningGraph, choices: dict[int, Choice], stall
         ch.swap_in_step = max(ch.swap_in_step, step)
 
 
-def order_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap_bytes: int) -> None:
-    """Put every copy-in where the runtime issues it, then repair head-of-line blocking (in place)."""
+def order_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap_bytes: int) -> SimulationResult:
+    """Put every copy-in where the runtime issues it, then repair head-of-line blocking (in place); the
+    simulation of the resulting choices."""
     snap_copy_ins(graph, choices)
-    unblock_copy_ins(graph, choices, cap_bytes)
+    return unblock_copy_ins(graph, choices, cap_bytes)
 
 
 def snap_copy_ins(graph: PlanningGraph, choices: dict[int, Choice]) -> None:
@@ -78,18 +79,18 @@ def snap_copy_ins(graph: PlanningGraph, choices: dict[int, Choice]) -> None:
             ch.swap_in_step = graph.snap_copy_in(ch.swap_in_step)
 
 
-def unblock_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap_bytes: int) -> None:
+def unblock_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap_bytes: int) -> SimulationResult:
     """Repair head-of-line blocking on the runtime's single host-to-device stream.
 
     A large copy Y issued before a copy X that is needed sooner can delay X. For each such pair, try
     issuing Y together with X (the stream then takes X first), or X together with Y (X resident a
     little earlier: kept only if the simulated peak stays within the cap), and keep a change when the
-    simulated step time drops.
+    simulated step time drops. Returns the simulation of the choices it leaves.
     """
+    best = simulate(graph, choices)
     swaps = [(i, ch) for i, ch in choices.items() if ch.action == ACTION_SWAP and ch.swap_in_step is not None]
     if len(swaps) < 2:
-        return
-    best = simulate(graph, choices).step_time_s
+        return best
     tries = 0
 
     def attempt(ch: Choice, step: int) -> bool:
@@ -98,8 +99,8 @@ def unblock_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap_bytes
         old = ch.swap_in_step
         ch.swap_in_step = step
         trial = simulate(graph, choices)
-        if trial.fits(cap_bytes) and trial.step_time_s < best * (1 - 1e-9):
-            best = trial.step_time_s
+        if trial.fits(cap_bytes) and trial.step_time_s < best.step_time_s * (1 - 1e-9):
+            best = trial
             return True
         ch.swap_in_step = old
         return False
@@ -111,6 +112,7 @@ def unblock_copy_ins(graph: PlanningGraph, choices: dict[int, Choice], cap_bytes
                           and graph.candidates[j].first_backward < b_y), key=lambda x: (x[0], x[1]))
         for step, _, ch_x in blocked:
             if tries >= MAX_UNBLOCK_TRIES:
-                return
+                return best
             if ch_y.swap_in_step < step < b_y and not attempt(ch_y, step):
                 attempt(ch_x, ch_y.swap_in_step)
+    return best

@@ -35,10 +35,10 @@ CHEN_MAX_PASSES = 4
 OFFLOAD_MIN_BYTES = 1 << 20  # torchtune's activation offloading leaves smaller tensors on the device
 
 
-def offload_all(graph: PlanningGraph, min_bytes: int = OFFLOAD_MIN_BYTES) -> dict[int, Choice]:
-    """Swap every candidate of at least `min_bytes` that can be swapped."""
+def offload_all(graph: PlanningGraph) -> dict[int, Choice]:
+    """Swap every candidate of at least OFFLOAD_MIN_BYTES that can be swapped."""
     return {c.index: Choice(ACTION_SWAP, swap_in_step=c.in_breaks[0])
-            for c in graph.candidates if c.bytes >= min_bytes and c.can_swap}
+            for c in graph.candidates if c.bytes >= OFFLOAD_MIN_BYTES and c.can_swap}
 
 
 def chen(graph: PlanningGraph) -> dict[int, Choice]:

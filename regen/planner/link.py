@@ -26,10 +26,6 @@ DEFAULT_HOST_MEMORY_FRACTION = 0.5  # of the machine's RAM: pinned pages stay re
 CPU_DEVICE = "cpu"
 
 
-def candidate_bytes(profile: Profile) -> int:
-    """Bytes of every saved tensor of the profile (each storage once): what swapping everything moves."""
-    return int(sum(s.bytes for s in profile.saved_tensors))
-
 
 def check_one_link(bandwidth_gb_s: float | None, link_ratio: float | None) -> None:
     if bandwidth_gb_s is not None and link_ratio is not None:
@@ -49,7 +45,7 @@ def link_bandwidth(profile: Profile, bandwidth_gb_s: float | None, link_ratio: f
     if not (link_ratio > 0 and math.isfinite(link_ratio)):
         raise RegenError(f"--link-ratio {link_ratio}: must be a positive number (copy time of every saved "
                          f"tensor over the unplanned step time, e.g. 0.9)")
-    nbytes = candidate_bytes(profile)
+    nbytes = profile.candidate_bytes
     if nbytes <= 0 or not profile.step_time_s > 0:
         raise RegenError("--link-ratio: the profile has no saved tensors or no step time to scale a link by")
     return nbytes / (link_ratio * profile.step_time_s), LINK_FROM_RATIO
@@ -57,7 +53,7 @@ def link_bandwidth(profile: Profile, bandwidth_gb_s: float | None, link_ratio: f
 
 def plan_link(profile: Profile, d2h_bytes_per_s: float, h2d_bytes_per_s: float, source: str) -> PlanLink:
     """What the plan records about its link (the ratio is computed whatever the source)."""
-    nbytes = candidate_bytes(profile)
+    nbytes = profile.candidate_bytes
     slower = min(d2h_bytes_per_s, h2d_bytes_per_s)
     ratio = nbytes / (slower * profile.step_time_s) if slower > 0 and profile.step_time_s > 0 else 0.0
     return PlanLink(source=source, link_ratio=float(ratio), candidate_bytes=nbytes)

@@ -62,15 +62,16 @@ def add_regions(graph: PlanningGraph) -> None:
     cand_by_storage = {}
     for c in graph.candidates:
         cand_by_storage.setdefault(c.saved.storage, c)
+    by_id = graph.by_saved_id()
     for call in profile.module_calls:
-        region = _region_of(graph, call, tensors, cand_by_storage, len(graph.regions))
+        region = _region_of(graph, call, tensors, cand_by_storage, by_id, len(graph.regions))
         if region is not None:
             graph.regions.append(region)
             for t in region.members:
                 graph.candidates[t].regions.append(region.index)
 
 
-def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_storage: dict,
+def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_storage: dict, by_id: dict,
                index: int) -> Region | None:
     """The region of one module call, or None when it is not replayable (see the module doc)."""
     profile = graph.profile
@@ -107,7 +108,6 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
             elif not op.is_view:
                 created_inside.add(rec.storage)
     entries = profile.saved_entries[call.first_entry:call.first_entry + call.num_entries]
-    by_id = graph.by_saved_id()
     produced = {}
     for e in entries:
         c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None

@@ -23,11 +23,6 @@ def unplanned_step_bytes(graph: PlanningGraph, step: int) -> int:
     return max(graph.peak_bytes[step], graph.after_bytes[step])
 
 
-def unplanned_peak_bytes(graph: PlanningGraph) -> int:
-    """The step's peak with every candidate kept."""
-    return max((unplanned_step_bytes(graph, s) for s in range(graph.num_steps)), default=0)
-
-
 def resident_without_plan(c: Candidate, step: int) -> bool:
     """`c` is resident at `step` whatever its action (trivial, or inside [b, e])."""
     if c.trivial:

@@ -22,8 +22,6 @@ from regen.planner.link import (default_host_memory_cap_bytes, has_no_link, host
                                 no_link_error, no_link_note, plan_link)
 from regen.planner.milp.highs import reset_solver_threads
 from regen.planner.milp.model import DEFAULT_REL_GAP
-from regen.planner.simulator import simulate
-from regen.planner.residency import unplanned_peak_bytes
 from regen.planner.strategies import MILP_STRATEGIES, STRATEGIES
 from regen.units import format_bytes, format_duration
 
@@ -74,15 +72,14 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
         f"{format_bytes(profile.peak_bytes)}; "
         f"strategy {strategy}")
     run = STRATEGIES[strategy]
-    keep_everything = strategy in MILP_STRATEGIES and memory_cap_bytes >= unplanned_peak_bytes(graph)
+    keep_everything = strategy in MILP_STRATEGIES and memory_cap_bytes >= graph.unplanned_peak_bytes
     if keep_everything:  # nothing to save: any swap or recompute would only cost time
         run = STRATEGIES["keep-all"]
         say("the cap is at or above the unplanned peak: every tensor is kept")
     result = run(graph, memory_cap_bytes, time_limit_s, rel_gap, say)
     if keep_everything:
         result.notes.append("the cap is at or above the unplanned peak: every tensor is kept")
-    order_copy_ins(graph, result.choices, memory_cap_bytes)
-    sim = simulate(graph, result.choices)
+    sim = order_copy_ins(graph, result.choices, memory_cap_bytes)
     if not sim.valid:
         raise AssertionError(f"internal error: strategy {strategy} produced an inconsistent plan: {sim.errors[:3]}")
     if sim.peak_bytes > memory_cap_bytes:

@@ -55,6 +55,7 @@ from regen.formats.plan import Plan, load_plan
 from regen.runtime.forward_ops import FastOps
 from regen.runtime.packing import PackRecord
 from regen.runtime.plan_index import index_plan
+from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
@@ -97,7 +98,7 @@ class RegenHandle:
         self._hooks_pushed: set[Step] = set()  # steps whose saved-tensor hooks are pushed, not popped yet
         self._depth = 0
         self._removed = False
-        device = _model_device(self.root)
+        device = module_device(self.root)
         self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
         if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
@@ -301,14 +302,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, wrappers):
         model = model.module
     return model
-
-
-def _model_device(model: nn.Module) -> torch.device | None:
-    for p in model.parameters():
-        return p.device
-    for b in model.buffers():
-        return b.device
-    return None
 
 
 def apply(model: nn.Module, plan: Plan | str | Path, on_mismatch: str = "raise",

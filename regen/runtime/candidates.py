@@ -220,7 +220,7 @@ class CandidateTable:
 
     def replay_region(self, rid: int) -> None:
         """Replay region `rid` (once) and hold what it rebuilt for the members dropped in this step."""
-        waiting = [k for k in self.regions.index.regions[rid].pack_keys
+        waiting = [k for k in self.index.regions[rid].pack_keys
                    if k is not None and (c := self.cands.get(k)) is not None and c.mode == ACTION_RECOMPUTE
                    and c.storage is None and not c.released]
         if not waiting:

@@ -57,11 +57,11 @@ class PlanIndex:
     recipe_op_random: dict[int, bool]
     anchor_keys: frozenset  # candidates some recompute decision reads
     num_forward_ops: int
-    has_recompute: bool = False  # any recompute decision
     has_recipes: bool = False  # any recompute decision with a recipe (fast steps then keep a minimal dispatch mode)
     swap_bytes: int = 0
     regions: dict[int, RegionInfo] = field(default_factory=dict)  # by RegionDecision.id
     region_by_call: dict[tuple[str, int], int] = field(default_factory=dict)  # (module, call) -> region id
+    region_replay_order: tuple[tuple[int, int], ...] = ()  # (unpack position, region id): the replays, in order
 
 
 def index_plan(plan: Plan) -> PlanIndex:
@@ -127,13 +127,14 @@ def index_plan(plan: Plan) -> PlanIndex:
         info.rebuilt_with = rebuilder_info.key
         rebuilder_info.rebuilds = rebuilder_info.rebuilds + (info.key,)
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
-    has_recompute = any(i.action == ACTION_RECOMPUTE for i in decisions.values())
     has_recipes = any(i.action == ACTION_RECOMPUTE and i.region is None for i in decisions.values())
     regions = _index_regions(plan, by_saved, where)
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
                      anchor_keys=frozenset(anchors), num_forward_ops=n_fwd,
-                     has_recompute=has_recompute, has_recipes=has_recipes, swap_bytes=swap_bytes, regions=regions,
-                     region_by_call={(r.region.module, r.region.call): rid for rid, r in regions.items()})
+                     has_recipes=has_recipes, swap_bytes=swap_bytes, regions=regions,
+                     region_by_call={(r.region.module, r.region.call): rid for rid, r in regions.items()},
+                     region_replay_order=tuple(sorted((r.region.replay_at_unpack, rid) for rid, r in regions.items()
+                                                      if r.region.replay_at_unpack is not None)))
 
 
 def _index_regions(plan: Plan, by_saved: dict[int, Decision], where: str) -> dict[int, RegionInfo]:

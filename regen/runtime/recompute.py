@@ -132,8 +132,11 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
 def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) -> None:
     """Replace, in place, each tensor the op's schema says it writes and no op of the step produced by a
     Scratch copy of its current value (the op has not run yet)."""
+    written = written_arguments(func)
+    if not written:  # nearly every op: no schema read on the capture path
+        return
     schema_args = func._schema.arguments
-    for pos, name in written_arguments(func):
+    for pos, name in written:
         in_kwargs = schema_args[pos].kwarg_only or pos >= len(args)
         value = kwargs.get(name) if in_kwargs else args[pos]
         if not isinstance(value, torch.Tensor):

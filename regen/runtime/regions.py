@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from regen.errors import PlanMismatchError
 from regen.runtime.plan_index import PlanIndex, RegionInfo
+from regen.runtime.tracker import regen_ops
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -65,9 +66,6 @@ class RegionReplays:
         self.call_counts: dict[str, int] = {}
         self.calls: dict[int, RegionCall] = {}  # region id -> its captured call
         self._open: list[RegionCall] = []
-        # (unpack position, region id), in order: the replays the backward clock issues
-        self.due: list[tuple[int, int]] = sorted((r.region.replay_at_unpack, rid) for rid, r in index.regions.items()
-                                                 if r.region.replay_at_unpack is not None)
 
     # ---- forward ----------------------------------------------------------------------------------
     def called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -84,7 +82,7 @@ class RegionReplays:
                         autocast_cache=torch.is_autocast_cache_enabled(), packs_at_call=self._forward_packs())
         if info.region.is_random:
             rc.cpu_rng_state = torch.get_rng_state()
-            device = _module_device(module)
+            device = module_device(module)
             if device is not None and device.type == "cuda":
                 rc.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
         self.calls[rid] = rc
@@ -122,7 +120,7 @@ class RegionReplays:
 
         def pack(x):
             k = len(packed)
-            with torch._C._DisableTorchDispatch():
+            with regen_ops():
                 packed.append(x.detach() if k < len(keys) and keys[k] is not None else None)
             return None
 
@@ -169,7 +167,8 @@ def _inputs_again(rc: RegionCall) -> tuple[tuple, dict]:
     return tree_map(strong, rc.weak_inputs, is_leaf=lambda a: isinstance(a, weakref.ref))
 
 
-def _module_device(module: nn.Module) -> torch.device | None:
+def module_device(module: nn.Module) -> torch.device | None:
+    """The device of the module's first parameter (or buffer), None for a module without either."""
     for p in module.parameters():
         return p.device
     for b in module.buffers():
@@ -219,7 +218,7 @@ class _buffers_copied:
         self.saved = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
 
     def __enter__(self):
-        with torch._C._DisableTorchDispatch(), torch.no_grad():
+        with regen_ops(), torch.no_grad():
             for m, name, b in self.saved:
                 m._buffers[name] = b.clone()
 

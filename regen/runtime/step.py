@@ -34,11 +34,10 @@ from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine, view_of
 from regen.runtime.swap_queue import SwapQueue
-from regen.runtime.tracker import PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL
+from regen.runtime.tracker import PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL, regen_ops
 
-# regen's own small ops (detach, set_, copies) skip every Python dispatch mode: they are never counted and
-# cost no Python round trip. Recipe replays run with only the tracker paused (other modes still see them).
-_regen_ops = torch._C._DisableTorchDispatch
+# Recipe replays run with only the tracker paused (other modes still see them); regen's own small ops run
+# under tracker.regen_ops.
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # no __torch_dispatch__ of their own
 
@@ -110,8 +109,9 @@ class Step:
         self.swaps = SwapQueue(ctx.engine_for, ctx.pool, ctx.stats)
         self._pending_copy_outs = self.swaps.pending_copy_outs
         self._copy_ins = self.swaps.copy_ins
-        self.regions = RegionReplays(ctx.index, ctx.pause_tracker, self.mismatch, self.forward_packs)
-        self._regions_due = list(self.regions.due)
+        self.regions = RegionReplays(ctx.index, ctx.pause_tracker, self.mismatch, lambda: self.forward_packs_seen)
+        self._regions_due = ctx.index.region_replay_order  # (unpack position, region id), in order
+        self._next_region = 0
         self.cands = CandidateTable(ctx.index, self.ops.captures, self.swaps, ctx.stats, self.mismatch,
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
@@ -161,12 +161,6 @@ class Step:
             return StepFindings(verified=self.verified)
         return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording), fast_ops=fast_ops)
 
-    def forward_packs(self) -> int:
-        """Tensors packed in this step's forward so far (matched by writer map or by order)."""
-        if self.sequence is not None:
-            return self.pack_count
-        return len(self.matcher.recording) if self.matcher is not None else 0
-
     # ---- region module calls (the handle's module hooks) --------------------------------------------
     def region_called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.phase != PHASE_CLOSED and self.planned:
@@ -191,7 +185,7 @@ class Step:
 
     # ---- pack ---------------------------------------------------------------------------------------
     def pack(self, x: torch.Tensor):
-        with _regen_ops():  # regen's own ops (detach, copies) are never counted
+        with regen_ops():  # regen's own ops (detach, copies) are never counted
             return self._pack(x)
 
     def _pack(self, x: torch.Tensor):
@@ -219,7 +213,7 @@ class Step:
     def fast_pack(self, x: torch.Tensor):
         if _dispatch_stack_len() == 0 and type(x) in _PLAIN_TENSOR_TYPES:  # nothing Python to skip
             return self._fast_pack(x)
-        with _regen_ops():
+        with regen_ops():
             return self._fast_pack(x)
 
     def _fast_pack(self, x: torch.Tensor):
@@ -265,15 +259,17 @@ class Step:
         copy_ins = self._copy_ins
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)
-        due = self._regions_due
-        while due and due[0][0] <= k:  # module calls replayed at this position of the backward clock
-            self.cands.replay_region(due.pop(0)[1])
+        due, i = self._regions_due, self._next_region
+        while i < len(due) and due[i][0] <= k:  # module calls replayed at this position of the backward clock
+            self.cands.replay_region(due[i][1])
+            i += 1
+        self._next_region = i
         if not isinstance(obj, Saved):
             return obj
         cand = obj.cand
         with self.ctx.pause_tracker():
             base = self.cands.materialize(cand)
-        with _regen_ops():
+        with regen_ops():
             out = view_of(base, obj.geometry)
         del base
         if not obj.unpacked:

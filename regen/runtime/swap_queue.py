@@ -18,8 +18,7 @@ import torch
 
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine
-
-_regen_ops = torch._C._DisableTorchDispatch  # regen's own copies are never counted
+from regen.runtime.tracker import regen_ops
 
 
 class SwapQueue:
@@ -71,7 +70,7 @@ class SwapQueue:
 
     def _issue(self, cand) -> None:
         engine = self.engine_for(cand.copy_out.device)
-        with _regen_ops():
+        with regen_ops():
             cand.copy_in = engine.copy_in(cand.copy_out)
         cand.storage = cand.copy_in.buffer
 

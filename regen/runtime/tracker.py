@@ -14,6 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.opinfo import is_counted
 
+# regen's own small ops (detach, set_, copies, replays' bookkeeping) skip every Python dispatch mode: they
+# are never counted and cost no Python round trip
+regen_ops = torch._C._DisableTorchDispatch
+
 PHASE_FORWARD = 0  # counting forward ops
 PHASE_TAIL = 1  # all of the plan's forward ops ran; the last one's outputs may still be packed
 PHASE_CLOSED = 2  # forward over: every later pack keeps

@@ -10,7 +10,6 @@ import pytest
 from regen.errors import InfeasibleCapError, RegenError
 from regen.formats import load_plan, save_plan, save_profile
 from regen.planner import solve
-from regen.planner.link import candidate_bytes
 
 CAP_FRACTION = 0.6
 
@@ -22,7 +21,7 @@ def _cap(profile):
 def test_link_ratio_sets_both_bandwidths_and_is_recorded(small_transformer):
     ratio = 0.9
     plan = solve(small_transformer, _cap(small_transformer), "hybrid", time_limit_s=20, link_ratio=ratio)
-    expected = candidate_bytes(small_transformer) / (ratio * small_transformer.step_time_s)
+    expected = small_transformer.candidate_bytes / (ratio * small_transformer.step_time_s)
     assert plan.d2h_bytes_per_s == pytest.approx(expected) and plan.h2d_bytes_per_s == pytest.approx(expected)
     assert plan.link.source == "link-ratio" and plan.link.link_ratio == pytest.approx(ratio)
     assert plan.link.candidate_bytes == sum(s.bytes for s in small_transformer.saved_tensors)
@@ -39,7 +38,7 @@ def test_a_slower_link_swaps_less_and_costs_more(small_transformer):
 def test_bandwidth_and_profile_links_are_recorded(small_transformer):
     plan = solve(small_transformer, _cap(small_transformer), "hybrid", time_limit_s=20, bandwidth_gb_s=4.0)
     assert plan.link.source == "bandwidth" and plan.d2h_bytes_per_s == pytest.approx(4e9)
-    ratio = candidate_bytes(small_transformer) / (4e9 * small_transformer.step_time_s)
+    ratio = small_transformer.candidate_bytes / (4e9 * small_transformer.step_time_s)
     assert plan.link.link_ratio == pytest.approx(ratio)
     plan = solve(small_transformer, _cap(small_transformer), "hybrid", time_limit_s=20)
     assert plan.link.source == "profile"

@@ -54,3 +54,4 @@ def test_a_disagreement_that_persists_is_kept_and_noted():
 def test_a_quiet_profile_is_measured_once():
     profile, messages = profile_busy(busy_calls=0)
     assert not any("disagree" in m for m in messages)
+    assert not any(n.startswith("timing:") for n in profile.notes)

@@ -162,8 +162,8 @@ class Boom(RuntimeError):
 
 def fail_inside_a_step(w, plan, where: str, after_forward=lambda handle: None):
     """Run one planned step of `w` that raises Boom in the forward (a hook of the second block), between
-    forward and backward, or in backward; return the handle. `after_forward(handle)` runs before the
-    raise in the last two cases."""
+    forward and backward, or in backward; return the handle. `after_forward(handle)` runs once the
+    forward is over, in the last two cases."""
     import pytest
 
     import regen
@@ -182,10 +182,10 @@ def fail_inside_a_step(w, plan, where: str, after_forward=lambda handle: None):
             else:
                 out = w.model(*w.batch)
                 loss = w.loss_fn(out, w.batch)
+                after_forward(handle)
                 if where == "backward":
                     out.register_hook(explode)
                     loss.backward()
-                after_forward(handle)
                 raise Boom("after forward")
     return handle
 

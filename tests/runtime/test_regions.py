@@ -61,17 +61,10 @@ def _set_buffers(model, values):
 def test_gradients_and_buffers_are_bitwise_the_unplanned_ones(name, kind):
     w, _, plan = _region_plan(name, kind)
     assert plan.regions and plan.region_member_count() > 0
-    start = _buffers(w.model)
-    reference = []
-    for _ in range(2):
-        reference.append((run_and_grads(w), _buffers(w.model)))
-    _set_buffers(w.model, start)
+    reference = [run_and_grads(w) for _ in range(2)]  # loss, gradients and buffers after each step
     with regen.apply(w.model, plan) as handle:
-        for ref_grads, ref_buffers in reference:  # the verified step, then the pack-order fast path
-            assert_same(ref_grads, run_and_grads(w))
-            got = _buffers(w.model)
-            for k in ref_buffers:
-                assert torch.equal(ref_buffers[k], got[k]), f"buffer {k} differs"
+        for ref in reference:  # the verified step, then the pack-order fast path
+            assert_same(ref, run_and_grads(w))
     stats = handle.stats
     counts = plan.action_counts()
     assert stats.planned_steps == 2 and stats.region_replays == 2 * len(plan.regions)

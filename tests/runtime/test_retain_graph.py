@@ -32,22 +32,16 @@ def test_a_second_backward_over_a_retained_graph(strategy):
         assert grads.keys() == reference[1].keys()
         assert all(torch.equal(grads[k], reference[1][k]) for k in grads), "a gradient differs"
     assert handle.stats.planned_steps == 2
-    if strategy != "swap":
-        assert handle.stats.recomputes > 2 * plan.action_counts()["recompute"] - 1  # rebuilt in both backwards
+    if strategy != "swap":  # every dropped tensor rebuilt in both backwards of both steps
+        assert handle.stats.recomputes >= 4 * (plan.action_counts()["recompute"] - plan.rebuilt_count()) > 0
 
 
-def test_a_second_backward_over_a_region_plan_is_exact_or_a_clear_error():
-    """A region replays again while something still holds its inputs; otherwise a PlanMismatchError
-    that says so, never a wrong gradient."""
+def test_a_second_backward_over_a_region_plan_whose_inputs_are_gone_is_a_clear_error():
+    """The GPT's blocks: nothing else holds a block's input after its replay, so the second backward
+    cannot replay it again; a PlanMismatchError that says so, never a wrong gradient."""
     from test_regions import _region_plan
 
     w, _, plan = _region_plan("gpt", "blocks")
-    reference = two_backwards(w)
     with regen.apply(w.model, plan):
-        try:
-            planned = two_backwards(w)
-        except PlanMismatchError as exc:
-            assert "inputs were freed after its first replay" in str(exc)
-            return
-    assert torch.equal(planned[0], reference[0])
-    assert all(torch.equal(planned[1][k], reference[1][k]) for k in reference[1])
+        with pytest.raises(PlanMismatchError, match="inputs were freed after its first replay"):
+            two_backwards(w)

@@ -63,7 +63,6 @@ class MilpOptions:
     allow_rebuilt_with: bool = True  # a candidate may be rebuilt with another's recipe
     fifo_pairs: list[tuple[int, int]] = field(default_factory=list)  # (issued first, issued later)
     step_margin_bytes: dict[int, int] = field(default_factory=dict)  # extra headroom at steps (repair)
-    allow_regions: bool = True  # with allow_recompute: module calls replayed in backward (milp/region_vars.py)
 
 
 class CapInfeasible(Exception):
@@ -193,7 +192,7 @@ class Model:
             return None
         rec_ok = opt.allow_recompute and c.can_recompute and want in (None, ACTION_RECOMPUTE)
         swap_ok = opt.allow_swap and c.can_swap and want in (None, ACTION_SWAP)
-        region_ok = opt.allow_recompute and opt.allow_regions and bool(c.regions) and want in (None, ACTION_RECOMPUTE)
+        region_ok = opt.allow_recompute and bool(c.regions) and want in (None, ACTION_RECOMPUTE)
         if not rec_ok and not swap_ok and not region_ok:
             if want not in (None, ACTION_KEEP):
                 raise SolverError(f"candidate {c.id} cannot be {want}")

@@ -36,8 +36,8 @@ class RegionVars:
 
 def add_region_vars(model: Model) -> None:
     """`z_R` and `reg_{t,R}` for every region with a member that has variables (into model.regions and
-    each member's CandidateVars.regions), with `reg <= z`; none unless the options allow recompute and regions."""
-    if not (model.options.allow_recompute and model.options.allow_regions):
+    each member's CandidateVars.regions), with `reg <= z`; none unless the options allow recompute."""
+    if not model.options.allow_recompute:
         return
     prob = model.prob
     for region in model.graph.regions:
