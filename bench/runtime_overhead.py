@@ -102,12 +102,16 @@ def overhead(w, plan, steps, device):
 def _solve_at(profile, strategy, cap_bytes):
     from regen.planner import solve
 
+    # the CPU profile's memcpy "link", given explicitly: this measures the runtime's own cost of swaps
+    memcpy_gb_s = profile.device.d2h_bytes_per_s / 1e9
     try:
-        return solve(profile, memory_cap_bytes=cap_bytes, strategy=strategy, time_limit_s=30)
+        return solve(profile, memory_cap_bytes=cap_bytes, strategy=strategy, time_limit_s=30,
+                     bandwidth_gb_s=memcpy_gb_s)
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
-        return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy=strategy, time_limit_s=30)
+        return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy=strategy, time_limit_s=30,
+                     bandwidth_gb_s=memcpy_gb_s)
 
 
 def overhead_rows(w, profile, steps, device, out):
