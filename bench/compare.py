@@ -176,9 +176,11 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
     import regen
     from regen.planner import solve
     from regen.profiler import profile_workload
+    from regen.runtime.costs import measure_runtime_costs
 
     progress(f"[{name}] profiling")
-    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None)
+    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None,
+                               runtime_probe=measure_runtime_costs)
     memcpy_gb_s = profile.device.d2h_bytes_per_s / 1e9  # the memcpy "link", given explicitly
     start = profile.memory_at_start_bytes
     variants = peer_variants(name, spec, progress)
@@ -315,10 +317,12 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
     """One model over an emulated link of ratio `link_ratio` (see the module doc)."""
     from regen.planner import solve
     from regen.profiler import profile_workload
+    from regen.runtime.costs import measure_runtime_costs
 
     label = f"{name} R={link_ratio:g}"
     progress(f"[{label}] profiling")
-    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None)
+    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None,
+                               runtime_probe=measure_runtime_costs)
     start = profile.memory_at_start_bytes
     variants = [_measured(Variant("no plan", build(spec), predicted_step_time_s=profile.step_time_s), start, label,
                           progress)]

@@ -123,12 +123,14 @@ def main() -> int:
     from regen.models import repeated_blocks
     from regen.planner import solve
     from regen.profiler import profile_workload
+    from regen.runtime.costs import measure_runtime_costs
     from regen.workloads import build_workload
 
     t_start = time.perf_counter()
     w = build_workload("hf-gpt2", batch_size=BATCH_SIZE, args=WORKLOAD_ARGS, device="cuda")
     print(f"gpu_check on {torch.cuda.get_device_name()}: hf-gpt2 {WORKLOAD_ARGS}, batch {BATCH_SIZE}", flush=True)
-    profile = profile_workload(w, device="cuda", repeats=3, warmup_steps=1, progress=None)
+    profile = profile_workload(w, device="cuda", repeats=3, warmup_steps=1, progress=None,
+                               runtime_probe=measure_runtime_costs)
     print(f"profiled in {time.perf_counter() - t_start:.0f} s: {len(profile.ops)} ops, unplanned peak "
           f"{profile.peak_bytes / GIB:.2f} GiB, step {profile.step_time_s * 1e3:.1f} ms, link d2h "
           f"{profile.device.d2h_bytes_per_s / 1e9:.1f} GB/s, h2d {profile.device.h2d_bytes_per_s / 1e9:.1f} GB/s",

@@ -137,9 +137,11 @@ def overhead_rows(w, profile, steps, device, out):
 def run(name, steps, device, out, overhead_only=False):
     from regen.planner import solve
     from regen.profiler import profile_workload
+    from regen.runtime.costs import measure_runtime_costs
 
     w = build_workload(name, device=device)
-    profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None)
+    profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None,
+                               runtime_probe=measure_runtime_costs)
     out(f"{name}: {len(profile.ops)} ops, {profile.num_forward_ops} forward, "
         f"{len(profile.saved_entries)} saved entries; overhead vs eager, interleaved, median of {steps} steps:")
     overhead_rows(w, profile, steps, device, out)

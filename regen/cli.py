@@ -65,13 +65,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from regen.formats import save_profile
     from regen.formats.yamlio import check_output_path
     from regen.profiler import profile_workload
+    from regen.runtime.costs import measure_runtime_costs
 
     spec, wargs, batch_size = _workload_options(args)
     check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
     say = _progress(args.quiet)
     device, build = _workload_builder(args, spec, wargs, batch_size, say)
     profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
-                               progress=None if args.quiet else _print_progress)
+                               progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs)
     save_profile(profile, args.output)
     say(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
         f"unplanned peak {format_bytes(profile.peak_bytes)}")

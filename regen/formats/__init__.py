@@ -9,6 +9,7 @@ from regen.formats.profile import (
     ModuleCall,
     OpRecord,
     Profile,
+    RuntimeCosts,
     SavedEntry,
     SavedTensor,
     StaticMemory,
@@ -35,7 +36,7 @@ from regen.formats.plan import (
 )
 
 __all__ = [
-    "PROFILE_FORMAT", "DeviceInfo", "ModuleCall", "OpRecord", "Profile", "SavedEntry", "SavedTensor", "StaticMemory",
+    "PROFILE_FORMAT", "DeviceInfo", "ModuleCall", "OpRecord", "Profile", "RuntimeCosts", "SavedEntry", "SavedTensor", "StaticMemory",
     "TensorRecord", "load_profile", "op_fingerprint", "save_profile",
     "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport",
     "load_plan", "save_plan",

@@ -28,6 +28,12 @@ innermost module whose forward (or, for a backward op, whose backward) the op ra
 any. `Profile.module_calls` lists every call of a submodule in the forward (`ModuleCall`): its first
 and last forward op, its tensor arguments, and the saved entries packed during it. Profiles without
 them load as before; the planner then has no region candidates.
+
+Runtime costs (optional)
+------------------------
+`Profile.runtime_costs` holds what regen's runtime adds per event on the profiled machine (a dispatch
+round trip per tracked forward op, capturing and replaying a recipe op, a recipe's fixed cost), which
+the planner adds to a plan's predicted time. Profiles without it are planned without those costs.
 """
 
 from __future__ import annotations
@@ -150,6 +156,17 @@ class DeviceInfo:
 
 
 @dataclass
+class RuntimeCosts:
+    """What regen's runtime adds per event on the profiled machine (regen.profiler.runtime_costs)."""
+
+    dispatch_op_s: float  # a forward op through the runtime's dispatch mode, while it tracks the forward
+    capture_op_s: float  # capturing a recipe op's arguments in forward
+    replay_op_s: float  # replaying a recipe op in backward, beyond the op's own time
+    recipe_s: float  # one replayed recipe, besides its ops
+    method: str
+
+
+@dataclass
 class StaticMemory:
     parameter_bytes: int
     gradient_bytes: int
@@ -175,6 +192,7 @@ class Profile:
     format: str = PROFILE_FORMAT
     notes: list[str] = field(default_factory=list)
     module_calls: list[ModuleCall] = field(default_factory=list)  # optional: submodule calls of the forward
+    runtime_costs: RuntimeCosts | None = None  # optional: without it the planner charges none
 
     # ---- convenience -------------------------------------------------------------------------
     @property
@@ -269,11 +287,23 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             fingerprint=str(require(doc, "fingerprint", where)),
             ops=ops, tensors=tensors, saved_entries=entries, saved_tensors=saved,
             format=str(doc["format"]), notes=list(doc.get("notes") or []), module_calls=calls,
+            runtime_costs=_runtime_costs(doc, where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None
     _check_consistency(profile, where)
     return profile
+
+
+def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
+    costs = doc.get("runtime_costs")
+    if costs is None:
+        return None
+    built = build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")
+    figures = [float(v) for v in (built.dispatch_op_s, built.capture_op_s, built.replay_op_s, built.recipe_s)]
+    if any(not (v >= 0) for v in figures):
+        raise FormatError(f"{where}: runtime_costs must be non-negative seconds")
+    return RuntimeCosts(*figures, method=str(built.method))
 
 
 def _check_consistency(profile: Profile, where: str) -> None:

@@ -159,7 +159,9 @@ def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
                                       rebuilt_with=other.index)
         elif d.action == ACTION_RECOMPUTE:
             anchors = [by_id[a].index for a in d.recipe_inputs if a in by_id]
-            recipe = Recipe(ops=list(d.recipe), anchors=anchors, time_s=float(sum(graph.time_s[q] for q in d.recipe)),
+            op_times_s = float(sum(graph.time_s[q] for q in d.recipe))
+            recipe = Recipe(ops=list(d.recipe), anchors=anchors,
+                            time_s=graph.costs.recipe_time_s(op_times_s, len(d.recipe)),
                             transient_bytes=recipe_transient_bytes(graph.profile, tensors, list(d.recipe),
                                                                    c.saved.storage),
                             random_ops=[q for q in d.recipe if ops[q].is_random])

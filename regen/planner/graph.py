@@ -84,6 +84,39 @@ class Candidate:
         return self.first_backward is not None and self.first_backward <= step <= self.last_backward
 
 
+@dataclass(frozen=True)
+class RuntimeCharges:
+    """The time regen's runtime adds per event, as the planner charges it (docs/internals.md "What a
+    plan's predicted time charges"): the profile's `runtime_costs` (zero without them), and the Python
+    time between forward ops that a module replay runs again."""
+
+    dispatch_op_s: float = 0.0  # every forward op up to the last tracked one, with per-tensor recipes
+    capture_op_s: float = 0.0  # a recipe op, captured in forward
+    replay_op_s: float = 0.0  # a recipe op, replayed in backward, beyond its own time
+    recipe_s: float = 0.0  # a replayed recipe, besides its ops
+    between_forward_ops_s: float = 0.0  # the plain step's time outside ops, per forward op
+
+    @staticmethod
+    def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
+        """The charges of a profile: its probe's figures, and the plain step's time not inside any op
+        spread over the forward ops (the module code a region replay runs again)."""
+        outside_s = max(0.0, float(profile.step_time_s) - sum(op_times_s))
+        between_s = outside_s / profile.num_forward_ops if profile.num_forward_ops else 0.0
+        rc = profile.runtime_costs
+        if rc is None:
+            return RuntimeCharges(between_forward_ops_s=between_s)
+        return RuntimeCharges(dispatch_op_s=rc.dispatch_op_s, capture_op_s=rc.capture_op_s,
+                              replay_op_s=rc.replay_op_s, recipe_s=rc.recipe_s, between_forward_ops_s=between_s)
+
+    def recipe_time_s(self, op_times_s: float, num_ops: int) -> float:
+        """A per-tensor recipe of `num_ops` ops whose profiled times sum to `op_times_s`."""
+        return op_times_s + num_ops * (self.capture_op_s + self.replay_op_s) + self.recipe_s
+
+    def region_time_s(self, op_times_s: float, num_ops: int) -> float:
+        """A module call of `num_ops` forward ops replayed by running its forward again."""
+        return op_times_s + num_ops * self.between_forward_ops_s
+
+
 @dataclass
 class PlanningGraph:
     profile: Profile
@@ -102,6 +135,7 @@ class PlanningGraph:
     regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
     # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
     host_memory_cap_bytes: int | None = None
+    costs: RuntimeCharges = field(default_factory=lambda: RuntimeCharges())  # regen's own time per event
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime
@@ -167,7 +201,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     graph = PlanningGraph(profile=profile, op_graph=op_graph, candidates=candidates, time_s=times,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
-                          copy_in_starts=copy_in_starts)
+                          copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times))
     for c in candidates:
         if c.trivial or c.bytes <= 0:
             continue

@@ -120,7 +120,8 @@ def build_recipe(ctx: RecipeContext, target: Candidate, depth: int = 0,
     if why:
         return None, why
     order = sorted(walk.recipe_ops)
-    return Recipe(ops=order, anchors=sorted(walk.anchors), time_s=float(sum(ctx.graph.time_s[q] for q in order)),
+    op_times_s = float(sum(ctx.graph.time_s[q] for q in order))
+    return Recipe(ops=order, anchors=sorted(walk.anchors), time_s=ctx.graph.costs.recipe_time_s(op_times_s, len(order)),
                   transient_bytes=recipe_transient_bytes(ctx.graph.profile, ctx.tensors, order,
                                                          target.saved.storage),
                   random_ops=[q for q in order if ops[q].is_random]), None

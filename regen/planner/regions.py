@@ -43,7 +43,7 @@ class Region:
     produced: list[int]  # candidate indices produced inside with an entry inside (members included)
     inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
     packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
-    time_s: float  # the replay: the call's profiled op times
+    time_s: float  # the replay: the call's profiled op times and the Python between them (RuntimeCharges)
     transient_bytes: int  # replay intermediates besides `produced`, and the buffers' snapshot
     is_random: bool = False
     notes: list[str] = field(default_factory=list)
@@ -129,7 +129,7 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     produced_storages = {graph.candidates[t].saved.storage for t in produced}
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
                   produced=sorted(produced), inputs=sorted(inputs), packs=packs,
-                  time_s=float(sum(graph.time_s[q] for q in extent)),
+                  time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in extent)), len(extent)),
                   transient_bytes=_replay_transient_bytes(profile, tensors, extent, produced_storages)
                   + int(call.buffer_bytes),
                   is_random=any(ops[q].is_random for q in extent))

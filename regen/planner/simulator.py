@@ -63,6 +63,7 @@ class _Events:
     rebuilt_by: dict[int, set[int]] = field(default_factory=dict)  # chosen region -> members it rebuilds
     reads_at: dict[int, list[Candidate]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    tracked_until: int = -1  # the runtime's dispatch mode follows the forward up to this op (recipes)
 
 
 @dataclass
@@ -119,7 +120,21 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
             ev.recompute_at.setdefault(c.first_backward, []).append(c)
         else:
             ev.errors.append(f"candidate {c.id}: unknown action {ch.action}")
+    ev.tracked_until = _last_tracked_op(graph, choices)
     return ev
+
+
+def _last_tracked_op(graph: PlanningGraph, choices: dict[int, Choice]) -> int:
+    """The last forward op the runtime's dispatch mode must see on a steady-state step: the last recipe op
+    or producer of what a recipe op reads (regen.runtime.forward_ops.FastOps); -1 without recipes."""
+    last = -1
+    for ch in choices.values():
+        if ch.action != ACTION_RECOMPUTE or ch.recipe is None or ch.region is not None:
+            continue
+        for q in ch.recipe.ops:
+            producers = [p for p in graph.op_graph.predecessors(q) if p < graph.num_forward_ops]
+            last = max(last, q, *producers)
+    return last
 
 
 def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) -> _Timing:
@@ -171,6 +186,8 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
             else:
                 ev.errors.append(f"candidate {c.id}: read at op {s} before its copy-in was issued")
         now += graph.time_s[s]
+        if s <= ev.tracked_until:
+            now += graph.costs.dispatch_op_s
         end[s] = now
         for c in ev.swap_out_at.get(s, []):
             t0 = max(now, d2h_free)

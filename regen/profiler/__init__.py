@@ -1,6 +1,6 @@
 """regen.profiler: record one real training step of a workload and write what the planner needs.
 
-* `profile_workload(workload, device, repeats, warmup_steps, progress)` -> `Profile` (regen.profiler.record)
+* `profile_workload(workload, device, repeats, warmup_steps, progress, runtime_probe)` -> `Profile` (regen.profiler.record)
 
 Modules: capture (dispatch mode + saved-tensor hooks, following docs/internals.md), modules (each op's
 module path, each submodule call's extent), memory (per-op memory: CUDA allocator counters, or live

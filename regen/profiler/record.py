@@ -15,7 +15,7 @@ Phases, in order (each announced through `progress`):
 5. a check that the plain step time and the summed op times agree: when they are far apart (another
    process ran during one of them), a warning, and phases 2 and 4 again (at most 3 times in all; a
    disagreement that persists is kept and noted in the profile);
-6. the bandwidth probe.
+6. the bandwidth probe, and the caller's probe of what regen's runtime adds per event (`runtime_probe`).
 
 The optimizer is `torch.optim.AdamW` with lr=0: the same kernels, time and state memory as a real step,
 without changing the model's weights (weight decay multiplies by 1 - lr*wd = 1, the update is scaled by 0).
@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from regen.errors import DeviceError, RegenError, WorkloadError
-from regen.formats.profile import PHASE_BACKWARD, Profile, StaticMemory, op_fingerprint
+from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
 from regen.profiler.capture import (
     Capture,
@@ -65,8 +65,12 @@ Progress = Callable[[str], None]
 
 
 def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps: int,
-                     progress: Progress | None) -> Profile:
-    """Profile one training step of `workload` on `device` (see the module docstring for the phases)."""
+                     progress: Progress | None,
+                     runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None) -> Profile:
+    """Profile one training step of `workload` on `device` (see the module docstring for the phases).
+
+    `runtime_probe` measures what regen's runtime adds per event on this device (`regen profile` passes
+    regen.runtime.costs.measure_runtime_costs); without it the profile has no `runtime_costs`."""
     say = progress or (lambda message: None)
     dev = resolve_device(device)
     if repeats < 1:
@@ -106,8 +110,9 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     for op, time_s in zip(capture.ops, op_times_s):
         op.time_s = time_s
 
-    say("measuring host<->device bandwidth")
+    say("measuring host<->device bandwidth" + (" and the runtime's own costs" if runtime_probe else ""))
     bandwidth = measure_bandwidth(dev)
+    runtime_costs = runtime_probe(dev) if runtime_probe is not None else None
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
     notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)")
     if dev.type != "cuda":
@@ -127,6 +132,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         fingerprint=op_fingerprint(capture.ops, capture.tensors),
         ops=capture.ops, tensors=capture.tensors, saved_entries=capture.saved_entries,
         saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
+        runtime_costs=runtime_costs,
     )
 
 

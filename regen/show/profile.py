@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from regen.formats.profile import Profile, SavedTensor
@@ -55,6 +56,10 @@ def profile_summary(profile: Profile) -> str:
         f"{format_bytes(profile.peak_bytes)} (+{format_bytes(profile.peak_bytes - profile.memory_at_start_bytes)})"
         + (f" at op {peak_op.index} {peak_op.name} ({peak_op.phase})" if peak_op else ""),
     ]
+    rc = profile.runtime_costs
+    if rc is not None:
+        lines.append(f"runtime costs: dispatch {rc.dispatch_op_s * 1e6:.1f} us/op, capture {rc.capture_op_s * 1e6:.1f} "
+                     f"us/op, replay {rc.replay_op_s * 1e6:.1f} us/op, recipe {rc.recipe_s * 1e6:.1f} us [{rc.method}]")
     largest = _largest(profile)
     if largest:
         names = {op.index: op.name for op in profile.ops}
@@ -99,6 +104,7 @@ def profile_summary_json(profile: Profile) -> dict[str, Any]:
         "static_memory": {"parameter_bytes": profile.static_memory.parameter_bytes,
                           "gradient_bytes": profile.static_memory.gradient_bytes,
                           "optimizer_state_bytes": profile.static_memory.optimizer_state_bytes},
+        "runtime_costs": None if profile.runtime_costs is None else asdict(profile.runtime_costs),
         "repeats": profile.repeats,
         "fingerprint": profile.fingerprint,
         "versions": profile.versions,

@@ -93,3 +93,18 @@ def test_plan_with_a_rebuilt_with_that_does_not_hold_is_refused(tmp_path):
         save_plan(bad, tmp_path / "bad.yaml")
         with pytest.raises(FormatError, match="rebuilt with saved tensor 0"):
             load_plan(tmp_path / "bad.yaml")
+
+
+def test_runtime_costs_round_trip_and_bad_figures_are_refused(tmp_path):
+    from dataclasses import replace
+
+    from regen.formats.profile import RuntimeCosts
+
+    p = replace(tiny_profile(), runtime_costs=RuntimeCosts(3e-6, 4e-5, 5e-5, 1e-6, method="probe"))
+    save_profile(p, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml") == p
+    text = (tmp_path / "p.yaml").read_text().replace("replay_op_s: 5.0e-05", "replay_op_s: -1.0")
+    assert "replay_op_s: -1.0" in text
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(FormatError, match="runtime_costs must be non-negative"):
+        load_profile(tmp_path / "bad.yaml")

@@ -1,0 +1,54 @@
+"""What a plan's predicted time charges for regen's own work: recipe captures and replays, the dispatch
+mode that follows the forward up to the last tracked op, and the Python a module replay runs again."""
+
+from dataclasses import replace
+
+import pytest
+
+from regen.formats.plan import ACTION_RECOMPUTE
+from regen.formats.profile import RuntimeCosts
+from regen.graphs.synthetic import chain_profile
+from regen.planner.graph import build_graph
+from regen.planner.result import Choice
+from regen.planner.simulator import simulate
+
+COSTS = RuntimeCosts(dispatch_op_s=1e-4, capture_op_s=2e-4, replay_op_s=3e-4, recipe_s=5e-4, method="test")
+BYTES_PER_S = 1e21
+
+
+def _graphs():
+    plain = chain_profile(5, seed=1)
+    charged = replace(plain, runtime_costs=COSTS)
+    return build_graph(plain, BYTES_PER_S, BYTES_PER_S), build_graph(charged, BYTES_PER_S, BYTES_PER_S)
+
+
+def test_a_recipe_is_charged_its_captures_replays_and_fixed_cost():
+    plain, charged = _graphs()
+    for c_plain, c_charged in zip(plain.candidates, charged.candidates):
+        for r_plain, r_charged in zip(c_plain.recipes, c_charged.recipes):
+            extra = len(r_plain.ops) * (COSTS.capture_op_s + COSTS.replay_op_s) + COSTS.recipe_s
+            assert r_charged.time_s == pytest.approx(r_plain.time_s + extra)
+
+
+def test_the_dispatch_mode_is_charged_up_to_the_last_tracked_forward_op():
+    plain, charged = _graphs()
+    c = charged.candidates[2]  # produced by op 2 from candidate 1 (op 1): ops 0..2 are tracked
+    recipe = c.recipes[0]
+    assert recipe.ops == [2] and recipe.anchors == [1]
+    keep_plain, keep_charged = simulate(plain, {}), simulate(charged, {})
+    assert keep_charged.step_time_s == pytest.approx(keep_plain.step_time_s)  # no recipe: no tracking
+    sim_plain = simulate(plain, {2: Choice(ACTION_RECOMPUTE, recipe=plain.candidates[2].recipes[0])})
+    sim_charged = simulate(charged, {2: Choice(ACTION_RECOMPUTE, recipe=recipe)})
+    recipe_extra = COSTS.capture_op_s + COSTS.replay_op_s + COSTS.recipe_s
+    assert sim_charged.step_time_s == pytest.approx(sim_plain.step_time_s + recipe_extra + 3 * COSTS.dispatch_op_s)
+
+
+def test_time_outside_ops_is_charged_to_module_replays_per_forward_op():
+    profile = chain_profile(5, seed=1)
+    op_sum_s = sum(op.time_s for op in profile.ops)
+    slow = replace(profile, step_time_s=op_sum_s + 0.5)
+    graph = build_graph(slow, BYTES_PER_S, BYTES_PER_S)
+    assert graph.costs.between_forward_ops_s == pytest.approx(0.5 / profile.num_forward_ops)
+    assert graph.costs.region_time_s(1.0, 4) == pytest.approx(1.0 + 4 * 0.5 / profile.num_forward_ops)
+    fast = replace(profile, step_time_s=op_sum_s / 2)  # op times above the step: nothing between ops
+    assert build_graph(fast, BYTES_PER_S, BYTES_PER_S).costs.between_forward_ops_s == 0.0
