@@ -1,7 +1,8 @@
 """The planning graph: a profile turned into what the planner decides over.
 
-* one `Candidate` per saved tensor: bytes, producer p, last forward use f, first/last backward use
-  b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
+* one `Candidate` per saved tensor: bytes, producer p, last forward use f (or the last op something
+  other than autograd holds its storage, when later: dropping it frees nothing before), first/last
+  backward use b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
   the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
   replayed in backward: regen.planner.regions);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
@@ -38,7 +39,9 @@ class Candidate:
     saved: SavedTensor
     bytes: int
     producer: int  # p
-    last_forward: int  # f
+    # f: the last step its storage lives whatever the plan does: its last forward use, or later while
+    # something other than autograd holds it (SavedTensor.held_until_op); held into backward, it is trivial
+    last_forward: int
     first_backward: int | None  # b
     last_backward: int | None  # e
     issue_after: int  # op after which a copy-out can start (all entries packed)
@@ -157,7 +160,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     for i, s in enumerate(sorted(profile.saved_tensors, key=lambda s: (s.producer_op, s.id))):
         b = s.first_backward_use
         e = s.last_backward_use
-        f = max(s.last_forward_use, s.producer_op)
+        f = max(s.last_forward_use, s.producer_op, -1 if s.held_until_op is None else s.held_until_op)
         c = Candidate(index=i, saved=s, bytes=int(s.bytes), producer=s.producer_op, last_forward=f,
                       first_backward=b, last_backward=e,
                       issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)))
