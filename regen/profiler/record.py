@@ -38,6 +38,7 @@ from regen.errors import DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
 from regen.profiler.capture import (
+    DOUBLE_BACKWARD_NOTE,
     Capture,
     CaptureMode,
     StepRecorder,
@@ -91,6 +92,8 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
 
     say("recording one step: ops, saved tensors, memory")
     capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer))
+    if DOUBLE_BACKWARD_NOTE in capture.notes:
+        say(f"warning: {DOUBLE_BACKWARD_NOTE}")
     gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
     optimizer.zero_grad(set_to_none=True)
     say("probing until when saved tensors are held outside autograd")
