@@ -25,6 +25,7 @@ from regen.errors import RegenError
 from regen.formats.profile import Profile, SavedTensor
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes
 from regen.planner.regions import Region, add_regions
+from regen.planner.residency import op_capture_bytes
 
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
 MAX_WINDOW_STEPS = 32  # ... and at most this many: keeps the MILP O(candidates x window)
@@ -105,6 +106,8 @@ class PlanningGraph:
     regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
     # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
     host_memory_cap_bytes: int | None = None
+    # forward op -> device bytes the runtime holds from capturing it for a recipe (residency.op_capture_bytes)
+    capture_bytes: dict[int, int] = field(default_factory=dict)
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime
@@ -170,7 +173,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     graph = PlanningGraph(profile=profile, op_graph=op_graph, candidates=candidates, time_s=times,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
-                          copy_in_starts=copy_in_starts)
+                          copy_in_starts=copy_in_starts, capture_bytes=op_capture_bytes(profile))
     for c in candidates:
         if c.trivial or c.bytes <= 0:
             continue

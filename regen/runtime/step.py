@@ -13,8 +13,9 @@ plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
 and keeps every later tensor of the step. A backward with create_graph=True (an unpack with grad mode on:
-the engine runs such a backward with it) is a mismatch: what it saves for a second backward is not planned. The step is released (host ranges, device copies, captures)
-once its forward has ended and autograd has freed every handle, or at once when aborted.
+the engine runs such a backward with it) is a mismatch: what it saves for a second backward is not
+planned. The step is released (host ranges, device copies, captures) once its forward has ended and
+autograd has freed every handle, or at once when aborted.
 """
 
 from __future__ import annotations
