@@ -62,6 +62,19 @@ def written_arguments(func) -> tuple[tuple[int, str], ...]:
                  if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
 
 
+@functools.cache
+def writes_an_argument(name: str) -> bool:
+    """The op named `name` (op_name's form, e.g. "aten.native_batch_norm.default") writes one of its
+    arguments (written_arguments); False for a name torch does not know."""
+    namespace, _, rest = name.partition(".")
+    packet, _, overload = rest.partition(".")
+    try:
+        func = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(written_arguments(func))
+
+
 @functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_view(func) -> bool:
     """The op's outputs alias an input without writing it (view, t, transpose, slice...)."""

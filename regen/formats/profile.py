@@ -1,4 +1,4 @@
-"""The profile: what one real training step of a workload did, op by op (`format: regen-profile/1`).
+"""The profile: what one real training step of a workload did, op by op (`format: regen-profile/2`).
 
 Written by `regen profile` (regen.profiler), read by `regen solve` (regen.planner) and `regen show`.
 
@@ -46,8 +46,8 @@ from typing import Any, Iterable
 from regen.errors import FormatError
 from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
 
-PROFILE_FORMAT = "regen-profile/1"
-PROFILE_VERSIONS = (1,)
+PROFILE_FORMAT = "regen-profile/2"
+PROFILE_VERSIONS = (1, 2)  # 1: no SavedTensor.held_until_op
 
 PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"
@@ -135,6 +135,11 @@ class SavedTensor:
     entries: list[int]  # SavedEntry indices
     is_random: bool = False  # producer draws from the RNG
     is_inplace: bool = False  # producer wrote into an existing storage
+    # the last op at whose start something other than autograd (a list, a module attribute, a Python local,
+    # the model's output) still held the storage in the unplanned step: dropping autograd's reference frees
+    # nothing before then (regen.profiler.liveness). None: not measured (a regen-profile/1 file), taken as
+    # its last forward use
+    held_until_op: int | None = None
 
     @property
     def first_backward_use(self) -> int | None:
@@ -319,6 +324,8 @@ def _check_consistency(profile: Profile, where: str) -> None:
             raise FormatError(f"{where}: saved tensor {s.id} refers to an op outside 0..{n - 1}")
         if any(not (0 <= u < n) for u in s.backward_uses):
             raise FormatError(f"{where}: saved tensor {s.id} has a backward use outside 0..{n - 1}")
+        if s.held_until_op is not None and not (0 <= s.held_until_op < n):
+            raise FormatError(f"{where}: saved tensor {s.id} is held until an op outside 0..{n - 1}")
         if s.bytes < 0:
             raise FormatError(f"{where}: saved tensor {s.id} has negative bytes")
     num_entries = len(profile.saved_entries)

@@ -1,7 +1,8 @@
 """The planning graph: a profile turned into what the planner decides over.
 
-* one `Candidate` per saved tensor: bytes, producer p, last forward use f, first/last backward use
-  b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
+* one `Candidate` per saved tensor: bytes, producer p, last forward use f (or the last op something
+  other than autograd holds its storage, when later: dropping it frees nothing before), first/last
+  backward use b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
   the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
   replayed in backward: regen.planner.regions);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
@@ -24,6 +25,7 @@ from regen.errors import RegenError
 from regen.formats.profile import Profile, SavedTensor
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes
 from regen.planner.regions import Region, add_regions
+from regen.planner.residency import op_capture_bytes
 
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
 MAX_WINDOW_STEPS = 32  # ... and at most this many: keeps the MILP O(candidates x window)
@@ -38,7 +40,9 @@ class Candidate:
     saved: SavedTensor
     bytes: int
     producer: int  # p
-    last_forward: int  # f
+    # f: the last step its storage lives whatever the plan does: its last forward use, or later while
+    # something other than autograd holds it (SavedTensor.held_until_op); held into backward, it is trivial
+    last_forward: int
     first_backward: int | None  # b
     last_backward: int | None  # e
     issue_after: int  # op after which a copy-out can start (all entries packed)
@@ -136,6 +140,8 @@ class PlanningGraph:
     # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
     host_memory_cap_bytes: int | None = None
     costs: RuntimeCharges = field(default_factory=lambda: RuntimeCharges())  # regen's own time per event
+    # forward op -> device bytes the runtime holds from capturing it for a recipe (residency.op_capture_bytes)
+    capture_bytes: dict[int, int] = field(default_factory=dict)
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime
@@ -191,7 +197,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     for i, s in enumerate(sorted(profile.saved_tensors, key=lambda s: (s.producer_op, s.id))):
         b = s.first_backward_use
         e = s.last_backward_use
-        f = max(s.last_forward_use, s.producer_op)
+        f = max(s.last_forward_use, s.producer_op, -1 if s.held_until_op is None else s.held_until_op)
         c = Candidate(index=i, saved=s, bytes=int(s.bytes), producer=s.producer_op, last_forward=f,
                       first_backward=b, last_backward=e,
                       issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)))
@@ -201,7 +207,8 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     graph = PlanningGraph(profile=profile, op_graph=op_graph, candidates=candidates, time_s=times,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
-                          copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times))
+                          copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
+                          capture_bytes=op_capture_bytes(profile))
     for c in candidates:
         if c.trivial or c.bytes <= 0:
             continue

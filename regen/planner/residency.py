@@ -5,22 +5,74 @@ peak inside the op and the memory after it) minus the bytes of the candidates no
 plus recipe transients (docs/milp.md). A candidate is resident whatever its action inside its own
 lifetime ([p, f] and [b, e]: `resident_without_plan`); a recipe input outside it is resident only
 when the plan keeps it (or, in the simulator's timing, once its copy-in has finished).
+Memory regen itself holds counts too (`capture_bytes`): the runtime captures every recipe op in forward
+and keeps the capture until the step ends, with, on a CPU device, a copy of the RNG state for a random
+op (`CPU_RNG_STATE_BYTES`; a CUDA device's RNG states are host tensors) and a copy of every buffer the op
+writes (regen.runtime.recompute.Scratch); a random region's call keeps an RNG state the same way.
 Every strategy, the MILP and the simulator read memory through these functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING
+
+from regen.formats.profile import KIND_BUFFER, PHASE_FORWARD, Profile
+from regen.opinfo import writes_an_argument
 
 if TYPE_CHECKING:
     from regen.planner.graph import Candidate, PlanningGraph
     from regen.planner.recipes import Recipe
+    from regen.planner.regions import Region
+
+# torch.get_rng_state(): the CPU generator's state (a 624-word Mersenne Twister and its position), which the
+# runtime copies for every random recipe op and random region call; on a CPU device it is device memory
+CPU_RNG_STATE_BYTES = 5056
 
 
 def unplanned_step_bytes(graph: PlanningGraph, step: int) -> int:
     """Memory of `step` with every candidate kept: the peak inside the op or the memory after it."""
     return max(graph.peak_bytes[step], graph.after_bytes[step])
+
+
+def op_capture_bytes(profile: Profile) -> dict[int, int]:
+    """Forward op -> the device bytes the runtime holds from capturing it for a recipe until the step
+    ends (only ops that hold any): a CPU device's RNG state for a random op, and a copy of each buffer
+    an op that writes its arguments reads (the running statistics batch norm updates)."""
+    cpu = profile.device.type == "cpu"
+    kinds = {t.id: (t.kind, t.storage, t.storage_bytes) for t in profile.tensors}
+    out = {}
+    for op in profile.ops:
+        if op.phase != PHASE_FORWARD:
+            break
+        held = CPU_RNG_STATE_BYTES if op.is_random and cpu else 0
+        if writes_an_argument(op.name):
+            buffers = {kinds[x][1]: kinds[x][2] for x in op.inputs if kinds[x][0] == KIND_BUFFER}
+            held += sum(buffers.values())
+        if held:
+            out[op.index] = held
+    return out
+
+
+def region_capture_bytes(graph: PlanningGraph, region: Region) -> int:
+    """Device bytes the runtime holds from a region's call until the step ends: its RNG state."""
+    return CPU_RNG_STATE_BYTES if region.is_random and graph.profile.device.type == "cpu" else 0
+
+
+def captured_bytes_timeline(graph: PlanningGraph, recipe_ops: Iterable[int], regions: Iterable[int]) -> list[int]:
+    """Per step, the bytes the runtime holds for a plan's captures: each recipe op's (`op_capture_bytes`)
+    from that op on, each region's from its call's first op on."""
+    diff = [0] * (graph.num_steps + 1)
+    for q in set(recipe_ops):
+        diff[q] += graph.capture_bytes.get(q, 0)
+    for r in set(regions):
+        region = graph.regions[r]
+        diff[region.call.first_op] += region_capture_bytes(graph, region)
+    out, run = [], 0
+    for s in range(graph.num_steps):
+        run += diff[s]
+        out.append(run)
+    return out
 
 
 def resident_without_plan(c: Candidate, step: int) -> bool:

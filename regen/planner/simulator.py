@@ -12,7 +12,8 @@ Three timelines, as the runtime runs them (the timing pass):
   start; its device buffer is allocated then.
 
 The memory pass: the unplanned timeline minus the bytes of candidates that are not resident, plus
-recipe transients while a recipe runs (regen.planner.residency). A candidate counts as resident during
+recipe transients while a recipe runs, plus what the runtime holds for the plan's recipe and region
+captures from their op to the end of the step (RNG states, buffer copies: regen.planner.residency). A candidate counts as resident during
 op s unless it was already gone for the whole of it (conservative: a copy-out that completes mid-op
 frees memory after the op). The simulator is the judge of every strategy: `solve` refuses to write a
 plan whose simulated peak is over the cap, or that is inconsistent (`errors`).
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.regions import region_transient_bytes
-from regen.planner.residency import resident_without_plan
+from regen.planner.residency import captured_bytes_timeline, resident_without_plan
 from regen.planner.result import Choice
 
 TIME_EPS_S = 1e-12  # a copy that ends within this of an op boundary counts as done by it
@@ -222,13 +223,16 @@ def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timi
             _add(saved_during, first, sin, c.bytes)
             first_after = _first_step_at_or_after(timing.end, done, f)
             _add(saved_after, first_after, sin, c.bytes)
+    held = captured_bytes_timeline(
+        graph, [q for ch in choices.values() if ch.recipe is not None and ch.region is None for q in ch.recipe.ops],
+        [ch.region for ch in choices.values() if ch.region is not None])
     timeline, peaks = [], []
     run_during = run_after = 0
     for s in range(n):
         run_during += saved_during[s]
         run_after += saved_after[s]
-        peaks.append(graph.peak_bytes[s] - run_during + timing.transient_at[s])
-        timeline.append(graph.after_bytes[s] - run_after)
+        peaks.append(graph.peak_bytes[s] - run_during + timing.transient_at[s] + held[s])
+        timeline.append(graph.after_bytes[s] - run_after + held[s])
     return timeline, peaks
 
 

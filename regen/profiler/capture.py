@@ -51,6 +51,8 @@ from regen.formats.profile import (
 from regen.profiler.memory import MemoryTracker
 
 NO_OP = -1  # pack_after_op of a pack that happened before any op of the step
+DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_graph=True; what it saves for the "
+                        "second backward is not planned, and regen.apply treats such a step as a plan mismatch")
 
 
 def _tensors_in(args, kwargs) -> list[torch.Tensor]:
@@ -148,6 +150,7 @@ class StepRecorder:
         self.reads: dict[int, list[int]] = {}  # storage id -> op indices that read it (ascending)
         self.entries: list[_RawEntry] = []
         self.unpack_count = 0
+        self.double_backward = False  # a forward entry was unpacked with grad mode on (create_graph=True)
         self._pending_unpacks: list[_RawEntry] = []
         self._level_before_op = 0
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
@@ -303,6 +306,8 @@ class StepRecorder:
         if index is None:  # saved during backward: not on the backward clock (the runtime's neither)
             return x
         entry = self.entries[index]
+        if torch.is_grad_enabled():  # the engine runs a create_graph backward with grad mode on
+            self.double_backward = True
         if entry.unpack_order is None:
             entry.unpack_order = self.unpack_count
             self._pending_unpacks.append(entry)
@@ -370,6 +375,8 @@ class StepRecorder:
                 backward_uses=[r for r in reads if r >= num_forward],
                 entries=[e.index for e in group], is_random=any(e.random_contents for e in group),
                 is_inplace=ops[producer].is_inplace))
+        if self.double_backward:
+            notes.append(DOUBLE_BACKWARD_NOTE)
         if self.unmatched_activation_inputs:
             notes.append(f"{self.unmatched_activation_inputs} activation tensors were met through a new Python "
                          f"object (named by their storage's writer)")

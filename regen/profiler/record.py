@@ -9,13 +9,15 @@ Phases, in order (each announced through `progress`):
 3. the recorded step: one forward+backward under the capture mode and saved-tensor hooks (op sequence,
    tensors, saved tensors, memory timeline; see regen.profiler.capture), with module hooks naming each
    op's module and recording each submodule call's extent (regen.profiler.modules);
-4. op timing: `repeats` steps under a timing-only mode (and pass-through saved-tensor hooks, so the op
+4. the liveness probe: one more forward+backward that measures until when something other than autograd
+   holds each saved storage (`SavedTensor.held_until_op`, regen.profiler.liveness);
+5. op timing: `repeats` steps under a timing-only mode (and pass-through saved-tensor hooks, so the op
    sequence is the recorded one); each must dispatch exactly the recorded op sequence, and every op's
    `time_s` is the median over them;
-5. a check that the plain step time and the summed op times agree: when they are far apart (another
-   process ran during one of them), a warning, and phases 2 and 4 again (at most 3 times in all; a
+6. a check that the plain step time and the summed op times agree: when they are far apart (another
+   process ran during one of them), a warning, and phases 2 and 5 again (at most 3 times in all; a
    disagreement that persists is kept and noted in the profile);
-6. the bandwidth probe, and the caller's probe of what regen's runtime adds per event (`runtime_probe`).
+7. the bandwidth probe, and the caller's probe of what regen's runtime adds per event (`runtime_probe`).
 
 The optimizer is `torch.optim.AdamW` with lr=0: the same kernels, time and state memory as a real step,
 without changing the model's weights (weight decay multiplies by 1 - lr*wd = 1, the update is scaled by 0).
@@ -36,6 +38,7 @@ from regen.errors import DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
 from regen.profiler.capture import (
+    DOUBLE_BACKWARD_NOTE,
     Capture,
     CaptureMode,
     StepRecorder,
@@ -50,6 +53,7 @@ from regen.profiler.environment import (
     resolve_device,
     unique_storage_bytes,
 )
+from regen.profiler.liveness import held_until_ops
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker
 from regen.profiler.modules import ModuleRecorder
 from regen.workloads import Workload, forward_with_output, training_step
@@ -92,10 +96,13 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
 
     say("recording one step: ops, saved tensors, memory")
     capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer))
+    if DOUBLE_BACKWARD_NOTE in capture.notes:
+        say(f"warning: {DOUBLE_BACKWARD_NOTE}")
     gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
     optimizer.zero_grad(set_to_none=True)
+    say("probing until when saved tensors are held outside autograd")
+    notes = list(capture.notes) + record_held_until(workload, dev, capture)
     op_times_s = timer.op_times(capture.op_names)
-    notes = list(capture.notes)
     for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
         problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
         if problem is None:
@@ -134,6 +141,26 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
         runtime_costs=runtime_costs,
     )
+
+
+def record_held_until(workload: Workload, device: torch.device, capture: Capture) -> list[str]:
+    """Fill each saved tensor's `held_until_op` from the liveness probe; the notes it calls for."""
+    entries = {e for s in capture.saved_tensors for e in s.entries}
+    held = held_until_ops(workload, device, entries, capture.op_names)
+    if held is None:
+        return ["liveness probe: the probe step dispatched another op sequence; saved tensors are taken to be "
+                "freed at their last forward use"]
+    kept = []
+    for s in capture.saved_tensors:
+        s.held_until_op = max((held.get(e, s.last_forward_use) for e in s.entries), default=s.last_forward_use)
+        first = s.first_backward_use
+        if first is not None and s.held_until_op >= first - 1 and s.last_forward_use < first - 1:
+            kept.append(s)
+    if not kept:
+        return []
+    return [f"{len(kept)} saved tensors ({sum(s.bytes for s in kept)} B) stay held by something other than autograd "
+            f"(a list, a module attribute, the model's output) into backward: dropping them frees nothing, so they "
+            f"are kept"]
 
 
 def _timing_disagreement(step_time_s: float, op_sum_s: float) -> str | None:

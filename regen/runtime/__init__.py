@@ -11,11 +11,13 @@
   CPU, `emulate_link=True`) and swap.py's synchronous one;
 * recompute.py: capture of recipe ops in forward and their replay in backward;
 * regions.py: capture of a region's module call in forward and its replay (the module's forward) in backward;
-* plan_index.py: the plan's lookup tables; stats.py: the handle's counters.
+* plan_index.py: the plan's lookup tables; stats.py: the handle's counters;
+* peak_check.py: the safety net comparing a planned step's measured peak (CUDA) with the cap.
 """
 
 from regen.runtime.apply import RegenHandle, apply
+from regen.runtime.peak_check import CapExceededWarning
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.step import PlanMismatchWarning
 
-__all__ = ["PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]
+__all__ = ["CapExceededWarning", "PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]

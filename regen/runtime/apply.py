@@ -29,6 +29,9 @@ match packs by order. For a plan without recipes (keep-all, swap-only, regions) 
 mode at all; with recipes they keep it until their last tracked op has run, doing the minimum per op
 (forward_ops.py).
 
+On CUDA, every `peak_check.PEAK_CHECK_EVERY_STEPS`-th step's peak (`torch.cuda.max_memory_allocated`) is
+compared with the plan's cap, with one warning per handle when it is over by more than 5% (peak_check.py).
+
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
 no hook installed.
@@ -54,6 +57,7 @@ from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan, load_plan
 from regen.runtime.forward_ops import FastOps
 from regen.runtime.packing import PackRecord
+from regen.runtime.peak_check import PeakCheck
 from regen.runtime.plan_index import index_plan
 from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
@@ -102,6 +106,7 @@ class RegenHandle:
         self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
         if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
+        self.peak_check = PeakCheck(plan.memory_cap_bytes, _cuda_peak_reader(device))
         self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0,
                              pin_memory=device is not None and device.type == "cuda")
         self.engines: dict[torch.device, SwapEngine] = {}
@@ -169,6 +174,7 @@ class RegenHandle:
             self._pop_hooks_of(prev)
         step = Step(self._step_context, self.verified, self.pack_sequence, self.fast_ops)
         self.stats.steps += 1
+        self.peak_check.step_started(step, self.stats.steps)
         self.current = step
         self.live_steps.append(step)
         if step.needs_tracker:
@@ -230,6 +236,7 @@ class RegenHandle:
                           "leaving them in place", RuntimeWarning, stacklevel=3)
 
     def _step_released(self, step: Step, followed_plan: bool):
+        self.peak_check.step_released(step, followed_plan)
         if step in self.live_steps:
             self.live_steps.remove(step)
             if followed_plan:
@@ -287,6 +294,13 @@ def _emulated_link(plan: Plan, device: torch.device | None, swap_bytes: int) -> 
         raise RegenError("regen.apply: emulate_link=True needs the plan's copy bandwidths (d2h/h2d_bytes_per_s) "
                          "to be positive")
     return plan.d2h_bytes_per_s, plan.h2d_bytes_per_s
+
+
+def _cuda_peak_reader(device: torch.device | None):
+    """What reads the allocator's peak for the safety net (peak_check.py): CUDA only."""
+    if device is None or device.type != "cuda":
+        return None
+    return lambda: torch.cuda.max_memory_allocated(device)
 
 
 def _close_engines(engines: dict) -> None:

@@ -12,8 +12,10 @@ regions.py) and rebuilds each entry over its restored or recomputed storage. The
 plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
-and keeps every later tensor of the step. The step is released (host ranges, device copies, captures)
-once its forward has ended and autograd has freed every handle, or at once when aborted.
+and keeps every later tensor of the step. A backward with create_graph=True (an unpack with grad mode on:
+the engine runs such a backward with it) is a mismatch: what it saves for a second backward is not
+planned. The step is released (host ranges, device copies, captures) once its forward has ended and
+autograd has freed every handle, or at once when aborted.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from regen.runtime.tracker import PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL, regen
 # under tracker.regen_ops.
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # no __torch_dispatch__ of their own
+
+
+DOUBLE_BACKWARD_MISMATCH = (
+    "the backward runs with create_graph=True (double backward, e.g. a gradient penalty): the tensors it saves "
+    "for the second backward are outside the plan, so the memory cap would not hold")
 
 
 class PlanMismatchWarning(UserWarning):
@@ -256,6 +263,8 @@ class Step:
         self.unpack_count = k + 1
         if k == 0:
             self._first_unpack()
+        if torch.is_grad_enabled() and self.planned:  # the engine runs a create_graph backward with grad on
+            self.mismatch(DOUBLE_BACKWARD_MISMATCH)
         copy_ins = self._copy_ins
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)

@@ -42,6 +42,27 @@ def test_profile_round_trip(tmp_path):
     assert q.saved_tensors[0].first_backward_use == 1
 
 
+def test_a_version_1_profile_loads_without_held_until(tmp_path):
+    """regen-profile/1 files have no held_until_op: it loads as None (the last forward use)."""
+    p = tiny_profile()
+    p.saved_tensors[0].held_until_op = 1
+    save_profile(p, tmp_path / "p.yaml")
+    text = (tmp_path / "p.yaml").read_text()
+    assert "format: regen-profile/2" in text and "held_until_op: 1" in text
+    old = tmp_path / "old.yaml"
+    old.write_text(text.replace("format: regen-profile/2", "format: regen-profile/1").replace("held_until_op: 1", ""))
+    q = load_profile(old)
+    assert q.saved_tensors[0].held_until_op is None and q.format == "regen-profile/1"
+
+
+def test_held_until_outside_the_ops_is_refused(tmp_path):
+    p = tiny_profile()
+    p.saved_tensors[0].held_until_op = 5
+    save_profile(p, tmp_path / "p.yaml")
+    with pytest.raises(FormatError, match="held until an op outside"):
+        load_profile(tmp_path / "p.yaml")
+
+
 def test_plan_round_trip(tmp_path):
     p = tiny_plan()
     save_plan(p, tmp_path / "plan.yaml")

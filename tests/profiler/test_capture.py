@@ -289,3 +289,29 @@ def test_recording_inside_another_profiler_still_works(build_small):
         capture = record_step(workload, torch.device("cpu"))
     assert capture.ops and capture.saved_tensors
     assert any("another torch.profiler" in note for note in capture.notes)
+
+
+class PenalisedMLP(nn.Module):
+    """The loss adds a gradient penalty: its first backward runs with create_graph=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(16, 32)
+        self.lin2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        out = self.lin2(torch.tanh(self.lin1(x))).square().mean()
+        grads = torch.autograd.grad(out, list(self.parameters()), create_graph=True)
+        return out + sum(g.pow(2).sum() for g in grads)
+
+
+def test_a_double_backward_is_said_in_one_line():
+    torch.manual_seed(0)
+    messages = []
+    workload = Workload("penalty", PenalisedMLP(), (torch.randn(8, 16),), None)
+    profile = profile_workload(workload, "cpu", repeats=1, warmup_steps=0, progress=messages.append)
+    said = [m for m in messages if "create_graph=True" in m]
+    assert len(said) == 1 and said[0].startswith("warning: double backward")
+    assert sum("create_graph=True" in note for note in profile.notes) == 1
+    plain = run_profile(InPlace(), (torch.randn(8, 16),))
+    assert not any("create_graph" in note for note in plain.notes)

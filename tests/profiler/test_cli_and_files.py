@@ -9,7 +9,7 @@ import time
 import pytest
 
 from regen.cli import main
-from regen.formats import load_profile, save_profile
+from regen.formats import PROFILE_FORMAT, load_profile, save_profile
 from regen.show import profile_summary, profile_summary_json
 
 JSON_KEYS = {"ops", "saved_tensors", "candidate_bytes", "peak_bytes", "step_time_s", "device"}
@@ -151,7 +151,7 @@ def test_round_trip(saved_profile):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda text: text.replace("format: regen-profile/1", "format: regen-profile/7"),
+    (lambda text: text.replace(f"format: {PROFILE_FORMAT}", "format: regen-profile/7"),
      "format 'regen-profile/7' is not supported"),
     (lambda text: text.replace("peak_bytes:", "peak_bytez:", 1), "missing field 'peak_bytes'"),
     (lambda text: text[: len(text) // 2] + "\n  - [unclosed\n", "not valid YAML"),

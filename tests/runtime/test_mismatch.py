@@ -9,7 +9,7 @@ from common import assert_nothing_left, assert_same, make, run_and_grads, step, 
 from handmade import PLANS, trace_workload
 from regen.errors import FormatError, PlanMismatchError, RegenError
 from regen.runtime import PlanMismatchWarning
-from regen.workloads import Workload
+from regen.workloads import Workload, call_model, compute_loss
 
 
 def test_other_batch_size_raises():
@@ -177,3 +177,43 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(FormatError, match="producer"):
         regen.apply(w.model, broken)
     assert not w.model._forward_pre_hooks
+
+
+def _gradient_penalty_step(w):
+    """A step whose backward runs with create_graph=True (a gradient penalty), then the real backward."""
+    torch.manual_seed(1234)
+    loss = compute_loss(w.name, call_model(w.model, w.batch), w.batch, w.loss_fn)
+    params = [p for p in w.model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    (loss + sum(g.pow(2).sum() for g in grads)).backward()
+    return {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "swap"])
+def test_double_backward_is_a_mismatch(strategy):
+    """What a create_graph backward saves is outside the plan: raise, naming the cause."""
+    w, trace = traced("mlp")
+    plan = PLANS[strategy](trace)
+    with pytest.raises(PlanMismatchError, match="create_graph=True"):
+        with regen.apply(w.model, plan) as handle:
+            _gradient_penalty_step(w)
+    assert_nothing_left(handle, w.model)
+    w.model.zero_grad(set_to_none=True)
+
+
+def test_double_backward_keep_warns_and_gives_the_unplanned_gradients():
+    w, trace = traced("mlp")
+    plan = PLANS["recompute"](trace)
+    w.model.zero_grad(set_to_none=True)
+    reference = _gradient_penalty_step(w)
+    w.model.zero_grad(set_to_none=True)
+    with regen.apply(w.model, plan, on_mismatch="keep") as handle:
+        with pytest.warns(PlanMismatchWarning, match="create_graph=True"):
+            planned = _gradient_penalty_step(w)
+        w.model.zero_grad(set_to_none=True)
+        run_and_grads(w)  # a plain step afterwards follows the plan
+    assert reference.keys() == planned.keys()
+    for name in reference:
+        assert torch.equal(reference[name], planned[name]), name
+    assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 1
+    assert_nothing_left(handle, w.model)

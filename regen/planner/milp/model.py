@@ -40,6 +40,7 @@ import pulp
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
+from regen.planner.milp.captures import CaptureTerms
 from regen.planner.milp.highs import new_var
 from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
                                             region_time_terms, region_transients)
@@ -315,6 +316,9 @@ class Model:
         g, prob, mu = self.graph, self.prob, self.mem_unit
         margin_at = self.options.step_margin_bytes
         changes, transients = self._savings_changes()
+        captures = CaptureTerms(self)
+        for s, terms in captures.changes.items():
+            changes.setdefault(s, []).extend(terms)
         cap = self.cap_bytes
         if self.options.minimize_peak:
             self.cap_var = new_var("cap", 0)
@@ -335,6 +339,7 @@ class Model:
             prob += var - (prev_var if prev_var is not None else 0) - expr == 0, f"run_{s0}"
             prev_var = var
             margin = max((margin_at.get(s, 0) for s in range(s0, s1 + 1)), default=0)
+            held = captures.worst_bytes_until(s1)  # a bound: the exact amount is in S
             seg_peak = max(unplanned_step_bytes(g, s) for s in range(s0, s1 + 1)) + margin
             trans = transients.get(s0, [])
             worst_trans = sum(coef for coef, _ in trans if coef > 0) * mu
@@ -345,9 +350,9 @@ class Model:
                     prob += (var + self.cap_var - pulp.lpSum(cf * x for cf, x in trans)
                              >= (g.peak_bytes[s0] + margin) / mu), f"memt_{s0}"
                 continue
-            if seg_peak > cap:
+            if seg_peak + held > cap:
                 prob += var >= (seg_peak - cap) / mu, f"mem_{s0}"
-            if trans and g.peak_bytes[s0] + margin + worst_trans > cap:
+            if trans and g.peak_bytes[s0] + margin + worst_trans + held > cap:
                 prob += (var - pulp.lpSum(cf * x for cf, x in trans)
                          >= (g.peak_bytes[s0] + margin - cap) / mu), f"memt_{s0}"
 

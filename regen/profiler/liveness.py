@@ -1,0 +1,111 @@
+"""The liveness probe: until when does something other than autograd hold each saved storage?
+
+A plan that swaps or recomputes a saved tensor drops autograd's reference to its storage; that frees
+memory only once nothing else holds it. PyTorch's GRU keeps every step's hidden state in a list until
+the layer returns, a module may keep a tensor in `self.cache`, a Python local holds its tensor until the
+function returns, the training loop holds the model's output until backward ends. The probe measures it:
+one more forward+backward in which the pack hook hands autograd a copy of every candidate's storage (on
+the host for a CUDA device, so the probe itself needs no more device memory) and keeps only a weak
+reference to the original. The original then dies exactly when its other holders let go of it; a dispatch
+mode counting the ops as the recorded step did polls the weak references before every op.
+
+`held_until_ops` returns, per saved entry index, the last op at whose start the original storage was still
+alive (`SavedTensor.held_until_op`); a storage alive at the end of the step is held until the last op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from regen import opinfo
+from regen.workloads import Workload, forward_with_output
+
+_regen_ops = torch._C._DisableTorchDispatch  # the probe's own copies are not ops of the step
+
+
+class _ProbeMode(TorchDispatchMode):
+    """Counts the step's ops as the capture does and polls the originals' weak references before each."""
+
+    def __init__(self, probe: "_Probe"):
+        super().__init__()
+        self.probe = probe
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if opinfo.is_counted(func):
+            self.probe.poll(len(self.names))
+            self.names.append(opinfo.op_name(func))
+        return func(*args, **kwargs)
+
+
+class _Probe:
+    """The pack and unpack hooks of the probe step, and what they found."""
+
+    def __init__(self, device: torch.device, candidate_entries: set[int]):
+        self.device = device
+        self.candidate_entries = candidate_entries
+        self.num_packs = 0
+        self.copies: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}  # storage key -> (original, copy)
+        self.watched: dict[int, StorageWeakRef] = {}  # entry index -> its original storage, while alive
+        self.freed_before: dict[int, int] = {}  # entry index -> first op at whose start it was dead
+
+    def poll(self, op: int) -> None:
+        dead = [i for i, ref in self.watched.items() if ref.expired()]
+        for i in dead:
+            del self.watched[i]
+            self.freed_before[i] = op
+
+    def pack(self, x: torch.Tensor):
+        if torch._C._current_graph_task_id() != -1:  # saved during backward: not a forward entry
+            return None, x
+        index = self.num_packs
+        self.num_packs += 1
+        if index not in self.candidate_entries:
+            return None, x
+        with _regen_ops():
+            storage = x.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0:  # an empty storage: nothing to free
+                return None, x
+            known = self.copies.get(key)
+            if known is None or known[0].expired():  # two live storages never share a data pointer
+                flat = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage, 0, (storage.nbytes(),))
+                copy = flat.cpu() if x.device.type != "cpu" else flat.clone()
+                known = self.copies[key] = (StorageWeakRef(storage), copy)
+            self.watched[index] = known[0]
+            return index, (known[1], x.dtype, x.shape, x.stride(), x.storage_offset())
+
+    def unpack(self, handle):
+        index, saved = handle
+        if index is None:
+            return saved
+        copy, dtype, shape, stride, offset = saved
+        with _regen_ops():
+            data = copy.to(self.device) if self.device.type != "cpu" else copy
+            return torch.empty(0, dtype=dtype, device=self.device).set_(data.untyped_storage(), offset, shape, stride)
+
+
+def held_until_ops(workload: Workload, device: torch.device, candidate_entries: set[int],
+                   recorded_names: list[str]) -> dict[int, int] | None:
+    """Entry index -> the last op at whose start its storage was held by something other than autograd,
+    for the forward packs in `candidate_entries`; None when the probe step dispatched another op sequence
+    than the recorded one (its op indices would not be the profile's)."""
+    probe = _Probe(device, candidate_entries)
+    mode = _ProbeMode(probe)
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
+        with mode:
+            loss, output = forward_with_output(workload)
+            loss.backward()
+            del loss, output
+        probe.poll(len(mode.names))
+    for p in workload.model.parameters():
+        p.grad = None
+    if mode.names != recorded_names:
+        return None
+    last = len(recorded_names) - 1
+    held = {i: op - 1 for i, op in probe.freed_before.items()}
+    held.update({i: last for i in probe.watched})  # still alive after the step: held throughout
+    return held

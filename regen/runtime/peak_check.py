@@ -1,0 +1,71 @@
+"""The safety net: a planned step's measured peak compared with the plan's cap, warned about once.
+
+On CUDA the handle reads `torch.cuda.max_memory_allocated` at the start of every PEAK_CHECK_EVERY_STEPS-th
+step (the 1st, the 11th, ...) and when that step is released. regen never resets the allocator's peak
+statistics (a training loop's own figures stay its own), so a step's peak is known when it set a new
+maximum (the figure grew during the step), or is known to be at most the maximum it started under; a
+step under an earlier, higher peak of the process (an unplanned step before `regen.apply`) cannot be
+checked: reset the statistics before training under a plan. A peak over the cap by more than
+PEAK_TOLERANCE gets one `CapExceededWarning` per handle, with the figures. Elsewhere (CPU) nothing is
+read; `PeakCheck.observe` takes a measured figure from any source.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+PEAK_CHECK_EVERY_STEPS = 10
+PEAK_TOLERANCE = 0.05  # over the cap by more than this fraction: warn
+
+
+class CapExceededWarning(RuntimeWarning):
+    """A planned step's measured peak went over the plan's memory cap."""
+
+
+def over_cap_message(measured_bytes: int, cap_bytes: int) -> str | None:
+    """The warning for a planned step that peaked at `measured_bytes` under a cap of `cap_bytes`, or None
+    when it is within the cap + PEAK_TOLERANCE."""
+    if measured_bytes <= cap_bytes * (1 + PEAK_TOLERANCE):
+        return None
+    return (f"regen.apply: a planned step peaked at {measured_bytes} B of device memory, "
+            f"{measured_bytes / cap_bytes - 1:.0%} over the plan's cap of {cap_bytes} B: something the plan does "
+            f"not know holds memory (tensors the model keeps, another model, a profile of another setup); "
+            f"profile again as you train (docs/limitations.md)")
+
+
+class PeakCheck:
+    """One handle's safety net; `read_peak` (None: nothing to read) gives the allocator's peak so far."""
+
+    def __init__(self, cap_bytes: int, read_peak: Callable[[], int] | None):
+        self.cap_bytes = cap_bytes
+        self.read_peak = read_peak
+        self.warned = False
+        self._checked: object | None = None  # the step being checked
+        self._peak_at_start = 0  # the allocator's peak when it began
+
+    def step_started(self, step: object, step_number: int) -> None:
+        """`step`, the handle's `step_number`-th (from 1), began: read the peak so far if it is checked."""
+        if self.read_peak is not None and not self.warned and (step_number - 1) % PEAK_CHECK_EVERY_STEPS == 0:
+            self._checked, self._peak_at_start = step, self.read_peak()
+
+    def step_released(self, step: object, followed_plan: bool) -> None:
+        """`step` ended: if it is the one being checked, compare its peak with the cap when it is known."""
+        if step is not self._checked:
+            return
+        self._checked, before = None, self._peak_at_start
+        if not followed_plan:
+            return
+        peak = self.read_peak()
+        if peak > before:  # a new maximum: this step's peak
+            self.observe(peak)
+
+    def observe(self, measured_bytes: int) -> bool:
+        """Warn (once per handle) when a planned step's measured peak is over the cap; True if it is."""
+        message = over_cap_message(measured_bytes, self.cap_bytes)
+        if message is None:
+            return False
+        if not self.warned:
+            self.warned = True
+            warnings.warn(message, CapExceededWarning, stacklevel=2)
+        return True
