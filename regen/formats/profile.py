@@ -162,7 +162,7 @@ class DeviceInfo:
 
 @dataclass
 class RuntimeCosts:
-    """What regen's runtime adds per event on the profiled machine (regen.profiler.runtime_costs)."""
+    """What regen's runtime adds per event on the profiled machine (the probe in regen.runtime.costs)."""
 
     dispatch_op_s: float  # a forward op through the runtime's dispatch mode, while it tracks the forward
     capture_op_s: float  # capturing a recipe op's arguments in forward
