@@ -11,6 +11,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import regen  # noqa: E402
+from plans import TINY_GPT, profile, solve_halfway  # noqa: E402
 from regen.models import gpt  # noqa: E402
 from regen.workloads import Workload  # noqa: E402
 
@@ -28,7 +29,7 @@ def accelerator():
 
 
 def _prepared(accelerator):
-    model, batch, loss_fn = gpt(batch_size=4, vocab_size=256, context=32, d_model=64, n_layer=2)
+    model, batch, loss_fn = gpt(batch_size=2, **TINY_GPT)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     return model, optimizer, batch, loss_fn
@@ -50,15 +51,10 @@ def _train(accelerator, plan=None):
 
 
 def test_accelerate_bf16_loop_under_a_plan_equals_unplanned(accelerator):
-    from regen.planner import solve
-    from regen.profiler import profile_workload
-
     model, _, batch, loss_fn = _prepared(accelerator)
-    profile = profile_workload(Workload(name="accelerate-gpt", model=model, batch=batch, loss_fn=loss_fn),
-                               device="cpu", repeats=1, warmup_steps=0, progress=None)
-    assert any(t.dtype == "torch.bfloat16" for t in profile.tensors)  # Accelerate's autocast was recorded
-    plan = solve(profile, memory_cap_bytes=int(profile.peak_bytes * 0.75), strategy="hybrid", time_limit_s=30,
-                 link_ratio=0.5)
+    prof = profile(Workload(name="accelerate-gpt", model=model, batch=batch, loss_fn=loss_fn))
+    assert any(t.dtype == "torch.bfloat16" for t in prof.tensors)  # Accelerate's autocast was recorded
+    plan = solve_halfway(prof, "hybrid", link_ratio=0.5)
     counts = plan.action_counts()
     assert counts["swap"] > 0 and counts["recompute"] > 0
     losses, weights = _train(accelerator)

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import regen
-from common import STEP_SEED, assert_nothing_left, assert_same, buffers, grads, make
+from common import STEP_SEED, assert_nothing_left, assert_same, buffers, grads
+from plans import TINY_GPT, profile, solve_halfway
 from regen.formats.profile import KIND_PARAMETER
 from regen.workloads import build_workload, call_model, compute_loss
-
-CAP_FRACTION = 0.75
 
 
 def _autocast():
@@ -38,47 +37,42 @@ def _run(w, forward_autocast=True, backward_autocast=False):
 
 @functools.lru_cache(maxsize=None)
 def _bf16_gpt():
-    from regen.profiler import profile_workload
-
-    w = build_workload("gpt", autocast="bf16")
-    return w, profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
+    w = build_workload("gpt", batch_size=2, args=TINY_GPT, autocast="bf16")
+    return w, profile(w)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(strategy):
     from regen.planner import solve
 
-    _, profile = _bf16_gpt()
+    _, prof = _bf16_gpt()
     if strategy == "checkpoint-blocks":  # region decisions: each block's call replayed in backward
-        return solve(profile, memory_cap_bytes=profile.peak_bytes, strategy=strategy)
-    link = {"link_ratio": 0.5} if strategy == "hybrid" else {}
-    return solve(profile, memory_cap_bytes=int(profile.peak_bytes * CAP_FRACTION), strategy=strategy,
-                 time_limit_s=30, **link)
+        return solve(prof, memory_cap_bytes=prof.peak_bytes, strategy=strategy)
+    return solve_halfway(prof, strategy, link_ratio=0.5 if strategy == "hybrid" else None)
 
 
-def _weight_copies(profile):
+def _weight_copies(prof):
     """Saved tensors that are a `_to_copy` of a parameter (autocast's bf16 weight copies)."""
-    parameters = {t.id for t in profile.tensors if t.kind == KIND_PARAMETER}
-    return {s.id for s in profile.saved_tensors
-            if profile.ops[s.producer_op].name == "aten._to_copy.default"
-            and profile.ops[s.producer_op].inputs[0] in parameters}
+    parameters = {t.id for t in prof.tensors if t.kind == KIND_PARAMETER}
+    return {s.id for s in prof.saved_tensors
+            if prof.ops[s.producer_op].name == "aten._to_copy.default" and prof.ops[s.producer_op].inputs[0] in parameters}
 
 
 def test_profile_under_autocast_records_bf16_weight_copies():
-    w, profile = _bf16_gpt()
-    assert profile.workload["autocast"] == "bf16"
-    copies = _weight_copies(profile)
+    w, prof = _bf16_gpt()
+    assert prof.workload["autocast"] == "bf16"
+    copies = _weight_copies(prof)
     linears = [m for m in w.model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(copies) >= len(linears) - 1  # the tied lm_head's copy is made once, as every other weight's
-    assert all(s.dtype == "torch.bfloat16" for s in profile.saved_tensors if s.id in copies)
+    assert all(s.dtype == "torch.bfloat16" for s in prof.saved_tensors if s.id in copies)
 
 
 def test_weight_copies_are_recomputed_never_swapped():
     from regen.planner.graph import build_graph
 
-    _, profile = _bf16_gpt()
-    copies = _weight_copies(profile)
-    graph = build_graph(profile, 1e9, 1e9)  # a link under which swapping anything is cheap
+    _, prof = _bf16_gpt()
+    copies = _weight_copies(prof)
+    graph = build_graph(prof, 1e9, 1e9)  # a link under which swapping anything is cheap
     by_id = graph.by_saved_id()
     for sid in copies:
         c = by_id[sid]
@@ -113,13 +107,10 @@ def test_bf16_plans_give_unplanned_gradients(strategy):
 def test_recipes_replay_with_autocast_off_when_backward_runs_under_autocast():
     """Recipe ops are recorded below autocast (the casts it chose are ops of their own): a backward
     inside an autocast block must not cast them again. An fp32 forward, backward under bf16 autocast."""
-    from regen.planner import solve
-    from regen.profiler import profile_workload
-
-    w = make("gpt")
-    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
-    plan = solve(profile, memory_cap_bytes=int(profile.peak_bytes * CAP_FRACTION), strategy="recompute", time_limit_s=30)
-    recipe_names = {profile.ops[i].name for d in plan.decisions if d.action == "recompute" for i in d.recipe}
+    w = build_workload("gpt", batch_size=2, args=TINY_GPT)
+    prof = profile(w)
+    plan = solve_halfway(prof, "recompute")
+    recipe_names = {prof.ops[i].name for d in plan.decisions if d.action == "recompute" for i in d.recipe}
     assert "aten.addmm.default" in recipe_names  # an op autocast would run in bf16
     reference = _run(w, forward_autocast=False, backward_autocast=True)
     with regen.apply(w.model, plan) as handle:
@@ -133,11 +124,11 @@ def test_cli_profiles_under_autocast(tmp_path, capsys):
     from regen.formats import load_profile
 
     out = tmp_path / "p.yaml"
-    assert main(["profile", "--model", "mlp", "--autocast", "bf16", "--repeats", "1", "--warmup", "0", "-q",
-                 "-o", str(out)]) == 0
-    profile = load_profile(out)
-    assert profile.workload["autocast"] == "bf16"
-    assert any(t.dtype == "torch.bfloat16" for t in profile.tensors)
+    assert main(["profile", "--model", "mlp", "--autocast", "bf16", "--batch-size", "4", "--arg", "hidden=32",
+                 "--arg", "depth=2", "--repeats", "1", "--warmup", "0", "-q", "-o", str(out)]) == 0
+    loaded = load_profile(out)
+    assert loaded.workload["autocast"] == "bf16"
+    assert any(t.dtype == "torch.bfloat16" for t in loaded.tensors)
     config = tmp_path / "c.yaml"
     config.write_text("workload: mlp\nautocast: fp8\n")
     assert main(["profile", "--config", str(config), "-q", "-o", str(out)]) == 2

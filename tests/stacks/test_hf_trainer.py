@@ -8,13 +8,13 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import regen  # noqa: E402
-from common import assert_nothing_left  # noqa: E402
+from plans import profile, solve_halfway  # noqa: E402
 from regen.integrations.hf import regen_callback  # noqa: E402
 from regen.models import hf_gpt2  # noqa: E402
 from regen.workloads import Workload  # noqa: E402
 
-BATCH, SEQ, SAMPLES, STEPS = 4, 64, 12, 3
-GPT2_ARGS = {"seq_len": SEQ, "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256}
+BATCH, SEQ, SAMPLES, STEPS = 2, 32, 6, 3
+GPT2_ARGS = {"seq_len": SEQ, "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128}
 
 
 def _trainer_batch(batch_size=BATCH):
@@ -54,13 +54,8 @@ def _train(tmp_path, callbacks):
 
 
 def test_trainer_steps_under_a_plan_equal_unplanned(tmp_path):
-    from regen.planner import solve
-    from regen.profiler import profile_workload
-
     model, batch = _trainer_batch()
-    w = Workload(name="trainer-gpt2", model=model, batch=batch, loss_fn=None)
-    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
-    plan = solve(profile, memory_cap_bytes=int(profile.peak_bytes * 0.8), strategy="recompute", time_limit_s=30)
+    plan = solve_halfway(profile(Workload(name="trainer-gpt2", model=model, batch=batch, loss_fn=None)), "recompute")
     assert plan.action_counts()["recompute"] > 0
 
     losses, weights, _ = _train(tmp_path / "plain", [])

@@ -16,52 +16,47 @@ pytest.importorskip("transformers")
 
 import regen  # noqa: E402
 from common import assert_nothing_left, assert_same, run_and_grads  # noqa: E402
+from plans import profile, solve_halfway  # noqa: E402
 from regen.formats.profile import KIND_PARAMETER  # noqa: E402
 from regen.workloads import build_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+LORA_ARGS = {"seq_len": 32, "n_embd": 32, "n_head": 2, "vocab_size": 128}
 COPY_OPS = ("aten._to_copy.default", "aten.clone.default", "aten.copy_.default", "aten.contiguous.default")
 
 
 @functools.lru_cache(maxsize=None)
 def _lora():
-    from regen.profiler import profile_workload
-
     with contextlib.chdir(ROOT):  # `examples.lora:build` is imported from the current directory, as the CLI does
-        w = build_workload("examples.lora:build")
-    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
-    return w, profile
+        w = build_workload("examples.lora:build", args=LORA_ARGS)
+    return w, profile(w)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(strategy):
-    from regen.planner import solve
-
-    w, profile = _lora()
-    link = {"link_ratio": 0.5} if strategy == "hybrid" else {}
-    return solve(profile, memory_cap_bytes=int(profile.peak_bytes * 0.7), strategy=strategy, time_limit_s=30, **link)
+    return solve_halfway(_lora()[1], strategy, link_ratio=0.5 if strategy == "hybrid" else None)
 
 
 def test_frozen_base_weights_are_neither_candidates_nor_copied():
-    w, profile = _lora()
+    w, prof = _lora()
     frozen = [p for p in w.model.parameters() if not p.requires_grad]
     trainable = [p for p in w.model.parameters() if p.requires_grad]
     assert frozen and trainable and all("lora_" in n for n, p in w.model.named_parameters() if p.requires_grad)
-    parameter_ids = {t.id for t in profile.tensors if t.kind == KIND_PARAMETER}
+    parameter_ids = {t.id for t in prof.tensors if t.kind == KIND_PARAMETER}
     frozen_shapes = {tuple(p.shape) for p in frozen if p.dim() == 2}
     # the base projections' weights are saved by their matmuls (for the input's gradient): excluded entries
-    saved_parameters = [e for e in profile.saved_entries if e.tensor in parameter_ids]
+    saved_parameters = [e for e in prof.saved_entries if e.tensor in parameter_ids]
     assert any(tuple(e.shape) in frozen_shapes for e in saved_parameters)
     assert all(e.saved_tensor is None and e.excluded_reason == KIND_PARAMETER for e in saved_parameters)
     # no forward op copies a parameter, and no candidate is one
-    forward = profile.ops[:profile.num_forward_ops]
+    forward = prof.ops[:prof.num_forward_ops]
     assert not [op.name for op in forward if op.name in COPY_OPS and parameter_ids & set(op.inputs)]
-    tensors = {t.id: t for t in profile.tensors}
-    assert all(tensors[s.tensor].kind != KIND_PARAMETER for s in profile.saved_tensors)
+    tensors = {t.id: t for t in prof.tensors}
+    assert all(tensors[s.tensor].kind != KIND_PARAMETER for s in prof.saved_tensors)
     # gradients and optimizer state exist for the adapters only
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    assert profile.static_memory.gradient_bytes == trainable_bytes
-    assert profile.static_memory.optimizer_state_bytes < 3 * trainable_bytes
+    assert prof.static_memory.gradient_bytes == trainable_bytes
+    assert prof.static_memory.optimizer_state_bytes < 3 * trainable_bytes
 
 
 @pytest.mark.parametrize("strategy", ["hybrid", "recompute"])
