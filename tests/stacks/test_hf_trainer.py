@@ -69,3 +69,19 @@ def test_trainer_steps_under_a_plan_equal_unplanned(tmp_path):
     assert callback.handle is None  # removed at the end of training
     assert not planned_model._forward_pre_hooks and not planned_model._forward_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_callback_without_transformers_is_a_one_line_error(monkeypatch):
+    """regen.integrations.hf imports transformers only when a callback is made."""
+    import sys
+
+    import regen.integrations.hf as hf
+    from regen.errors import RegenError
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    hf._callback_class.cache_clear()
+    try:
+        with pytest.raises(RegenError, match="needs Hugging Face transformers"):
+            hf.regen_callback("any.plan.yaml")
+    finally:
+        hf._callback_class.cache_clear()
