@@ -67,10 +67,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from regen.profiler import profile_workload
     from regen.runtime.costs import measure_runtime_costs
 
-    spec, wargs, batch_size = _workload_options(args)
+    spec, wargs, batch_size, autocast = _workload_options(args)
     check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
     say = _progress(args.quiet)
-    device, build = _workload_builder(args, spec, wargs, batch_size, say)
+    device, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
     profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
                                progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs)
     save_profile(profile, args.output)
@@ -79,16 +79,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload_options(args: argparse.Namespace) -> tuple[str, dict, int | None]:
-    """The workload spec, its keyword arguments and the batch size from --model/--config/--arg/--batch-size."""
+def _workload_options(args: argparse.Namespace) -> tuple[str, dict, int | None, str | None]:
+    """The workload spec, its keyword arguments, the batch size and the autocast dtype from
+    --model/--config/--arg/--batch-size/--autocast."""
     from regen.workloads import load_config
 
-    spec, wargs, batch_size = args.model, {}, args.batch_size
+    spec, wargs, batch_size, autocast = args.model, {}, args.batch_size, args.autocast
     if args.config:
         config = load_config(args.config)
         spec = spec or config["workload"]
         wargs = config["args"]
         batch_size = batch_size if batch_size is not None else config["batch_size"]
+        autocast = autocast if autocast is not None else config.get("autocast")
     if not spec:
         raise RegenError("give a workload: --model NAME|module:function, or --config configs/X.yaml")
     for item in args.arg or []:
@@ -98,10 +100,11 @@ def _workload_options(args: argparse.Namespace) -> tuple[str, dict, int | None]:
         import yaml
 
         wargs[key] = yaml.safe_load(value)
-    return spec, wargs, batch_size
+    return spec, wargs, batch_size, autocast
 
 
-def _workload_builder(args: argparse.Namespace, spec: str, wargs: dict, batch_size: int | None, say):
+def _workload_builder(args: argparse.Namespace, spec: str, wargs: dict, batch_size: int | None,
+                      autocast: str | None, say):
     """A function building the workload on --device (checked now, before anything is built)."""
     from regen.profiler.environment import resolve_device
     from regen.workloads import build_workload
@@ -110,7 +113,7 @@ def _workload_builder(args: argparse.Namespace, spec: str, wargs: dict, batch_si
 
     def build():
         say(f"building workload {spec} (batch size {batch_size if batch_size is not None else 'default'})")
-        return build_workload(spec, batch_size=batch_size, args=wargs, device=device)
+        return build_workload(spec, batch_size=batch_size, args=wargs, device=device, autocast=autocast)
 
     return device, build
 
@@ -123,9 +126,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from regen.formats import load_plan
 
     plan = load_plan(args.plan)
-    spec, wargs, batch_size = _workload_options(args)
+    spec, wargs, batch_size, autocast = _workload_options(args)
     say = _progress(args.quiet)
-    _, build = _workload_builder(args, spec, wargs, batch_size, say)
+    _, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
     report = check_plan(build, plan, timed_steps=args.steps, progress=say)
     print(f"regen check: plan {args.plan} ({plan.strategy}) on {spec}")
     print("\n".join(report_lines(report)))
@@ -303,11 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="built-in workload (mlp, cnn, gpt, hf-gpt2, hf-bert) or module:function "
                                         "returning (model, batch[, loss_fn])")
-    parser.add_argument("--config", help="a workload config (configs/*.yaml): workload, args, batch_size")
+    parser.add_argument("--config", help="a workload config (configs/*.yaml): workload, args, batch_size, autocast")
     parser.add_argument("--batch-size", type=int, help="passed to the workload factory when it accepts one")
     parser.add_argument("--arg", action="append", metavar="KEY=VALUE",
                         help="extra keyword argument for the factory (repeatable), e.g. --arg n_layer=4")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--autocast", choices=["bf16", "fp16"],
+                        help="run the forward and the loss under torch.autocast at this dtype (mixed precision)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,18 @@ def reads_first_arg_metadata_only(name: str) -> bool:
     return name in METADATA_ONLY_FIRST_ARG_OPS
 
 
+# Ops that copy their first argument into another dtype, device or layout. A copy of a parameter
+# (autocast's low-precision weight copy, made at a layer's first use in the forward) is rebuilt from the
+# parameter by this one op, while a swap would move as many bytes as the copy holds: the planner keeps
+# or recomputes it, never swaps it.
+COPY_OPS = frozenset({"aten._to_copy.default"})
+
+
+def copies_first_arg(name: str) -> bool:
+    """Whether the op named `name` (see op_name) is a copy of its first argument."""
+    return name in COPY_OPS
+
+
 def storage_key(t: torch.Tensor) -> int:
     """An identity for a tensor's storage, equal for a tensor and all its views while it lives."""
     return t.untyped_storage().data_ptr()

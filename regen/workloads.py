@@ -9,12 +9,15 @@ or the Python path) or a built-in name (see regen.models). It returns `(model, b
 * the loss is `loss_fn(output, batch)` when a loss_fn is given, else `output.loss` (Hugging Face
   models given labels), else the output itself when it is a scalar tensor.
 
-`batch_size` is passed to the factory when its signature accepts it (or `**kwargs`).
+`batch_size` is passed to the factory when its signature accepts it (or `**kwargs`). With `autocast`
+("bf16" or "fp16") the forward and the loss run under `torch.autocast` on the model's device, as a
+mixed-precision training loop runs them; backward runs outside it.
 Every way of breaking the protocol raises WorkloadError with a message that says what was expected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -29,6 +32,7 @@ from torch import nn
 from regen.errors import WorkloadError
 
 Batch = dict[str, Any] | tuple
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -39,9 +43,13 @@ class Workload:
     loss_fn: Callable[[Any, Batch], torch.Tensor] | None
     args: dict[str, Any] = field(default_factory=dict)
     batch_size: int | None = None
+    autocast: str | None = None  # a key of AUTOCAST_DTYPES: the forward runs under torch.autocast
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "args": dict(self.args), "batch_size": self.batch_size}
+        described = {"name": self.name, "args": dict(self.args), "batch_size": self.batch_size}
+        if self.autocast is not None:
+            described["autocast"] = self.autocast
+        return described
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
@@ -83,8 +91,10 @@ def _accepts(factory: Callable[..., Any], name: str) -> bool:
 
 
 def build_workload(spec: str, batch_size: int | None = None, args: dict[str, Any] | None = None,
-                   device: str | torch.device = "cpu") -> Workload:
+                   device: str | torch.device = "cpu", autocast: str | None = None) -> Workload:
     """Call the factory and check what it returned; model and batch are moved to `device`."""
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise WorkloadError(f"autocast {autocast!r}: use one of {', '.join(AUTOCAST_DTYPES)}")
     factory = resolve_factory(spec)
     kwargs = dict(args or {})
     if batch_size is not None:
@@ -121,7 +131,7 @@ def build_workload(spec: str, batch_size: int | None = None, args: dict[str, Any
     model = model.to(device)
     model.train()
     return Workload(name=spec, model=model, batch=move_batch(batch, device), loss_fn=loss_fn,
-                    args=dict(args or {}), batch_size=batch_size)
+                    args=dict(args or {}), batch_size=batch_size, autocast=autocast)
 
 
 def move_batch(batch: Batch, device: str | torch.device) -> Batch:
@@ -168,13 +178,23 @@ def forward_with_output(workload: Workload) -> tuple[torch.Tensor, Any]:
     measures steps that way, so a plan's cap also holds for such loops; a loop that drops the output
     earlier only has more room.
     """
-    try:
-        output = call_model(workload.model, workload.batch)
-    except WorkloadError:
-        raise
-    except Exception as exc:
-        raise WorkloadError(f"workload '{workload.name}': the forward raised {type(exc).__name__}: {exc}") from exc
-    return compute_loss(workload.name, output, workload.batch, workload.loss_fn), output
+    with autocast_context(workload):
+        try:
+            output = call_model(workload.model, workload.batch)
+        except WorkloadError:
+            raise
+        except Exception as exc:
+            raise WorkloadError(f"workload '{workload.name}': the forward raised {type(exc).__name__}: {exc}") from exc
+        return compute_loss(workload.name, output, workload.batch, workload.loss_fn), output
+
+
+def autocast_context(workload: Workload):
+    """`torch.autocast` on the model's device at the workload's dtype, or nothing without autocast."""
+    if workload.autocast is None:
+        return contextlib.nullcontext()
+    parameter = next(workload.model.parameters(), None)
+    device_type = parameter.device.type if parameter is not None else "cpu"
+    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[workload.autocast])
 
 
 def forward_loss(workload: Workload) -> torch.Tensor:
@@ -200,7 +220,8 @@ def training_step(workload: Workload) -> torch.Tensor:
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """A workload config: {workload: NAME, args: {...}, batch_size: N} (configs/*.yaml)."""
+    """A workload config: {workload: NAME, args: {...}, batch_size: N, autocast: bf16} (configs/*.yaml;
+    autocast optional)."""
     import yaml
 
     path = Path(path)

@@ -4,7 +4,9 @@
   other than autograd holds its storage, when later: dropping it frees nothing before), first/last
   backward use b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
   the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
-  replayed in backward: regen.planner.regions);
+  replayed in backward: regen.planner.regions); a copy of a parameter (autocast's low-precision weight
+  copies, `opinfo.copies_first_arg`) gets no copy windows: it is kept or recomputed, never swapped, and
+  its gap starts at the end of the forward (autocast's cache holds the copy until the forward ends);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
   whatever the action, t is resident on [p, f] and [b, e]; an action only removes t's bytes from
   steps of its gap, so planned memory = unplanned memory - bytes of candidates not resident then
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from regen.errors import RegenError
-from regen.formats.profile import Profile, SavedTensor
+from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
+from regen.opinfo import copies_first_arg
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes
 from regen.planner.regions import Region, add_regions
 from regen.planner.residency import op_capture_bytes
@@ -193,11 +196,14 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
         if entry.saved_tensor is not None:
             pack_after[entry.saved_tensor] = max(pack_after.get(entry.saved_tensor, -1), entry.pack_after_op)
 
+    parameter_copies = _parameter_copies(profile)
     candidates = []
     for i, s in enumerate(sorted(profile.saved_tensors, key=lambda s: (s.producer_op, s.id))):
         b = s.first_backward_use
         e = s.last_backward_use
         f = max(s.last_forward_use, s.producer_op, -1 if s.held_until_op is None else s.held_until_op)
+        if s.producer_op in parameter_copies:  # held by autocast's cache until the forward ends
+            f = max(f, profile.num_forward_ops - 1)
         c = Candidate(index=i, saved=s, bytes=int(s.bytes), producer=s.producer_op, last_forward=f,
                       first_backward=b, last_backward=e,
                       issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)))
@@ -210,13 +216,20 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                           copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
                           capture_bytes=op_capture_bytes(profile))
     for c in candidates:
-        if c.trivial or c.bytes <= 0:
+        if c.trivial or c.bytes <= 0 or c.producer in parameter_copies:
             continue
         _set_windows(graph, c)
     add_recipes(graph)
     add_rebuilt_with_options(graph)
     add_regions(graph)
     return graph
+
+
+def _parameter_copies(profile: Profile) -> set[int]:
+    """Forward ops that copy a parameter (opinfo.copies_first_arg): autocast's low-precision weight copies."""
+    parameters = {t.id for t in profile.tensors if t.kind == KIND_PARAMETER}
+    return {op.index for op in profile.ops[:profile.num_forward_ops]
+            if copies_first_arg(op.name) and op.inputs and op.inputs[0] in parameters}
 
 
 def _op_graph(profile: Profile) -> nx.DiGraph:

@@ -10,7 +10,9 @@ before the op (`Scratch`), and the replay writes a fresh copy of that: a recompu
 buffer update twice. Random ops also save the RNG
 state they ran with (CPU, and the CUDA device's when they ran there).
 
-In backward, `replay_recipe` runs a decision's recipe in order with grad off, resolving each `Ref`
+In backward, `replay_recipe` runs a decision's recipe in order with grad and autocast off (the ops were
+recorded below autocast, the casts it chose among them, so a backward inside an autocast block must not
+cast them again), resolving each `Ref`
 from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
 dropping each intermediate right after its last use, and restoring the ambient RNG state after each
 random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`) mutates and returns the recipe's
@@ -22,6 +24,7 @@ Anything that does not resolve, or an output that does not match the plan, raise
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -223,7 +226,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             return a.materialize()
         return a
 
-    with torch.no_grad():
+    with torch.no_grad(), _autocast_off():
         for pos, cap in enumerate(caps):
             if written_arguments(cap.func):
                 for a in _written_args(cap):
@@ -256,6 +259,18 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                                     f"{key[1]}, which the plan rebuilds with it; the plan does not fit this model")
         kept[key] = table[key]
     return result, kept
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_off() -> contextlib.ExitStack:
+    """Autocast disabled on every device where it is on: recipe ops replay exactly as they were dispatched."""
+    stack = contextlib.ExitStack()
+    for device in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 def check_captured_name(index: int, func, expected_name: str) -> str | None:

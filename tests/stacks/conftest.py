@@ -1,0 +1,6 @@
+import os
+import sys
+
+here = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(os.path.dirname(here), "runtime"))  # common.py
+sys.path.insert(0, here)  # plans.py

@@ -1,0 +1,87 @@
+"""The Hugging Face Trainer with regen.integrations.hf's callback: 3 training steps under a plan give the
+unplanned losses and weights bit for bit, and the callback leaves no hook on the model."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import regen  # noqa: E402
+from plans import profile, solve_halfway  # noqa: E402
+from regen.integrations.hf import regen_callback  # noqa: E402
+from regen.models import hf_gpt2  # noqa: E402
+from regen.workloads import Workload  # noqa: E402
+
+BATCH, SEQ, SAMPLES, STEPS = 2, 32, 6, 3
+GPT2_ARGS = {"seq_len": SEQ, "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128}
+
+
+def _trainer_batch(batch_size=BATCH):
+    """The step the Trainer runs: GPT-2 takes loss kwargs, so the Trainer passes `num_items_in_batch` (the
+    count of shifted labels) and the model's loss is a sum divided by it; the profiled batch has it too."""
+    model, batch = hf_gpt2(batch_size=batch_size, **GPT2_ARGS)
+    batch["num_items_in_batch"] = batch["labels"][..., 1:].ne(-100).sum()
+    return model, batch
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, GPT2_ARGS["vocab_size"], (SAMPLES, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _train(tmp_path, callbacks):
+    """3 Trainer steps of a fresh model: (the losses, the weights after them, the model)."""
+    from transformers import Trainer, TrainingArguments
+
+    losses = []
+
+    class RecordingTrainer(Trainer):
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            losses.append(loss)
+            return loss
+
+    model, _ = hf_gpt2(batch_size=BATCH, **GPT2_ARGS)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
+                             learning_rate=1e-3, use_cpu=True, report_to="none", save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks)
+    torch.manual_seed(0)  # the sampler's order and dropout: the same in both runs
+    trainer.train()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model
+
+
+def test_trainer_steps_under_a_plan_equal_unplanned(tmp_path):
+    model, batch = _trainer_batch()
+    plan = solve_halfway(profile(Workload(name="trainer-gpt2", model=model, batch=batch, loss_fn=None)), "recompute")
+    assert plan.action_counts()["recompute"] > 0
+
+    losses, weights, _ = _train(tmp_path / "plain", [])
+    callback = regen_callback(plan)
+    planned_losses, planned_weights, planned_model = _train(tmp_path / "planned", [callback])
+    assert len(losses) == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(losses, planned_losses)), (losses, planned_losses)
+    assert weights.keys() == planned_weights.keys()
+    for name in weights:
+        assert torch.equal(weights[name], planned_weights[name]), f"{name} differs after {STEPS} steps"
+    assert callback.handle is None  # removed at the end of training
+    assert not planned_model._forward_pre_hooks and not planned_model._forward_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_callback_without_transformers_is_a_one_line_error(monkeypatch):
+    """regen.integrations.hf imports transformers only when a callback is made."""
+    import sys
+
+    import regen.integrations.hf as hf
+    from regen.errors import RegenError
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    hf._callback_class.cache_clear()
+    try:
+        with pytest.raises(RegenError, match="needs Hugging Face transformers"):
+            hf.regen_callback("any.plan.yaml")
+    finally:
+        hf._callback_class.cache_clear()
