@@ -242,7 +242,7 @@ class StepRecorder:
                 read_storages.add(info.id)
         for sid in read_storages:
             self.reads.setdefault(sid, []).append(index)
-        outputs = opinfo.tensor_outputs(out)
+        outputs = opinfo.op_outputs(func, args, kwargs, out)
         output_ids = []
         new_storages = []
         for slot, t in enumerate(outputs):

@@ -23,7 +23,7 @@ import torch
 
 from regen.formats.plan import Plan
 from regen.formats.profile import OpFingerprint
-from regen.opinfo import op_name, tensor_outputs, written_outputs
+from regen.opinfo import op_name, op_outputs, written_outputs
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
 
@@ -85,7 +85,7 @@ class ForwardOps:
             else:
                 self.captures[idx] = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
         out = func(*args, **kwargs)
-        outs = tensor_outputs(out)
+        outs = op_outputs(func, args, kwargs, out)
         self._note_writes(idx, func, args, kwargs, outs)
         fp = self.fingerprint
         if fp is not None:
@@ -134,7 +134,7 @@ class ForwardOps:
                     self.captures[idx] = cap
         out = func(*args, **kwargs)
         if idx in fast.producers:
-            self._note_writes(idx, func, args, kwargs, tensor_outputs(out))
+            self._note_writes(idx, func, args, kwargs, op_outputs(func, args, kwargs, out))
         return out
 
     def _note_writes(self, idx, func, args, kwargs, outs):

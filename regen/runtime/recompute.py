@@ -29,8 +29,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import (op_name, reads_first_arg_metadata_only, storage_key, tensor_outputs, written_arguments,
-                           written_outputs)
+from regen.opinfo import (argument_value, op_name, op_outputs, reads_first_arg_metadata_only, storage_key,
+                           written_arguments, written_outputs)
 from regen.runtime.swap import Geometry, view_of
 
 
@@ -138,7 +138,7 @@ def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) ->
     schema_args = func._schema.arguments
     for pos, name in written:
         in_kwargs = schema_args[pos].kwarg_only or pos >= len(args)
-        value = kwargs.get(name) if in_kwargs else args[pos]
+        value = argument_value(func, args, kwargs, pos, name)
         if not isinstance(value, torch.Tensor):
             continue
         key = storage_key(value)
@@ -171,14 +171,9 @@ def _run_with_rng(cap: CapturedOp, args, kwargs):
 
 def _written_args(cap: CapturedOp) -> list:
     """The arguments the op writes (opinfo.written_arguments), as captured (Ref / External / Scratch / value)."""
-    schema_args = cap.func._schema.arguments
     written = []
     for pos, name in written_arguments(cap.func):
-        if schema_args[pos].kwarg_only or pos >= len(cap.args):
-            value = cap.kwargs.get(name)
-        else:
-            value = cap.args[pos]
-        flat, _ = tree_flatten(value)
+        flat, _ = tree_flatten(argument_value(cap.func, cap.args, cap.kwargs, pos, name))
         written.extend(flat)
     return written
 
@@ -235,7 +230,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             args = tree_map(resolve, cap.args)
             kwargs = tree_map(resolve, cap.kwargs)
             out = _run_with_rng(cap, args, kwargs)
-            outs = tensor_outputs(out)
+            outs = op_outputs(cap.func, args, kwargs, out)
             for slot, _ in written_outputs(cap.func, args, kwargs, outs):
                 table[(cap.index, slot)] = outs[slot]
             del args, kwargs, out, outs
