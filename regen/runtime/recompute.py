@@ -32,6 +32,7 @@ from regen.errors import PlanMismatchError
 from regen.opinfo import (argument_value, op_name, op_outputs, reads_first_arg_metadata_only, storage_key,
                            written_arguments, written_outputs)
 from regen.runtime.swap import Geometry, view_of
+from regen.runtime.writers import live_writer
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,7 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
     def template(a):
         if not isinstance(a, torch.Tensor):
             return a
-        key = storage_key(a)
-        w = writer.get(key) if key else None
+        w = live_writer(writer, storage_key(a))
         if w is None:
             return External(a, a._version)
         refs.append((w.op, w.slot))
@@ -141,8 +141,7 @@ def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) ->
         value = argument_value(func, args, kwargs, pos, name)
         if not isinstance(value, torch.Tensor):
             continue
-        key = storage_key(value)
-        if key and writer.get(key) is not None:  # the step's own tensor: a Ref, replayed as the recipe says
+        if live_writer(writer, storage_key(value)) is not None:  # the step's own: a Ref, replayed as the recipe says
             continue
         snapshot = Scratch(value.detach().clone())
         if in_kwargs:

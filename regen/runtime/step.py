@@ -28,7 +28,7 @@ from torch import nn
 from regen.errors import PlanMismatchError, RegenError
 from regen.runtime.candidates import CandidateTable, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
-from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch
+from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
@@ -239,6 +239,9 @@ class Step:
             self.mismatch(order_mismatch(k, x, rec))
             result = x.detach()
         elif rec.info is None:
+            result = x.detach()
+        elif rec.checked and (problem := writer_mismatch(k, x, rec, self.ops.writer)) is not None:
+            self.mismatch(problem)
             result = x.detach()
         else:
             result = self.cands.pack(x, rec.info, self.planned, True)
