@@ -37,6 +37,22 @@ def is_random(func) -> bool:
 
 
 @functools.cache  # OpOverloads are few and hashable; these run on every op
+def generator_argument(func) -> tuple[int, str] | None:
+    """(position, name) of the op's `Generator?` argument, None for ops without one."""
+    for pos, a in enumerate(func._schema.arguments):
+        if str(a.type) in ("Optional[Generator]", "Generator"):
+            return pos, a.name
+    return None
+
+
+def uses_private_generator(func, args, kwargs) -> bool:
+    """The op was given a torch.Generator (`torch.randn(..., generator=g)`): it draws from that generator,
+    not from the global RNG state."""
+    arg = generator_argument(func)
+    return arg is not None and argument_value(func, args, kwargs, *arg) is not None
+
+
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_inplace(func) -> bool:
     """The op writes into one of its arguments (add_, copy_, out= variants)."""
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)

@@ -8,14 +8,16 @@ version counter so an in-place change before the replay is caught; those the op 
 schema's `(a!)` arguments, e.g. BatchNorm's running statistics) are captured as a copy of their value
 before the op (`Scratch`), and the replay writes a fresh copy of that: a recompute never applies a
 buffer update twice. Random ops also save the RNG
-state they ran with (CPU, and the CUDA device's when they ran there).
+state they ran with (CPU, and the CUDA device's when they ran there), and the state of every
+`torch.Generator` they were given (`torch.randn(..., generator=g)`).
 
 In backward, `replay_recipe` runs a decision's recipe in order with grad off, resolving each `Ref`
 from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
-dropping each intermediate right after its last use, and restoring the ambient RNG state after each
-random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`) mutates and returns the recipe's
-own replayed intermediate: the tensor it writes must resolve to an output of an earlier recipe op, never
-to an anchor or an external tensor (the planner only emits such recipes; the replay checks it).
+dropping each intermediate right after its last use, and restoring the ambient RNG state (and each
+private generator's) after each random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`)
+mutates and returns the recipe's own replayed intermediate: the tensor it writes must resolve to an
+output of an earlier recipe op, never to an anchor or an external tensor (the planner only emits such
+recipes; the replay checks it).
 Anything that does not resolve, or an output that does not match the plan, raises
 `PlanMismatchError`: a recipe is never replayed approximately.
 """
@@ -88,6 +90,8 @@ class CapturedOp:
     refs: tuple[tuple[int, int], ...]  # (op, slot) of every Ref, for early freeing
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
+    # the torch.Generator arguments of a random op (torch.randn(..., generator=g)), with their states
+    generator_states: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
 
 def _op_device(args, kwargs) -> torch.device:
@@ -126,6 +130,8 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
         device = _op_device(args, kwargs)
         if device.type == "cuda":
             cap.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
+        cap.generator_states = tuple((g, g.get_state()) for g in tree_flatten((args, kwargs))[0]
+                                     if isinstance(g, torch.Generator))
     return cap
 
 
@@ -151,6 +157,8 @@ def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) ->
 
 
 def _run_with_rng(cap: CapturedOp, args, kwargs):
+    """Run a captured op; a random one with the RNG states it ran with (the global ones and those of the
+    generators it was given), each put back as it was after."""
     if cap.cpu_rng_state is None:
         return cap.func(*args, **kwargs)
     ambient_cpu = torch.get_rng_state()
@@ -159,13 +167,18 @@ def _run_with_rng(cap: CapturedOp, args, kwargs):
         device, state = cap.cuda_rng_state
         ambient_cuda = torch.cuda.get_rng_state(device)
         torch.cuda.set_rng_state(state, device)
+    ambient_generators = [(g, g.get_state()) for g, _ in cap.generator_states]
     torch.set_rng_state(cap.cpu_rng_state)
+    for g, state in cap.generator_states:
+        g.set_state(state)
     try:
         return cap.func(*args, **kwargs)
     finally:
         torch.set_rng_state(ambient_cpu)
         if ambient_cuda is not None:
             torch.cuda.set_rng_state(ambient_cuda, cap.cuda_rng_state[0])
+        for g, state in ambient_generators:
+            g.set_state(state)
 
 
 def _written_args(cap: CapturedOp) -> list:
