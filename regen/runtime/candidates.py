@@ -12,7 +12,9 @@ resident storage is dropped after its last use (its first unpacks and the recipe
 everything else the candidate holds goes when autograd frees its last handle, or when the step is
 released. A backward over a retained graph (`retain_graph=True`, then another backward) unpacks
 again: swapped storages are restored and recipes run again, reading kept anchors through the tensor
-autograd still holds for them (a weak reference: it costs no memory once autograd frees it).
+autograd still holds for them (a weak reference: it costs no memory once autograd frees it). Every
+entry keeps its tensor's version counter (`Kept`, or a `version_probe` for a `Saved`) and its value at
+the pack: an in-place change before the unpack raises autograd's own error (`check_version`).
 """
 
 from __future__ import annotations

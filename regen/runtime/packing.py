@@ -5,7 +5,8 @@
   that output's shape and dtype. Such a step also records its packs in order (`PackRecord`: shape,
   dtype, and the decision, or None for "keep": not a candidate, or a keep decision no recipe reads).
 * By order (docs/internals.md "Pack-order fast path"): once a step is verified, the k-th pack of a later
-  step gets the verified step's k-th record after its shape and dtype are checked. That check runs in
+  step gets the verified step's k-th record after its shape and dtype are checked (and, for a tensor
+  dropped for a recipe or kept as its input, its writer: `writer_mismatch`). That check runs in
   the step's pack hook itself (step.py: it runs for every saved tensor, so it costs no call); the
   messages of its mismatches are here.
 """
@@ -16,8 +17,8 @@ import torch
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE
 from regen.opinfo import storage_key
-from regen.runtime.writers import Writer, live_writer
 from regen.runtime.plan_index import DecisionInfo, PlanIndex
+from regen.runtime.writers import Writer, live_writer
 
 
 class PackRecord:

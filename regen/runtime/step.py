@@ -8,8 +8,9 @@ forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHA
 keep, pending copy-outs let go of their device storage, and the step hands its handle `StepFindings`
 (what it verified and recorded for later steps). In backward the unpack hook counts the unpacks (the
 backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap_queue.py,
-regions.py) and rebuilds each entry over its restored or recomputed storage. The handle's hooks on the
-plan's region modules report their calls (`region_called`, `region_returned`).
+regions.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
+entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
+handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
 and keeps every later tensor of the step. The step is released (host ranges, device copies, captures)
