@@ -37,6 +37,22 @@ def is_random(func) -> bool:
 
 
 @functools.cache  # OpOverloads are few and hashable; these run on every op
+def generator_argument(func) -> tuple[int, str] | None:
+    """(position, name) of the op's `Generator?` argument, None for ops without one."""
+    for pos, a in enumerate(func._schema.arguments):
+        if str(a.type) in ("Optional[Generator]", "Generator"):
+            return pos, a.name
+    return None
+
+
+def uses_private_generator(func, args, kwargs) -> bool:
+    """The op was given a torch.Generator (`torch.randn(..., generator=g)`): it draws from that generator,
+    not from the global RNG state."""
+    arg = generator_argument(func)
+    return arg is not None and argument_value(func, args, kwargs, *arg) is not None
+
+
+@functools.cache  # OpOverloads are few and hashable; these run on every op
 def is_inplace(func) -> bool:
     """The op writes into one of its arguments (add_, copy_, out= variants)."""
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
@@ -73,6 +89,47 @@ def writes_an_argument(name: str) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return bool(written_arguments(func))
+
+
+def argument_value(func, args, kwargs, pos: int, name: str):
+    """The value an op was given for its schema argument at `pos` named `name` (None when absent)."""
+    if func._schema.arguments[pos].kwarg_only or pos >= len(args):
+        return kwargs.get(name)
+    return args[pos]
+
+
+@functools.cache  # OpOverloads are few and hashable; these run on every op
+def unreturned_written_arguments(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the op's schema marks as written (`Tensor(b!) noise`) that
+    none of its returns aliases: `rrelu_with_noise` writes its noise buffer and returns a new tensor,
+    `_native_batch_norm_legit` writes the running statistics and returns others."""
+    schema = func._schema
+    returned = set()
+    for r in schema.returns:
+        if r.alias_info is not None:
+            returned |= set(r.alias_info.before_set)
+    return tuple((pos, a.name) for pos, a in enumerate(schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write
+                 and not set(a.alias_info.before_set) & returned)
+
+
+def op_outputs(func, args, kwargs, out) -> list:
+    """An op's outputs in slot order (docs/internals.md "Naming a saved tensor"): the tensors it returns
+    (`tensor_outputs`), then every argument its schema writes and does not return
+    (`unreturned_written_arguments`, a list argument one slot per element). Non-tensors become None,
+    so slots keep their positions."""
+    outs = tensor_outputs(out)
+    extra = unreturned_written_arguments(func)
+    if not extra:  # nearly every op
+        return outs
+    outs = list(outs)
+    for pos, name in extra:
+        value = argument_value(func, args, kwargs, pos, name)
+        if isinstance(value, (list, tuple)):
+            outs.extend(v if isinstance(v, torch.Tensor) else None for v in value)
+        else:
+            outs.append(value if isinstance(value, torch.Tensor) else None)
+    return outs
 
 
 @functools.cache  # OpOverloads are few and hashable; these run on every op
@@ -132,12 +189,13 @@ def input_storage_keys(args, kwargs) -> set[int]:
 
 
 def written_outputs(func, args, kwargs, outputs: list) -> list[tuple[int, int]]:
-    """(output slot, storage key) for every output whose storage this op *wrote*.
+    """(output slot, storage key) for every output (`op_outputs`) whose storage this op *wrote*.
 
     The rule the profiler and the runtime share to name a saved tensor by "the last forward op that
-    wrote its storage": a view op writes nothing; an in-place or out= op writes the storages of the
-    outputs it returns; any other op writes its outputs' storages unless an output aliases an input
-    (ops such as `_unsafe_view` return an alias without declaring it). Zero-byte storages are skipped.
+    wrote its storage": a view op writes nothing; an in-place or out= op writes the storages of all its
+    outputs (the arguments its schema writes among them, returned or not); any other op writes its
+    outputs' storages unless an output aliases an input (ops such as `_unsafe_view` return an alias
+    without declaring it). Zero-byte storages are skipped.
     """
     if is_view(func):
         return []

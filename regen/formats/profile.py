@@ -73,6 +73,7 @@ class OpRecord:
     is_inplace: bool = False  # writes into one of its inputs
     is_view: bool = False  # outputs alias an input's storage
     module: str | None = None  # innermost module running it (path from the root), None outside any
+    private_generator: bool = False  # draws from a torch.Generator argument (generator=g), not the global RNG
 
 
 @dataclass

@@ -26,7 +26,7 @@ import networkx as nx
 from regen.errors import RegenError
 from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
 from regen.opinfo import copies_first_arg
-from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes
+from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
 from regen.planner.regions import Region, add_regions
 from regen.planner.residency import op_capture_bytes
 
@@ -215,8 +215,9 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
                           copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
                           capture_bytes=op_capture_bytes(profile))
+    written_after_pack = _written_after_first_pack(profile)
     for c in candidates:
-        if c.trivial or c.bytes <= 0 or c.producer in parameter_copies:
+        if c.trivial or c.bytes <= 0 or c.producer in parameter_copies or c.id in written_after_pack:
             continue
         _set_windows(graph, c)
     add_recipes(graph)
@@ -230,6 +231,22 @@ def _parameter_copies(profile: Profile) -> set[int]:
     parameters = {t.id for t in profile.tensors if t.kind == KIND_PARAMETER}
     return {op.index for op in profile.ops[:profile.num_forward_ops]
             if copies_first_arg(op.name) and op.inputs and op.inputs[0] in parameters}
+
+
+def _written_after_first_pack(profile: Profile) -> set[int]:
+    """Saved tensor ids whose storage a forward op writes in place after it was first packed: autograd
+    packs an op's inputs before the op runs, so a tensor saved for an op that writes it (the noise of
+    `rrelu_with_noise`) gets its contents after the pack. A swap copies out at the pack: such a
+    candidate is never swapped (nor recomputed: regen.planner.recipes refuses later writes)."""
+    tensors = profile.tensor_by_id()
+    inplace_writers, _ = storage_writes(profile, tensors)
+    first_pack: dict[int, int] = {}
+    for e in profile.saved_entries:
+        if e.saved_tensor is not None:
+            first_pack[e.saved_tensor] = min(first_pack.get(e.saved_tensor, e.pack_after_op), e.pack_after_op)
+    num_forward = profile.num_forward_ops
+    return {s.id for s in profile.saved_tensors
+            if any(first_pack.get(s.id, s.producer_op) < w < num_forward for w in inplace_writers.get(s.storage, ()))}
 
 
 def _op_graph(profile: Profile) -> nx.DiGraph:

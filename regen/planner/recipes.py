@@ -81,10 +81,11 @@ def add_recipes(graph: PlanningGraph) -> None:
         c.not_recomputable = None if options else reason
 
 
-def recipe_context(graph: PlanningGraph) -> RecipeContext:
-    profile = graph.profile
-    tensors = profile.tensor_by_id()
-    cand_by_tensor = {c.saved.tensor: c for c in graph.candidates}
+def storage_writes(profile: Profile, tensors: dict) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """(storage -> the in-place ops that wrote it, increasing; storage -> the op that created it: the
+    first non-view, non-in-place op with an output over it that read no tensor of that storage). An
+    in-place op writes every storage among its outputs, which list the arguments its schema writes,
+    returned or not (regen.opinfo.op_outputs: `rrelu_with_noise` writes its noise argument)."""
     inplace_writers: dict[int, list[int]] = {}
     creator: dict[int, int] = {}
     for op in profile.ops:
@@ -98,6 +99,14 @@ def recipe_context(graph: PlanningGraph) -> RecipeContext:
         in_storages = {tensors[x].storage for x in op.inputs if x in tensors}
         for st in out_storages - in_storages:
             creator.setdefault(st, op.index)
+    return inplace_writers, creator
+
+
+def recipe_context(graph: PlanningGraph) -> RecipeContext:
+    profile = graph.profile
+    tensors = profile.tensor_by_id()
+    cand_by_tensor = {c.saved.tensor: c for c in graph.candidates}
+    inplace_writers, creator = storage_writes(profile, tensors)
     return RecipeContext(graph, tensors, cand_by_tensor, inplace_writers, creator)
 
 

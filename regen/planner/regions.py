@@ -79,6 +79,8 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     if call.depth < 1 or call.num_entries <= 0 or ops[call.last_op].phase != PHASE_FORWARD:
         return None
     extent = range(call.first_op, call.last_op + 1)
+    if any(ops[q].private_generator for q in extent):
+        return None  # a replay restores the global RNG states, not a generator the forward keeps elsewhere
     input_storages = {tensors[x].storage for x in call.inputs if x in tensors}
     inputs = []
     for st in input_storages:

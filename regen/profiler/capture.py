@@ -103,6 +103,7 @@ class _RawOp:
     is_inplace: bool = False
     is_view: bool = False
     module: str | None = None
+    private_generator: bool = False
 
 
 @dataclass
@@ -245,7 +246,7 @@ class StepRecorder:
                 read_storages.add(info.id)
         for sid in read_storages:
             self.reads.setdefault(sid, []).append(index)
-        outputs = opinfo.tensor_outputs(out)
+        outputs = opinfo.op_outputs(func, args, kwargs, out)
         output_ids = []
         new_storages = []
         for slot, t in enumerate(outputs):
@@ -273,7 +274,8 @@ class StepRecorder:
             name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
             memory_peak_rel_bytes=peak, memory_before_rel_bytes=self._level_before_op,
             new_bytes=sum(info.nbytes for info in new_storages), is_random=random, is_inplace=inplace,
-            is_view=opinfo.is_view(func), module=self.current_module()))
+            is_view=opinfo.is_view(func), module=self.current_module(),
+            private_generator=random and opinfo.uses_private_generator(func, args, kwargs)))
 
     # ---- the autograd side ----------------------------------------------------------------------
     def pack(self, x: torch.Tensor) -> Any:
@@ -336,7 +338,7 @@ class StepRecorder:
             ops.append(OpRecord(index=i, name=raw.name, phase=raw.phase, time_s=0.0, inputs=raw.inputs,
                                 outputs=raw.outputs, memory_after_bytes=after, memory_peak_bytes=peak,
                                 is_random=raw.is_random, is_inplace=raw.is_inplace, is_view=raw.is_view,
-                                module=raw.module))
+                                module=raw.module, private_generator=raw.private_generator))
         num_forward = sum(1 for op in ops if op.phase == PHASE_FORWARD)
         notes = []
         entries: list[SavedEntry] = []

@@ -1,7 +1,7 @@
 """One step's candidates: what the runtime did with each planned storage, and what it still owes.
 
 A `Candidate` is one storage of one step, named by its decision's `(producer_op, output_slot)`. When a
-matched tensor is packed (`CandidateTable.pack`) it is kept (`x.detach()`; a recipe anchor also keeps a
+matched tensor is packed (`CandidateTable.pack`) it is kept (a `Kept`; a recipe anchor also keeps a
 tensor over its storage), swapped (the `SwapQueue` copies it out) or dropped for recompute (its recipe
 ops were captured as they ran); a swapped or dropped entry is packed as a `Saved`. In backward
 `materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
@@ -12,7 +12,9 @@ resident storage is dropped after its last use (its first unpacks and the recipe
 everything else the candidate holds goes when autograd frees its last handle, or when the step is
 released. A backward over a retained graph (`retain_graph=True`, then another backward) unpacks
 again: swapped storages are restored and recipes run again, reading kept anchors through the tensor
-autograd still holds for them (a weak reference: it costs no memory once autograd frees it).
+autograd still holds for them (a weak reference: it costs no memory once autograd frees it). Every
+entry keeps its tensor's version counter (`Kept`, or a `version_probe` for a `Saved`) and its value at
+the pack: an in-place change before the unpack raises autograd's own error (`check_version`).
 """
 
 from __future__ import annotations
@@ -56,16 +58,74 @@ class Candidate:
         self.kept_by_autograd: weakref.ref | None = None
 
 
+def check_version(t: torch.Tensor, saved_version: int, shape=None) -> None:
+    """Autograd's own check, which it skips under saved-tensor hooks: a saved tensor modified in place
+    since it was packed is an error (raised with autograd's wording; `shape`: the saved tensor's, when `t`
+    is a version probe)."""
+    version = t._version
+    if version != saved_version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape if shape is None else shape)}] is at version {version}; expected version "
+            f"{saved_version} instead. Hint: enable anomaly detection to find the operation that failed to compute "
+            f"its gradient, with torch.autograd.set_detect_anomaly(True).")
+
+
+_EMPTY_STORAGES: dict[torch.device, torch.UntypedStorage] = {}
+
+
+def version_probe(x: torch.Tensor) -> torch.Tensor | None:
+    """A tensor that shares `x`'s version counter and none of its memory (a detached alias moved onto an
+    empty storage, the counter put back to its value), or None for a tensor that cannot have one."""
+    version = x._version
+    storage = _EMPTY_STORAGES.get(x.device)
+    if storage is None:
+        storage = _EMPTY_STORAGES[x.device] = torch.empty(0, dtype=torch.uint8, device=x.device).untyped_storage()
+    try:
+        probe = x.detach()
+        probe.set_(storage, 0, (0,), (1,))
+    except RuntimeError:  # a tensor subclass or layout without a plain storage
+        return None
+    _set_versions((probe,), (version,))  # set_ counted as a write; the counter is x's, so put it back
+    return probe
+
+
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
+class Kept:
+    """What autograd stores for a kept entry: the tensor (sharing the packed one's version counter) and
+    that counter's value at the pack."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, x: torch.Tensor):
+        self.tensor = x.detach()
+        self.version = x._version
+
+    def unpack(self) -> torch.Tensor:
+        check_version(self.tensor, self.version)
+        return self.tensor
+
+
 class Saved:
-    """What autograd stores for a swapped or dropped entry: the candidate and the entry's geometry."""
+    """What autograd stores for a swapped or dropped entry: the candidate, the entry's geometry, and a
+    version probe of the packed tensor (its version counter, no memory) with its value at the pack, so an
+    in-place change before backward is caught as autograd would."""
 
-    __slots__ = ("table", "cand", "geometry", "unpacked")
+    __slots__ = ("table", "cand", "geometry", "unpacked", "probe", "version")
 
-    def __init__(self, table: "CandidateTable", cand: Candidate, geometry: Geometry):
+    def __init__(self, table: "CandidateTable", cand: Candidate, x: torch.Tensor):
         self.table = table
         self.cand = cand
-        self.geometry = geometry
+        self.geometry = Geometry.of(x)
         self.unpacked = False
+        self.version = x._version
+        self.probe = version_probe(x)
+
+    def check_version(self) -> None:
+        if self.probe is not None:
+            check_version(self.probe, self.version, self.geometry.size)
 
     def __del__(self):
         try:
@@ -104,7 +164,7 @@ class CandidateTable:
         elif check_storage and cand.storage_key is not None and storage_key(x) != cand.storage_key:
             self._mismatch(f"op {key[0]} output {key[1]} was saved from two storages (the plan's verified step "
                            f"saved one)")
-            return x.detach()
+            return Kept(x)
         if cand.mode is None:
             if not planned or info.action == ACTION_KEEP:
                 cand.mode = ACTION_KEEP
@@ -117,16 +177,16 @@ class CandidateTable:
             else:  # its recipe was not captured: keep
                 cand.mode = ACTION_KEEP
         if cand.mode == ACTION_KEEP:
-            kept = x.detach()
+            kept = Kept(x)
             if key in self.index.anchor_keys and cand.storage is None:
-                cand.storage = kept
-                cand.kept_by_autograd = weakref.ref(kept)
-                cand.version = x._version
+                cand.storage = kept.tensor
+                cand.kept_by_autograd = weakref.ref(kept.tensor)
+                cand.version = kept.version
             return kept
         cand.pending += 1
         cand.live += 1
         self.live += 1
-        return Saved(self, cand, Geometry.of(x))
+        return Saved(self, cand, x)
 
     def _start_drop(self, cand: Candidate) -> bool:
         info = cand.info
@@ -161,9 +221,8 @@ class CandidateTable:
         if cand.storage is None and cand.kept_by_autograd is not None:  # a second backward (retain_graph)
             cand.storage = cand.kept_by_autograd()
         if cand.storage is not None:
-            if cand.mode == ACTION_KEEP and cand.storage._version != cand.version:
-                raise PlanMismatchError(f"regen.apply: op {cand.key[0]}'s output, read by a recompute recipe, was "
-                                        f"modified in place after it was saved")
+            if cand.mode == ACTION_KEEP:  # a kept recipe input, read before its own unpack perhaps
+                check_version(cand.storage, cand.version)
             return cand.storage
         if cand.mode == ACTION_RECOMPUTE and cand.info.region is not None:
             self.replay_region(cand.info.region)  # backward reached it before the planned unpack

@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 
 from regen.formats.profile import RuntimeCosts
-from regen.opinfo import storage_key, tensor_outputs, written_outputs
-from regen.runtime.forward_ops import Writer
+from regen.opinfo import op_outputs, storage_key, written_outputs
 from regen.runtime.recompute import capture_op, check_captured_name, replay_recipe
 from regen.runtime.tracker import PHASE_FORWARD, ForwardTracker
+from regen.runtime.writers import Writer
 
 PROBE_OPS = 200  # ops per timed batch
 PROBE_REPEATS = 5
@@ -95,28 +95,28 @@ def _tracked(x: torch.Tensor) -> None:
 
 def _captured(x: torch.Tensor) -> None:
     """What `ForwardOps._tracked_op` does around a recipe op that is also a producer."""
-    writer = {storage_key(x): Writer(0, 0, x.shape, x.dtype)}
+    writer = {storage_key(x): Writer.of(0, 0, x)}
     with torch.no_grad():
         for idx in range(PROBE_OPS):
             if check_captured_name(idx, _OP, _OP_NAME):
                 raise AssertionError("the probe captured another op than it ran")
             capture_op(idx, _OP, (x, x), {}, writer, False)
             out = _OP(x, x)
-            for slot, key in written_outputs(_OP, (x, x), {}, tensor_outputs(out)):
-                writer[key] = Writer(idx, slot, out.shape, out.dtype)
+            outs = op_outputs(_OP, (x, x), {}, out)
+            for slot, key in written_outputs(_OP, (x, x), {}, outs):
+                writer[key] = Writer.of(idx, slot, outs[slot])
 
 
 def _replays(x: torch.Tensor, recipes: int, length: int) -> None:
     """Replay `recipes` chains of `length` ops, each op reading the one before it and the anchor."""
-    anchor_key = (-1, 0)
-    writer = {storage_key(x): Writer(*anchor_key, x.shape, x.dtype)}
+    writer = {storage_key(x): Writer.of(-1, 0, x)}
     captures = {}
     with torch.no_grad():
         y = x
         for idx in range(length):
             captures[idx] = capture_op(idx, _OP, (y, x), {}, writer, False)
             y = _OP(y, x)
-            writer[storage_key(y)] = Writer(idx, 0, y.shape, y.dtype)
+            writer[storage_key(y)] = Writer.of(idx, 0, y)
     recipe = list(range(length))
     for _ in range(recipes):
         replay_recipe((length - 1, 0), recipe, captures, lambda key: x, x.shape, x.dtype)

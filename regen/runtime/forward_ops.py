@@ -9,43 +9,40 @@
 
 `ForwardOps.slow_op` does all of it on every op. `ForwardOps.fast_op` serves the steps after the
 verified one of a plan with recompute decisions (docs/internals.md "Pack-order fast path"): packs then
-match by order, so only the `FastOps.tracked` ops (the recipe ops and the producers of what their
-captures read, taken from the verified step) do more than count and run, and the writer map only holds
-the producers' outputs. The step learns what happened through callbacks: a mismatch, the last planned
-op (with whether the fingerprint matched), and, on fast steps, the last tracked op.
+match by order, so only the `FastOps.tracked` ops (the recipe ops, the producers of what their
+captures read and of the tensors dropped for a recipe or kept as its input, taken from the verified
+step) do more than count and run, and the writer map only holds the producers' outputs. The step
+learns what happened through callbacks: a mismatch, the last planned op (with whether the
+fingerprint matched), and, on fast steps, the last tracked op.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
-from regen.formats.plan import Plan
+from regen.formats.plan import ACTION_RECOMPUTE, Plan
 from regen.formats.profile import OpFingerprint
-from regen.opinfo import op_name, tensor_outputs, written_outputs
+from regen.opinfo import op_name, op_outputs, written_outputs
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
-
-
-class Writer(NamedTuple):
-    """An entry of the writer map: the forward op output that last wrote a storage."""
-
-    op: int
-    slot: int
-    shape: torch.Size
-    dtype: torch.dtype
+from regen.runtime.writers import Writer
 
 
 class FastOps:
     """What a fast step of a plan with recompute decisions must still do per forward op (taken from the
-    verified step): capture the recipe ops, and note the outputs of the ops those captures read."""
+    verified step): capture the recipe ops, and note the outputs of the ops those captures read and of
+    the candidates whose packs are checked against the writer map (packing.writer_mismatch)."""
 
     __slots__ = ("tracked", "producers", "refs", "last_tracked")
 
-    def __init__(self, captures: dict[int, CapturedOp], recipe_ops):
+    def __init__(self, captures: dict[int, CapturedOp], recipe_ops, checked_keys):
+        """`checked_keys`: the (op, slot) of the decisions whose packs a fast step checks against the writer
+        map (dropped for a recipe, or kept as a recipe's input)."""
         self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
-        self.producers = frozenset(op for refs in self.refs.values() for op, _ in refs)
+        self.producers = frozenset({op for refs in self.refs.values() for op, _ in refs}
+                                   | {op for op, _ in checked_keys})
         self.tracked = frozenset(recipe_ops) | self.producers  # every other op: count it and run it
         # after this op the dispatch mode has nothing left to do: the next pack pops it
         self.last_tracked = max(self.tracked, default=-1)
@@ -85,7 +82,7 @@ class ForwardOps:
             else:
                 self.captures[idx] = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
         out = func(*args, **kwargs)
-        outs = tensor_outputs(out)
+        outs = op_outputs(func, args, kwargs, out)
         self._note_writes(idx, func, args, kwargs, outs)
         fp = self.fingerprint
         if fp is not None:
@@ -129,20 +126,20 @@ class ForwardOps:
                 cap = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
                 if cap.refs != fast.refs[idx]:
                     self._mismatch(f"recipe op {idx} ({expected}) reads the outputs {list(cap.refs)} (op, slot), "
-                                   f"the plan's verified step read {list(fast.refs[idx])}")
+                                   f"the plan's verified step read {list(fast.refs[idx])}: the forward's data "
+                                   f"flow changed (data-dependent control flow?)")
                 else:
                     self.captures[idx] = cap
         out = func(*args, **kwargs)
         if idx in fast.producers:
-            self._note_writes(idx, func, args, kwargs, tensor_outputs(out))
+            self._note_writes(idx, func, args, kwargs, op_outputs(func, args, kwargs, out))
         return out
 
     def _note_writes(self, idx, func, args, kwargs, outs):
         """The writer map (docs/internals.md): each storage this op wrote -> its `Writer`."""
         writer = self.writer
         for slot, key in written_outputs(func, args, kwargs, outs):
-            o = outs[slot]
-            writer[key] = Writer(idx, slot, o.shape, o.dtype)
+            writer[key] = Writer.of(idx, slot, outs[slot])
 
     @property
     def all_ran(self) -> bool:
@@ -154,7 +151,9 @@ class ForwardOps:
         captured."""
         if self.captures.keys() != self.index.recipe_op_names.keys():
             return None
-        return FastOps(self.captures, self.index.recipe_op_names)
+        index = self.index
+        checked = [k for k, i in index.decisions.items() if i.action == ACTION_RECOMPUTE and i.region is None]
+        return FastOps(self.captures, index.recipe_op_names, checked + list(index.anchor_keys))
 
     def end_forward(self) -> None:
         """No more forward ops to follow: drop the fingerprint and the writer map (captures stay)."""

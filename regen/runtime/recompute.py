@@ -8,16 +8,18 @@ version counter so an in-place change before the replay is caught; those the op 
 schema's `(a!)` arguments, e.g. BatchNorm's running statistics) are captured as a copy of their value
 before the op (`Scratch`), and the replay writes a fresh copy of that: a recompute never applies a
 buffer update twice. Random ops also save the RNG
-state they ran with (CPU, and the CUDA device's when they ran there).
+state they ran with (CPU, and the CUDA device's when they ran there), and the state of every
+`torch.Generator` they were given (`torch.randn(..., generator=g)`).
 
 In backward, `replay_recipe` runs a decision's recipe in order with grad and autocast off (the ops were
 recorded below autocast, the casts it chose among them, so a backward inside an autocast block must not
 cast them again), resolving each `Ref`
 from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
-dropping each intermediate right after its last use, and restoring the ambient RNG state after each
-random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`) mutates and returns the recipe's
-own replayed intermediate: the tensor it writes must resolve to an output of an earlier recipe op, never
-to an anchor or an external tensor (the planner only emits such recipes; the replay checks it).
+dropping each intermediate right after its last use, and restoring the ambient RNG state (and each
+private generator's) after each random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`)
+mutates and returns the recipe's own replayed intermediate: the tensor it writes must resolve to an
+output of an earlier recipe op, never to an anchor or an external tensor (the planner only emits such
+recipes; the replay checks it).
 Anything that does not resolve, or an output that does not match the plan, raises
 `PlanMismatchError`: a recipe is never replayed approximately.
 """
@@ -32,9 +34,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import (op_name, reads_first_arg_metadata_only, storage_key, tensor_outputs, written_arguments,
-                           written_outputs)
+from regen.opinfo import (argument_value, op_name, op_outputs, reads_first_arg_metadata_only, storage_key,
+                           written_arguments, written_outputs)
 from regen.runtime.swap import Geometry, view_of
+from regen.runtime.writers import live_writer
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class CapturedOp:
     refs: tuple[tuple[int, int], ...]  # (op, slot) of every Ref, for early freeing
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
+    # the torch.Generator arguments of a random op (torch.randn(..., generator=g)), with their states
+    generator_states: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
 
 def _op_device(args, kwargs) -> torch.device:
@@ -109,8 +114,7 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
     def template(a):
         if not isinstance(a, torch.Tensor):
             return a
-        key = storage_key(a)
-        w = writer.get(key) if key else None
+        w = live_writer(writer, storage_key(a))
         if w is None:
             return External(a, a._version)
         refs.append((w.op, w.slot))
@@ -129,6 +133,8 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
         device = _op_device(args, kwargs)
         if device.type == "cuda":
             cap.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
+        cap.generator_states = tuple((g, g.get_state()) for g in tree_flatten((args, kwargs))[0]
+                                     if isinstance(g, torch.Generator))
     return cap
 
 
@@ -141,11 +147,10 @@ def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) ->
     schema_args = func._schema.arguments
     for pos, name in written:
         in_kwargs = schema_args[pos].kwarg_only or pos >= len(args)
-        value = kwargs.get(name) if in_kwargs else args[pos]
+        value = argument_value(func, args, kwargs, pos, name)
         if not isinstance(value, torch.Tensor):
             continue
-        key = storage_key(value)
-        if key and writer.get(key) is not None:  # the step's own tensor: a Ref, replayed as the recipe says
+        if live_writer(writer, storage_key(value)) is not None:  # the step's own: a Ref, replayed as the recipe says
             continue
         snapshot = Scratch(value.detach().clone())
         if in_kwargs:
@@ -155,6 +160,8 @@ def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) ->
 
 
 def _run_with_rng(cap: CapturedOp, args, kwargs):
+    """Run a captured op; a random one with the RNG states it ran with (the global ones and those of the
+    generators it was given), each put back as it was after."""
     if cap.cpu_rng_state is None:
         return cap.func(*args, **kwargs)
     ambient_cpu = torch.get_rng_state()
@@ -163,25 +170,25 @@ def _run_with_rng(cap: CapturedOp, args, kwargs):
         device, state = cap.cuda_rng_state
         ambient_cuda = torch.cuda.get_rng_state(device)
         torch.cuda.set_rng_state(state, device)
+    ambient_generators = [(g, g.get_state()) for g, _ in cap.generator_states]
     torch.set_rng_state(cap.cpu_rng_state)
+    for g, state in cap.generator_states:
+        g.set_state(state)
     try:
         return cap.func(*args, **kwargs)
     finally:
         torch.set_rng_state(ambient_cpu)
         if ambient_cuda is not None:
             torch.cuda.set_rng_state(ambient_cuda, cap.cuda_rng_state[0])
+        for g, state in ambient_generators:
+            g.set_state(state)
 
 
 def _written_args(cap: CapturedOp) -> list:
     """The arguments the op writes (opinfo.written_arguments), as captured (Ref / External / Scratch / value)."""
-    schema_args = cap.func._schema.arguments
     written = []
     for pos, name in written_arguments(cap.func):
-        if schema_args[pos].kwarg_only or pos >= len(cap.args):
-            value = cap.kwargs.get(name)
-        else:
-            value = cap.args[pos]
-        flat, _ = tree_flatten(value)
+        flat, _ = tree_flatten(argument_value(cap.func, cap.args, cap.kwargs, pos, name))
         written.extend(flat)
     return written
 
@@ -238,7 +245,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             args = tree_map(resolve, cap.args)
             kwargs = tree_map(resolve, cap.kwargs)
             out = _run_with_rng(cap, args, kwargs)
-            outs = tensor_outputs(out)
+            outs = op_outputs(cap.func, args, kwargs, out)
             for slot, _ in written_outputs(cap.func, args, kwargs, outs):
                 table[(cap.index, slot)] = outs[slot]
             del args, kwargs, out, outs

@@ -8,8 +8,9 @@ forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHA
 keep, pending copy-outs let go of their device storage, and the step hands its handle `StepFindings`
 (what it verified and recorded for later steps). In backward the unpack hook counts the unpacks (the
 backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap_queue.py,
-regions.py) and rebuilds each entry over its restored or recomputed storage. The handle's hooks on the
-plan's region modules report their calls (`region_called`, `region_returned`).
+regions.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
+entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
+handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
 and keeps every later tensor of the step. A backward with create_graph=True (an unpack with grad mode on:
@@ -28,9 +29,9 @@ import torch
 from torch import nn
 
 from regen.errors import PlanMismatchError, RegenError
-from regen.runtime.candidates import CandidateTable, Saved
+from regen.runtime.candidates import CandidateTable, Kept, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
-from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch
+from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
@@ -77,13 +78,10 @@ class StepContext:
     released: Callable  # (step, followed_plan: bool)
 
 
-class _Untracked:
+class _Untracked(Kept):
     """A tensor packed outside the step's forward (e.g. in backward): kept, not counted."""
 
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
+    __slots__ = ()
 
 
 class Step:
@@ -199,18 +197,18 @@ class Step:
         """The pack hook of a step matching through the writer map."""
         phase = self.phase
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
-            return _Untracked(x.detach())
+            return _Untracked(x)
         self.forward_packs_seen += 1
         if phase == PHASE_CLOSED:
-            return x.detach()
+            return Kept(x)
         if self._pending_copy_outs:
             self.swaps.flush(wait_all=False)
         info, problem = self.matcher.match(x)
         if problem is not None:
             self.mismatch(problem)
-            result = x.detach()
+            result = Kept(x)
         elif info is None:
-            result = x.detach()
+            result = Kept(x)
         else:
             result = self.cands.pack(x, info, self.planned, False)
         if phase == PHASE_TAIL:  # the last planned op's outputs: match this one, then close
@@ -226,10 +224,10 @@ class Step:
     def _fast_pack(self, x: torch.Tensor):
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
-            return _Untracked(x.detach())
+            return _Untracked(x)
         self.forward_packs_seen += 1
         if self.phase == PHASE_CLOSED:
-            return x.detach()
+            return Kept(x)
         if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
             self.tracking_done = False
             self.ctx.tracking_done(self)
@@ -237,16 +235,19 @@ class Step:
         sequence = self.sequence
         if k >= len(sequence):  # nothing left to match (a plan whose forward saves nothing)
             self.end_forward(in_pack_hook=True)
-            return x.detach()
+            return Kept(x)
         self.pack_count = k + 1
         if self._pending_copy_outs:
             self.swaps.flush(wait_all=False)
         rec = sequence[k]
         if x.dtype != rec.dtype or x.shape != rec.shape:
             self.mismatch(order_mismatch(k, x, rec))
-            result = x.detach()
+            result = Kept(x)
         elif rec.info is None:
-            result = x.detach()
+            result = Kept(x)
+        elif rec.checked and (problem := writer_mismatch(k, x, rec, self.ops.writer)) is not None:
+            self.mismatch(problem)
+            result = Kept(x)
         else:
             result = self.cands.pack(x, rec.info, self.planned, True)
         if k + 1 == len(sequence):  # the verified step's last forward pack: matching is over
@@ -256,7 +257,7 @@ class Step:
     # ---- unpack -------------------------------------------------------------------------------------
     def unpack(self, obj):
         if isinstance(obj, _Untracked):
-            return obj.tensor
+            return obj.unpack()
         if self.aborted:
             raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
         k = self.unpack_count
@@ -274,7 +275,8 @@ class Step:
             i += 1
         self._next_region = i
         if not isinstance(obj, Saved):
-            return obj
+            return obj.unpack()
+        obj.check_version()
         cand = obj.cand
         with self.ctx.pause_tracker():
             base = self.cands.materialize(cand)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from regen.formats import Decision, Plan, PlanFigures, RecipeOp, SolverReport
 from regen.formats.profile import OpFingerprint
-from regen.opinfo import is_counted, is_inplace, is_random, op_name, storage_key, tensor_outputs, written_outputs
+from regen.opinfo import is_counted, is_inplace, is_random, op_name, op_outputs, storage_key, written_outputs
 from regen.workloads import forward_loss
 
 MAX_RECIPE_OPS = 12
@@ -76,7 +76,7 @@ class _Tracer(TorchDispatchMode):
                     keys.append((w[0], w[1]))
         out = func(*args, **kwargs)
         idx = len(self.ops)
-        outs = tensor_outputs(out)
+        outs = op_outputs(func, args, kwargs, out)
         written = written_outputs(func, args, kwargs, outs)
         inplace = is_inplace(func)
         for slot, key in written:
