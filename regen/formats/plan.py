@@ -1,4 +1,4 @@
-"""The plan: what to do with every saved tensor of a profiled step (`format: regen-plan/1`).
+"""The plan: what to do with every saved tensor of a profiled step (`format: regen-plan/2`).
 
 Written by `regen solve` (regen.planner), read by `regen.apply` (regen.runtime) and `regen show`.
 
@@ -10,7 +10,11 @@ produced its storage (`producer_op`) and the output slot, with shape and dtype a
   copy when autograd packs it, which is right after that op) and copied back starting before
   backward op `swap_in_before_op`. The runtime has no op counter in backward; it issues the copy-in
   when the step's unpack sequence reaches position `swap_in_at_unpack` (derived from the profile's
-  saved entries, so it lands at or before `swap_in_before_op`).
+  saved entries, so it lands at or before `swap_in_before_op`). The device storage is released before op
+  `release_before_op`, at a fixed point of the step: the forward pack `release_at_pack` or the backward
+  unpack `release_at_unpack` (one of them; the first point after which the simulator has the copy-out
+  done). There the compute stream waits for the copy-out, done or not, and the storage is dropped, so
+  memory follows op order, not the CPU's view of the copies (docs/internals.md "Swaps").
 * `recompute`: the device copy is dropped; before backward op `recompute_before_op` (the first
   backward use) the runtime replays the forward ops `recipe` (indices, execution order). The recipe's
   inputs are parameters, the batch, outputs of its own earlier ops, or the candidates listed in
@@ -34,8 +38,8 @@ from typing import Any
 from regen.errors import FormatError
 from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
 
-PLAN_FORMAT = "regen-plan/1"
-PLAN_VERSIONS = (1,)
+PLAN_FORMAT = "regen-plan/2"
+PLAN_VERSIONS = (1, 2)  # 1: swaps without release points, refused (re-solve); other plans load
 
 ACTION_KEEP = "keep"
 ACTION_SWAP = "swap"
@@ -55,6 +59,11 @@ class Decision:
     swap_out_after_op: int | None = None
     swap_in_before_op: int | None = None
     swap_in_at_unpack: int | None = None
+    # swap: the device storage is released before this op, at the forward pack `release_at_pack` or else
+    # at the backward unpack `release_at_unpack` (positions in the step's pack and unpack sequences)
+    release_before_op: int | None = None
+    release_at_pack: int | None = None
+    release_at_unpack: int | None = None
     recompute_before_op: int | None = None
     recipe: list[int] = field(default_factory=list)
     recipe_inputs: list[int] = field(default_factory=list)  # SavedTensor ids that must be resident
@@ -229,6 +238,9 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             raise FormatError(f"{where}: decisions[{i}] has action '{d.action}', expected one of {', '.join(ACTIONS)}")
         if d.action == ACTION_SWAP and (d.swap_out_after_op is None or d.swap_in_before_op is None):
             raise FormatError(f"{where}: decisions[{i}] is a swap without swap_out_after_op/swap_in_before_op")
+        if d.action == ACTION_SWAP and d.release_before_op is None:
+            raise FormatError(f"{where}: decisions[{i}] is a swap without a release point (release_before_op, which "
+                              f"plans before {PLAN_FORMAT} lack): solve the profile again with this regen")
         if d.action == ACTION_RECOMPUTE and (d.recompute_before_op is None or not (d.recipe or d.region is not None)):
             raise FormatError(f"{where}: decisions[{i}] is a recompute without recompute_before_op/recipe")
     by_id = {d.saved_tensor: d for d in plan.decisions}

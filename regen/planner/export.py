@@ -39,6 +39,8 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
             d.swap_out_after_op = c.issue_after
             d.swap_in_before_op = ch.swap_in_step
             d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
+            d.release_before_op = sim.release_steps[c.index]
+            d.release_at_pack, d.release_at_unpack = graph.release_position(c, d.release_before_op)
             host_intervals.append((c.issue_after, c.first_backward, c.bytes))
         elif ch.action == ACTION_RECOMPUTE and ch.region is not None:
             d.region = plan_region[ch.region]
@@ -148,7 +150,7 @@ def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
                 raise RegenError(f"plan region {pr.module!r} call {pr.call}, which is no region of the profile")
             choices[c.index] = Choice(ACTION_RECOMPUTE, region=r)
         elif d.action == ACTION_SWAP:
-            choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op)
+            choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op, release_step=d.release_before_op)
         elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
             other = by_id.get(d.rebuilt_with)
             if other is None:

@@ -49,6 +49,7 @@ class Candidate:
     first_backward: int | None  # b
     last_backward: int | None  # e
     issue_after: int  # op after which a copy-out can start (all entries packed)
+    last_pack: int = -1  # position of its last forward pack (PlanningGraph.pack_steps); its release comes later
     out_window: list[int] = field(default_factory=list)  # steps a copy-out may use
     in_window: list[int] = field(default_factory=list)  # steps a copy-in may use (ends at b-1)
     out_breaks: list[int] = field(default_factory=list)  # window steps where "copy-out done" may turn on
@@ -140,6 +141,11 @@ class PlanningGraph:
     # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
     copy_in_starts: list[int] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
+    # Where the runtime can release a swapped storage (docs/internals.md "Swaps"): at a forward pack or a
+    # backward unpack, i.e. right before the op that follows it. pack_steps[k] is that op for the k-th forward
+    # pack, unpack_steps[u] for the u-th unpack (nondecreasing). Both empty (no saved entries): any step.
+    pack_steps: list[int] = field(default_factory=list)
+    unpack_steps: list[int] = field(default_factory=list)
     # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
     host_memory_cap_bytes: int | None = None
     costs: RuntimeCharges = field(default_factory=lambda: RuntimeCharges())  # regen's own time per event
@@ -154,6 +160,28 @@ class PlanningGraph:
             return step
         k = bisect.bisect_right(starts, step) - 1
         return starts[k] if k >= 0 else starts[0]
+
+    def next_release_step(self, c: Candidate, step: int) -> int:
+        """The first step at or after `step` before which the runtime can release swapped candidate `c`: a
+        forward pack after c's own packs, or an unpack (`step` itself when the graph records neither)."""
+        k = bisect.bisect_left(self.pack_steps, step, lo=c.last_pack + 1)
+        if k < len(self.pack_steps):
+            return self.pack_steps[k]
+        u = bisect.bisect_left(self.unpack_steps, step)
+        if u < len(self.unpack_steps):
+            return self.unpack_steps[u]
+        return step if not self.pack_steps and not self.unpack_steps else self.num_steps
+
+    def release_position(self, c: Candidate, step: int) -> tuple[int | None, int | None]:
+        """(forward pack, backward unpack) position where the runtime releases `c` before `step`: one is set
+        when `step` is one of c's release steps (next_release_step), both None otherwise."""
+        k = bisect.bisect_left(self.pack_steps, step, lo=c.last_pack + 1)
+        if k < len(self.pack_steps) and self.pack_steps[k] == step:
+            return k, None
+        u = bisect.bisect_left(self.unpack_steps, step)
+        if u < len(self.unpack_steps) and self.unpack_steps[u] == step:
+            return None, u
+        return None, None
 
     @property
     def time_unit(self) -> str | None:
@@ -195,6 +223,9 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     for entry in profile.saved_entries:
         if entry.saved_tensor is not None:
             pack_after[entry.saved_tensor] = max(pack_after.get(entry.saved_tensor, -1), entry.pack_after_op)
+    forward_packs = sorted((e for e in profile.saved_entries if e.pack_after_op < profile.num_forward_ops),
+                           key=lambda e: e.index)
+    pack_position = {e.index: k for k, e in enumerate(forward_packs)}
 
     parameter_copies = _parameter_copies(profile)
     candidates = []
@@ -206,7 +237,8 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
             f = max(f, profile.num_forward_ops - 1)
         c = Candidate(index=i, saved=s, bytes=int(s.bytes), producer=s.producer_op, last_forward=f,
                       first_backward=b, last_backward=e,
-                      issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)))
+                      issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)),
+                      last_pack=max((pack_position.get(x, -1) for x in s.entries), default=-1))
         candidates.append(c)
     copy_in_starts = sorted({e.unpack_before_op for e in profile.saved_entries
                              if e.unpack_order is not None and e.unpack_before_op is not None})
@@ -214,7 +246,12 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
                           copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
-                          capture_bytes=op_capture_bytes(profile))
+                          capture_bytes=op_capture_bytes(profile),
+                          pack_steps=[e.pack_after_op + 1 for e in forward_packs],
+                          unpack_steps=[op for _, op in sorted((e.unpack_order, e.unpack_before_op)
+                                                               for e in profile.saved_entries
+                                                               if e.unpack_order is not None
+                                                               and e.unpack_before_op is not None)])
     written_after_pack = _written_after_first_pack(profile)
     for c in candidates:
         if c.trivial or c.bytes <= 0 or c.producer in parameter_copies or c.id in written_after_pack:

@@ -21,6 +21,9 @@ class Choice:
     action: str = ACTION_KEEP
     recipe: Recipe | None = None
     swap_in_step: int | None = None  # the copy-in starts before this op
+    # swap: the device storage is released before this op (a plan's release_before_op); None: the simulator
+    # releases it at the first release step by which the copy-out is done
+    release_step: int | None = None
     rebuilt_with: int | None = None  # recompute: rebuilt by this candidate's recipe (Candidate.rebuilt_with_options)
     region: int | None = None  # recompute: rebuilt by replaying this region (PlanningGraph.regions), no recipe
 

@@ -6,22 +6,26 @@ Three timelines, as the runtime runs them (the timing pass):
   recomputed there (`recompute_before_op`), and waits for the copy-ins of tensors op s reads (and of
   recipe inputs that are swapped) to finish;
 * a device-to-host copy stream (FIFO): a swapped tensor's copy-out is issued when op
-  `swap_out_after_op` ends and runs at the d2h bandwidth once the stream is free; the device copy is
-  freed when the copy-out has completed, or at the end of its last forward use if that is later;
+  `swap_out_after_op` ends and runs at the d2h bandwidth once the stream is free. Its device copy is
+  released at a *release step*, a step the runtime can act before (`PlanningGraph.next_release_step`: a
+  forward pack after the tensor's own, or a backward unpack): the first one whose start finds the copy
+  done, or the plan's (`Choice.release_step`), and at the latest the step its copy-in is issued. There the
+  compute stream waits for the copy-out (a stall when it is late) and the copy is freed, or at the end
+  of its last forward use if that is later;
 * a host-to-device copy stream (FIFO): the copy-in is issued when op `swap_in_before_op` is about to
   start; its device buffer is allocated then.
 
 The memory pass: the unplanned timeline minus the bytes of candidates that are not resident, plus
 recipe transients while a recipe runs, plus what the runtime holds for the plan's recipe and region
-captures from their op to the end of the step (RNG states, buffer copies: regen.planner.residency). A candidate counts as resident during
-op s unless it was already gone for the whole of it (conservative: a copy-out that completes mid-op
-frees memory after the op). The simulator is the judge of every strategy: `solve` refuses to write a
+captures from their op to the end of the step (RNG states, buffer copies: regen.planner.residency). A
+candidate counts as resident during op s unless it was already gone for the whole of it (a swapped one:
+released before op s, after its last forward use, its copy-in not yet issued). The simulator is the judge of every strategy: `solve` refuses to write a
 plan whose simulated peak is over the cap, or that is inconsistent (`errors`).
 """
 
 from __future__ import annotations
 
-import bisect
+import heapq
 from dataclasses import dataclass, field
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
@@ -40,6 +44,7 @@ class SimulationResult:
     timeline_bytes: list[int]  # planned memory after each op
     peak_timeline_bytes: list[int]  # planned peak inside each op
     errors: list[str] = field(default_factory=list)  # plan inconsistencies (recipe input not resident...)
+    release_steps: dict[int, int] = field(default_factory=dict)  # swapped candidate -> its release step
 
     @property
     def valid(self) -> bool:
@@ -70,10 +75,40 @@ class _Events:
 @dataclass
 class _Timing:
     step_time_s: float
-    begin: list[float]  # when each op's step begins (before its recipes and waits)
-    end: list[float]  # when each op ends
-    out_done: dict[int, float]  # candidate index -> copy-out completion
     transient_at: list[int]  # recipe transients at each step
+    released_at: dict[int, int]  # swapped candidate index -> release step of its device copy
+
+
+class _Releases:
+    """Swapped candidates' device copies from their copy-out to their release step (see the module doc)."""
+
+    def __init__(self, graph: PlanningGraph, choices: dict[int, Choice]):
+        self.graph = graph
+        self.choices = choices
+        self.out_done: dict[int, float] = {}  # candidate index -> copy-out completion
+        self.due: list[tuple[float, int]] = []  # heap (completion, index): release step still to find
+        self.at_step: dict[int, list[int]] = {}  # release step -> candidates released before that op
+        self.released_at: dict[int, int] = {}
+
+    def copied_out(self, c: Candidate, done: float) -> None:
+        self.out_done[c.index] = done
+        step = self.choices[c.index].release_step
+        if step is None:
+            heapq.heappush(self.due, (done, c.index))
+        else:
+            self.at_step.setdefault(step, []).append(c.index)
+
+    def release(self, s: int, now: float, copy_ins: list[Candidate]) -> float:
+        """Release the copies due before op s (and those whose copy-in is issued there): the compute stream
+        waits for each copy-out; returns its time after the waits."""
+        while self.due and self.due[0][0] <= now + TIME_EPS_S:  # done: released at the next release step
+            i = heapq.heappop(self.due)[1]
+            self.at_step.setdefault(self.graph.next_release_step(self.graph.candidates[i], s), []).append(i)
+        for i in self.at_step.pop(s, []) + [c.index for c in copy_ins]:
+            if i not in self.released_at:
+                self.released_at[i] = s
+                now = max(now, self.out_done[i])
+        return now
 
 
 def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResult:
@@ -83,7 +118,7 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
     timeline, peaks = _memory_pass(graph, choices, timing)
     peak = max(max(peaks), max(timeline))
     return SimulationResult(peak_bytes=int(peak), step_time_s=timing.step_time_s, timeline_bytes=timeline,
-                            peak_timeline_bytes=peaks, errors=events.errors)
+                            peak_timeline_bytes=peaks, errors=events.errors, release_steps=timing.released_at)
 
 
 def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
@@ -99,6 +134,9 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
             sin = ch.swap_in_step
             if sin is None or not (c.issue_after < sin <= c.first_backward):
                 ev.errors.append(f"candidate {c.id}: copy-in step {sin} outside ({c.issue_after}, {c.first_backward}]")
+                continue
+            if ch.release_step is not None and not (c.issue_after < ch.release_step <= sin):
+                ev.errors.append(f"candidate {c.id}: release step {ch.release_step} outside ({c.issue_after}, {sin}]")
                 continue
             ev.swap_out_at.setdefault(c.issue_after, []).append(c)
             ev.swap_in_at.setdefault(sin, []).append(c)
@@ -141,11 +179,11 @@ def _last_tracked_op(graph: PlanningGraph, choices: dict[int, Choice]) -> int:
 def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) -> _Timing:
     n = graph.num_steps
     cands = graph.candidates
-    out_done: dict[int, float] = {}
+    releases = _Releases(graph, choices)
+    out_done = releases.out_done
     in_done: dict[int, float] = {}
     d2h_free = h2d_free = 0.0
     now = 0.0
-    begin, end = [0.0] * n, [0.0] * n
     transient_at = [0] * n
 
     def wait_for(i: int) -> None:
@@ -158,8 +196,9 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         replays_at.setdefault(graph.regions[r].replay_step, []).append(r)
 
     for s in range(n):
-        begin[s] = now
-        for c in sorted(ev.swap_in_at.get(s, []), key=lambda c: (c.first_backward, c.index)):
+        copy_ins = sorted(ev.swap_in_at.get(s, []), key=lambda c: (c.first_backward, c.index))
+        now = releases.release(s, now, copy_ins)
+        for c in copy_ins:
             t0 = max(now, h2d_free, out_done.get(c.index, now))
             h2d_free = t0 + c.bytes / graph.h2d_bytes_per_s
             in_done[c.index] = h2d_free
@@ -189,12 +228,11 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         now += graph.time_s[s]
         if s <= ev.tracked_until:
             now += graph.costs.dispatch_op_s
-        end[s] = now
         for c in ev.swap_out_at.get(s, []):
             t0 = max(now, d2h_free)
             d2h_free = t0 + c.bytes / graph.d2h_bytes_per_s
-            out_done[c.index] = d2h_free
-    return _Timing(step_time_s=now, begin=begin, end=end, out_done=out_done, transient_at=transient_at)
+            releases.copied_out(c, d2h_free)
+    return _Timing(step_time_s=now, transient_at=transient_at, released_at=releases.released_at)
 
 
 def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timing) -> tuple[list[int], list[int]]:
@@ -215,14 +253,11 @@ def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timi
                 b = min(b, graph.regions[ch.region].replay_step)
             _add(saved_during, f + 1, b, c.bytes)
             _add(saved_after, f, b, c.bytes)
-        elif ch.action == ACTION_SWAP and c.index in timing.out_done:
-            sin = ch.swap_in_step
-            done = timing.out_done[c.index]
-            # during op s: gone for all of it iff s > f, copy-out done by its begin, copy-in not yet issued
-            first = _first_step_at_or_after(timing.begin, done, f + 1)
-            _add(saved_during, first, sin, c.bytes)
-            first_after = _first_step_at_or_after(timing.end, done, f)
-            _add(saved_after, first_after, sin, c.bytes)
+        elif ch.action == ACTION_SWAP and c.index in timing.released_at:
+            # gone during op s iff s > f, released before op s and its copy-in not yet issued
+            r = timing.released_at[c.index]
+            _add(saved_during, max(f + 1, r), ch.swap_in_step, c.bytes)
+            _add(saved_after, max(f, r - 1), ch.swap_in_step, c.bytes)
     held = captured_bytes_timeline(
         graph, [q for ch in choices.values() if ch.recipe is not None and ch.region is None for q in ch.recipe.ops],
         [ch.region for ch in choices.values() if ch.region is not None])
@@ -269,8 +304,3 @@ def _add(diff: list[int], lo: int, hi: int, value: int) -> None:
         return
     diff[lo] += value
     diff[hi] -= value
-
-
-def _first_step_at_or_after(times: list[float], t: float, lo: int) -> int:
-    """The first step s >= lo whose time (begin or end, nondecreasing) is >= t."""
-    return max(bisect.bisect_left(times, t - TIME_EPS_S), lo)

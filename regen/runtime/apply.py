@@ -7,11 +7,13 @@ DistributedDataParallel the hooks go on the wrapped module). The handle pushes, 
 while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
 forward ops (the loss included) until the plan's `num_forward_ops` have run or backward begins:
 
-* pack: the tensor's plan entry is found (packing.py) by the writer map of its storage, `(producer_op,
+* pack: the swapped storages due at this pack are released (their release points, swap_queue.py); the
+  tensor's plan entry is found (packing.py) by the writer map of its storage, `(producer_op,
   output_slot)`, checked by shape and dtype; then it is kept (`x.detach()`), swapped (storage copied to
   the host pool, a handle returned: swap_queue.py, swap.py) or dropped for recompute (a handle
   returned; its recipe ops were captured as they ran: forward_ops.py, recompute.py);
-* unpack: counts the step's unpacks (the backward clock of docs/internals.md), issues the copy-ins
+* unpack: counts the step's unpacks (the backward clock of docs/internals.md), releases the swapped
+  storages due there, issues the copy-ins
   and region replays scheduled at that position, and rebuilds the entry over its restored or recomputed
   storage (candidates.py).
 

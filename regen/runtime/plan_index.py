@@ -79,6 +79,9 @@ def index_plan(plan: Plan) -> PlanIndex:
         if not 0 <= d.producer_op < n_fwd:
             raise FormatError(f"{where}: decision for saved tensor {d.saved_tensor} names op {d.producer_op}, "
                               f"outside the forward (0..{n_fwd - 1})")
+        if d.action == ACTION_SWAP and d.release_at_pack is None and d.release_at_unpack is None:
+            raise FormatError(f"{where}: the swap of saved tensor {d.saved_tensor} has no release point "
+                              f"(release_at_pack or release_at_unpack): solve the profile again with this regen")
         by_saved[d.saved_tensor] = d
         decisions[key] = DecisionInfo(decision=d, key=key, shape=torch.Size(d.shape),
                                       dtype=parse_dtype(d.dtype, f"{where}: saved tensor {d.saved_tensor}"),

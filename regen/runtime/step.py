@@ -5,8 +5,10 @@ follow the forward ops the `ForwardTracker` counts (forward_ops.py); its pack ho
 tensor's decision (packing.py: through the writer map, or by pack order once a step was verified) and
 hands the candidates to its `CandidateTable` (keep, swap, drop for recompute). After the plan's last
 forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHASE_CLOSED): later packs
-keep, pending copy-outs let go of their device storage, and the step hands its handle `StepFindings`
-(what it verified and recorded for later steps). In backward the unpack hook counts the unpacks (the
+keep, and the step hands its handle `StepFindings` (what it verified and recorded for later steps). Each
+forward pack (counted all the way, `forward_packs_seen`) and each unpack first releases the swapped
+storages due there (their release points, swap_queue.py); copy-outs still running when the forward ends
+go on into backward, as the simulator has them. In backward the unpack hook counts the unpacks (the
 backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap_queue.py,
 regions.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
 entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
@@ -112,7 +114,8 @@ class Step:
         self.tracking_done = False  # fast step with recompute: every tracked op has run
         self.matcher = WriterMatch(ctx.index, self.ops.writer) if pack_sequence is None else None
         self.swaps = SwapQueue(ctx.engine_for, ctx.pool, ctx.stats)
-        self._pending_copy_outs = self.swaps.pending_copy_outs
+        self._due_at_pack = self.swaps.due_at_pack
+        self._due_at_unpack = self.swaps.due_at_unpack
         self._copy_ins = self.swaps.copy_ins
         self.regions = RegionReplays(ctx.index, ctx.pause_tracker, self.mismatch, lambda: self.forward_packs_seen)
         self._regions_due = ctx.index.region_replay_order  # (unpack position, region id), in order
@@ -140,7 +143,7 @@ class Step:
         self.end_forward()
 
     def end_forward(self, in_pack_hook: bool = False):
-        """No more matching: later packs keep. Pending copy-outs let go of their device storage, and the
+        """No more matching: later packs keep (copy-outs still run, released at their points), and the
         handle gets this step's findings (and pops what the step needs no more; inside a pack hook, not
         the saved-tensor hooks). Also what closes a step at once (the handle's remove())."""
         if self.phase == PHASE_CLOSED:
@@ -149,7 +152,6 @@ class Step:
         findings = self._findings()
         self.ops.end_forward()
         self.matcher = None
-        self.swaps.flush(wait_all=True)
         self.ctx.forward_ended(self, findings, in_pack_hook)
         self._maybe_release()
 
@@ -198,11 +200,13 @@ class Step:
         phase = self.phase
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x)
-        self.forward_packs_seen += 1
+        k = self.forward_packs_seen
+        self.forward_packs_seen = k + 1
+        due = self._due_at_pack
+        if due and due[0][0] <= k:
+            self.swaps.release_due_at_pack(k)
         if phase == PHASE_CLOSED:
             return Kept(x)
-        if self._pending_copy_outs:
-            self.swaps.flush(wait_all=False)
         info, problem = self.matcher.match(x)
         if problem is not None:
             self.mismatch(problem)
@@ -225,7 +229,11 @@ class Step:
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x)
-        self.forward_packs_seen += 1
+        n = self.forward_packs_seen
+        self.forward_packs_seen = n + 1
+        due = self._due_at_pack
+        if due and due[0][0] <= n:
+            self.swaps.release_due_at_pack(n)
         if self.phase == PHASE_CLOSED:
             return Kept(x)
         if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
@@ -237,8 +245,6 @@ class Step:
             self.end_forward(in_pack_hook=True)
             return Kept(x)
         self.pack_count = k + 1
-        if self._pending_copy_outs:
-            self.swaps.flush(wait_all=False)
         rec = sequence[k]
         if x.dtype != rec.dtype or x.shape != rec.shape:
             self.mismatch(order_mismatch(k, x, rec))
@@ -266,6 +272,9 @@ class Step:
             self._first_unpack()
         if torch.is_grad_enabled() and self.planned:  # the engine runs a create_graph backward with grad on
             self.mismatch(DOUBLE_BACKWARD_MISMATCH)
+        due = self._due_at_unpack
+        if self._due_at_pack or (due and due[0][0] <= k):
+            self.swaps.release_due_at_unpack(k)
         copy_ins = self._copy_ins
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)
@@ -311,7 +320,7 @@ class Step:
         """Return everything the step holds: host ranges, device copies, captures, anchors."""
         self.aborted = self.aborted or aborted
         self.phase = PHASE_CLOSED
-        self.swaps.flush(wait_all=True)
+        self.swaps.release_all()
         self.cands.release_all()
         self.regions.release()
         self.ops.release()

@@ -9,8 +9,9 @@
   per direction at the plan's bandwidth, events the compute thread waits on) and `SyncEngine` (a CPU
   device without an emulated link: `copy_` at once, no events).
 
-Every backend keeps the same contract: a copy-out's device storage (`CopyOut.source`) is held until the
-copy is finished and `release_source` is called; a copy-in's buffer is allocated by the caller's thread
+Every backend keeps the same contract: a copy-out's device storage (`CopyOut.source`) is held until
+`release_source` is called (at the swap's release point, swap_queue.py), which orders the compute stream
+after the copy-out, finished or not, before the storage goes; a copy-in's buffer is allocated by the caller's thread
 when it is issued (its memory counts from then) and may be read only after `wait_copy_in`; a host range
 given back to the pool is written again only after the copy-in reading it has finished
 (`HostSlot.last_read_event`, `HostPool.pending_read_events`).
@@ -150,7 +151,7 @@ class CopyOut:
 
     slot: HostSlot
     done_event: object | None  # the backend's completion event; None when the copy is done (SyncEngine)
-    source: torch.Tensor | None  # the device bytes, held until the copy is done and release_source ran
+    source: torch.Tensor | None  # the device bytes, held until release_source ran (at the release point)
     device: torch.device  # where the storage lives (and comes back to)
 
 
@@ -172,11 +173,9 @@ class SwapEngine:
         """Start copying the whole storage of `t` into a host range."""
         raise NotImplementedError
 
-    def copy_out_finished(self, out: CopyOut) -> bool:
-        return out.done_event is None or out.done_event.query()
-
     def release_source(self, out: CopyOut) -> None:
-        """Let the device storage go once the copy-out no longer reads it."""
+        """Order the compute stream after the copy-out (waiting for it if it still runs), then let the device
+        storage go."""
         out.source = None
 
     def copy_in(self, out: CopyOut) -> CopyIn:

@@ -1,11 +1,15 @@
 """One step's swaps: copy-outs in forward, the copy-in schedule in backward, and giving the memory back.
 
-A swapped candidate's copy-out starts when it is packed. Its device storage (`CopyOut.source`) stays
-held until the copy is done: checked at each later pack, waited for when the forward closes. Its
-copy-in is scheduled at the plan's `swap_in_at_unpack` and issued when the step's unpack count reaches
-it, or at its consumer when backward reads it first (a synchronous copy-in). The restored buffer is
-dropped after the candidate's last use; its host range goes back to the pool when autograd frees the
-candidate's last handle. swap.py holds the host pool and the engines that do the copies.
+A swapped candidate's copy-out starts when it is packed. Its device storage (`CopyOut.source`) is held
+until the candidate's release point (docs/internals.md "Swaps"): the forward pack `release_at_pack` or
+the backward unpack `release_at_unpack` of its decision, where the compute stream waits for the copy-out
+(done or not) and the storage is dropped, so memory follows op order, as the simulator plans it. The
+copy-outs wait in two heaps ordered by their release point, one per clock, so each pack or unpack looks
+at the first only. Its copy-in is scheduled at the plan's `swap_in_at_unpack` and issued when the step's
+unpack count reaches it, or at its consumer when backward reads it first (a synchronous copy-in); a
+source still held then is released first. The restored buffer is dropped after the candidate's last
+use; its host range goes back to the pool when autograd frees the candidate's last handle. swap.py
+holds the host pool and the engines that do the copies.
 """
 
 from __future__ import annotations
@@ -24,40 +28,60 @@ from regen.runtime.tracker import regen_ops
 class SwapQueue:
     """The copies of one step's swapped candidates (`candidates.Candidate`), in both directions."""
 
-    __slots__ = ("engine_for", "pool", "stats", "pending_copy_outs", "copy_ins", "_seq")
+    __slots__ = ("engine_for", "pool", "stats", "due_at_pack", "due_at_unpack", "copy_ins", "_seq")
 
     def __init__(self, engine_for: Callable[[torch.device], SwapEngine], pool: HostPool, stats: RuntimeStats):
         self.engine_for = engine_for
         self.pool = pool
         self.stats = stats
-        self.pending_copy_outs: list = []  # candidates whose device storage waits for its copy-out
+        # heaps of (release point, seq, candidate): copy-outs whose device storage is held until that forward
+        # pack or backward unpack
+        self.due_at_pack: list = []
+        self.due_at_unpack: list = []
         self.copy_ins: list = []  # heap of (unpack_order, seq, candidate): copy-ins not issued yet
         self._seq = itertools.count()
 
     # ---- forward ----------------------------------------------------------------------------------
     def start(self, cand, x: torch.Tensor) -> None:
-        """Copy out the storage of `x` (the candidate's first pack) and schedule its copy-in."""
+        """Copy out the storage of `x` (the candidate's first pack) and schedule its release and copy-in."""
         cand.copy_out = self.engine_for(x.device).copy_out(x)
+        d = cand.info.decision
         if cand.copy_out.source is not None:
-            self.pending_copy_outs.append(cand)
-        order = cand.info.decision.swap_in_at_unpack
+            if d.release_at_pack is not None:
+                heapq.heappush(self.due_at_pack, (d.release_at_pack, next(self._seq), cand))
+            else:
+                heapq.heappush(self.due_at_unpack, (d.release_at_unpack, next(self._seq), cand))
+        order = d.swap_in_at_unpack
         heapq.heappush(self.copy_ins, (order if order is not None else 0, next(self._seq), cand))
         self.stats.swapped_tensors += 1
         self.stats.swapped_bytes += cand.copy_out.slot.nbytes
 
-    def flush(self, wait_all: bool) -> None:
-        """Let go of the device storage of finished copy-outs (of all of them, after waiting, if wait_all)."""
-        keep = []
-        for cand in self.pending_copy_outs:
-            out = cand.copy_out
-            if out is None or out.source is None:
-                continue
-            engine = self.engine_for(out.source.device)
-            if wait_all or engine.copy_out_finished(out):
-                engine.release_source(out)
-            else:
-                keep.append(cand)
-        self.pending_copy_outs[:] = keep
+    def release_due_at_pack(self, pack_order: int) -> None:
+        """Release the device storages due at or before this forward pack."""
+        due = self.due_at_pack
+        while due and due[0][0] <= pack_order:
+            self._release_source(heapq.heappop(due)[2])
+
+    def release_due_at_unpack(self, unpack_order: int) -> None:
+        """Release the device storages due at or before this unpack (and every one due in forward)."""
+        due = self.due_at_pack
+        while due:
+            self._release_source(heapq.heappop(due)[2])
+        due = self.due_at_unpack
+        while due and due[0][0] <= unpack_order:
+            self._release_source(heapq.heappop(due)[2])
+
+    def release_all(self) -> None:
+        """Release every device storage still held (the step is released)."""
+        for due in (self.due_at_pack, self.due_at_unpack):
+            while due:
+                self._release_source(heapq.heappop(due)[2])
+
+    def _release_source(self, cand) -> None:
+        """The compute stream waits for the copy-out, then the device storage goes (done or not)."""
+        out = cand.copy_out
+        if out is not None and out.source is not None:
+            self.engine_for(out.device).release_source(out)
 
     # ---- backward ---------------------------------------------------------------------------------
     def issue_due(self, unpack_order: int) -> None:
@@ -70,6 +94,8 @@ class SwapQueue:
 
     def _issue(self, cand) -> None:
         engine = self.engine_for(cand.copy_out.device)
+        if cand.copy_out.source is not None:  # issued before its release point: released now
+            engine.release_source(cand.copy_out)
         with regen_ops():
             cand.copy_in = engine.copy_in(cand.copy_out)
         cand.storage = cand.copy_in.buffer
@@ -92,7 +118,7 @@ class SwapQueue:
         out = cand.copy_out
         cand.copy_out = None
         if out.source is not None:
-            self.engine_for(out.source.device).release_source(out)
+            self.engine_for(out.device).release_source(out)
         self.pool.release(out.slot)
 
     def clear(self) -> None:

@@ -1,7 +1,9 @@
 """Profile and plan files: round trips, and clear errors for malformed files and unknown versions."""
 
 import pytest
+import torch
 
+import regen
 from regen.errors import FormatError
 from regen.formats import (DeviceInfo, Decision, OpRecord, Plan, PlanFigures, Profile, SavedTensor,
                            SolverReport, StaticMemory, TensorRecord, load_plan, load_profile, save_plan,
@@ -129,3 +131,24 @@ def test_runtime_costs_round_trip_and_bad_figures_are_refused(tmp_path):
     (tmp_path / "bad.yaml").write_text(text)
     with pytest.raises(FormatError, match="runtime_costs must be non-negative"):
         load_profile(tmp_path / "bad.yaml")
+
+
+def test_swaps_need_a_release_point_and_older_plans_with_swaps_are_refused(tmp_path):
+    plan = tiny_plan()
+    d = plan.decisions[0]
+    d.action, d.swap_out_after_op, d.swap_in_before_op, d.swap_in_at_unpack = "swap", 0, 1, 0
+    d.release_before_op, d.release_at_unpack = 1, 0
+    save_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml") == plan  # round trip, release point included
+    text = (tmp_path / "plan.yaml").read_text()
+    old = "\n".join(line for line in text.splitlines() if not line.lstrip("- ").startswith("release_"))
+    (tmp_path / "old.yaml").write_text(old.replace("regen-plan/2", "regen-plan/1"))
+    with pytest.raises(FormatError, match="without a release point.*solve the profile again"):
+        load_plan(tmp_path / "old.yaml")
+    keep = tiny_plan()
+    keep.format = "regen-plan/1"
+    save_plan(keep, tmp_path / "keep.yaml")
+    assert load_plan(tmp_path / "keep.yaml").decisions == keep.decisions  # nothing to release: still loads
+    d.release_at_unpack = None  # in memory, without a position the runtime can act on
+    with pytest.raises(FormatError, match="no release point"):
+        regen.apply(torch.nn.Linear(2, 2), plan, emulate_link=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from regen.errors import InfeasibleCapError, RegenError
-from regen.formats import load_plan, save_plan, save_profile
+from regen.formats import PLAN_FORMAT, load_plan, save_plan, save_profile
 from regen.planner import solve
 
 CAP_FRACTION = 0.6
@@ -64,7 +64,7 @@ def test_plan_link_and_host_cap_round_trip(small_transformer, tmp_path):
                                                  "host_memory_cap_bytes:")))
     (tmp_path / "old.yaml").write_text(stripped)
     old = load_plan(tmp_path / "old.yaml")  # a plan without the optional fields still loads
-    assert old.link is None and old.host_memory_cap_bytes is None and old.format == "regen-plan/1"
+    assert old.link is None and old.host_memory_cap_bytes is None and old.format == PLAN_FORMAT
 
 
 def test_cli_link_ratio_and_exclusive_error(small_transformer, tmp_path):

@@ -65,9 +65,11 @@ def test_swap_frees_exactly_its_bytes_until_its_copy_in_and_hides_a_fast_copy():
     sim = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7)})
     assert sim.valid
     after, during = _reduction(graph, sim)
-    # copied out when op 1 ends, back on the device from its copy-in before op 7 on
-    assert after == [c.bytes if 1 <= s <= 6 else 0 for s in range(graph.num_steps)]
-    assert during == [c.bytes if 2 <= s <= 6 else 0 for s in range(graph.num_steps)]
+    # copied out when op 1 ends, released at the first point the runtime acts on after that (the next
+    # forward pack, after op 2), back on the device from its copy-in before op 7 on
+    assert graph.pack_steps[c.last_pack + 1] == 3 and sim.release_steps == {0: 3}
+    assert after == [c.bytes if 2 <= s <= 6 else 0 for s in range(graph.num_steps)]
+    assert during == [c.bytes if 3 <= s <= 6 else 0 for s in range(graph.num_steps)]
     assert sim.step_time_s == pytest.approx(graph.compute_time_s, rel=1e-12)
     assert sim.peak_bytes == max(max(p - d for p, d in zip(graph.peak_bytes, during)),
                                  max(a - d for a, d in zip(graph.after_bytes, after)))
@@ -87,6 +89,30 @@ def test_a_late_copy_in_is_a_stall_in_the_step_time():
     # ... and it holds the memory for less time: gone up to op 9
     after, _during = _reduction(graph, late)
     assert after[9] == c.bytes and after[10] == 0
+
+
+def test_a_late_copy_out_stalls_compute_at_its_release_step():
+    graph = _graph(SLOW_BYTES_PER_S)
+    c = graph.candidates[0]
+    transfer_s = c.bytes / SLOW_BYTES_PER_S
+    assert graph.time_s[2] < transfer_s  # not done by the next pack (before op 3)
+    free = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7)})
+    late_step = free.release_steps[0]
+    assert late_step > 3 and free.step_time_s == pytest.approx(graph.compute_time_s, rel=1e-12)
+    # released where a plan says, before op 3: compute waits there for the rest of the copy, and the copy is
+    # gone from then on
+    forced = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7, release_step=3)})
+    assert forced.valid and forced.release_steps == {0: 3}
+    stall_s = transfer_s - graph.time_s[2]
+    assert forced.step_time_s == pytest.approx(graph.compute_time_s + stall_s, rel=1e-9)
+    after, during = _reduction(graph, forced)
+    assert during == [c.bytes if 3 <= s <= 6 else 0 for s in range(graph.num_steps)]
+    later_after, _ = _reduction(graph, free)
+    assert later_after[2] == 0 and after[2] == c.bytes
+    # the release step must lie after its copy-out and at the latest at its copy-in
+    for bad in (c.issue_after, 8):
+        assert any("release step" in e for e in simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7,
+                                                                           release_step=bad)}).errors)
 
 
 def test_a_recipe_input_that_is_not_resident_makes_the_plan_invalid():

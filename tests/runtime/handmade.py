@@ -43,6 +43,7 @@ class Candidate:
     dtype: str
     bytes: int
     unpack_orders: list[int] = field(default_factory=list)
+    last_pack: int = -1  # position of its last forward pack
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Trace:
     fingerprint: str
     num_forward_ops: int
     loss: float
+    pack_steps: list[int] = field(default_factory=list)  # per forward pack: the op that follows it
 
 
 class _Tracer(TorchDispatchMode):
@@ -94,10 +96,12 @@ def trace_workload(workload, seed: int = 0) -> Trace:
     tracer = _Tracer()
     candidates: dict[tuple[int, int], Candidate] = {}
     order = [0]
+    pack_steps: list[int] = []
 
     def pack(x):
         with torch._C._DisableTorchDispatch():  # the tracer's own ops are not the model's
             x = x.detach()
+        pack_steps.append(len(tracer.ops))
         w = tracer.writer.get(storage_key(x))
         if w is None:
             return (None, x)
@@ -106,6 +110,7 @@ def trace_workload(workload, seed: int = 0) -> Trace:
         if cand is None:
             cand = candidates[key] = Candidate(id=len(candidates), key=key, shape=list(w[2]), dtype=str(w[3]),
                                                bytes=x.untyped_storage().nbytes())
+        cand.last_pack = len(pack_steps) - 1
         return (cand, x)
 
     def unpack(packed):
@@ -123,7 +128,8 @@ def trace_workload(workload, seed: int = 0) -> Trace:
     loss.backward()
     workload.model.zero_grad(set_to_none=True)
     return Trace(ops=tracer.ops, candidates=candidates, overwritten=tracer.overwritten,
-                 fingerprint=tracer.fp.hexdigest(), num_forward_ops=len(tracer.ops), loss=float(loss))
+                 fingerprint=tracer.fp.hexdigest(), num_forward_ops=len(tracer.ops), loss=float(loss),
+                 pack_steps=pack_steps)
 
 
 # ---- plans -------------------------------------------------------------------------------------------
@@ -184,6 +190,13 @@ def build_plan(trace: Trace, choose, strategy: str = "handmade", workload_name: 
                 d.swap_out_after_op = key[0]
                 d.swap_in_before_op = trace.num_forward_ops
                 d.swap_in_at_unpack = max(0, min(cand.unpack_orders) - swap_lead)
+                # released at the next forward pack (every other swap) or at the first unpack
+                if i % 2 == 0 and cand.last_pack + 1 < len(trace.pack_steps):
+                    d.release_at_pack = cand.last_pack + 1
+                    d.release_before_op = trace.pack_steps[d.release_at_pack]
+                else:
+                    d.release_at_unpack = 0
+                    d.release_before_op = trace.num_forward_ops
         actions[key] = d.action
         decisions[key] = d
     fig = PlanFigures(peak_bytes=0, step_time_s=0.0)

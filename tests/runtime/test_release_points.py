@@ -1,0 +1,181 @@
+"""Release points: a swapped storage is released at a fixed forward pack or backward unpack, as planned.
+
+Over the emulated link (regen.apply(..., emulate_link=True)), a solved plan's swapped storages are alive at
+each release point exactly when the simulator has them resident, step after step, with the gradients of
+no plan bit for bit; the end of the forward waits for no copy-out that is due in backward; and a pack looks
+at no more than the first pending copy-out (the link's events are queried O(1) times per pack).
+"""
+
+import time
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import regen
+from common import assert_same, make, run_and_grads, step, traced
+from handmade import PLANS
+from regen.errors import InfeasibleCapError
+from regen.formats.plan import ACTION_SWAP
+from regen.planner.export import choices_from_plan
+from regen.planner.graph import build_graph
+from regen.planner.simulator import simulate
+from regen.runtime.link import LinkEvent
+from regen.runtime.swap_queue import SwapQueue
+
+LINK_RATIO = 0.9  # PCIe next to a fast GPU
+CAP_FRACTION = 0.8  # of the unplanned peak
+STEPS = 3
+VERY_SLOW_BYTES_PER_S = 2e6  # a copy of the handmade plans' tensors takes well over a second
+
+
+class _Recorder:
+    """Records, at each release point the runtime acts on, the swapped device storages regen still holds
+    (sources not released yet) and those still alive at all (the model may hold one longer)."""
+
+    def __init__(self, monkeypatch):
+        self.started: list = []  # (candidate, weak ref to its storage, bytes)
+        self.points: list[tuple[str, int, int, int]] = []  # (clock, position, held bytes, alive bytes)
+        start, at_pack, at_unpack = SwapQueue.start, SwapQueue.release_due_at_pack, SwapQueue.release_due_at_unpack
+        recorder = self
+
+        def started(queue, cand, x):
+            storage = x.untyped_storage()
+            recorder.started.append((cand, StorageWeakRef(storage), storage.nbytes()))
+            start(queue, cand, x)
+
+        def released_at_pack(queue, k):
+            at_pack(queue, k)
+            recorder.record("pack", k)
+
+        def released_at_unpack(queue, u):
+            at_unpack(queue, u)
+            recorder.record("unpack", u)
+
+        monkeypatch.setattr(SwapQueue, "start", started)
+        monkeypatch.setattr(SwapQueue, "release_due_at_pack", released_at_pack)
+        monkeypatch.setattr(SwapQueue, "release_due_at_unpack", released_at_unpack)
+
+    def record(self, clock: str, position: int) -> None:
+        held = sum(n for c, _, n in self.started if c.copy_out is not None and c.copy_out.source is not None)
+        alive = sum(n for _, ref, n in self.started if not ref.expired())
+        self.points.append((clock, position, held, alive))
+
+    def take(self):
+        points, self.points, self.started = self.points, [], []
+        return points
+
+
+def _solved_swap_plan():
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    w = make("gpt")
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    cap = int(profile.peak_bytes * CAP_FRACTION)
+    try:
+        plan = solve(profile, cap, "swap", time_limit_s=30, link_ratio=LINK_RATIO)
+    except InfeasibleCapError as exc:
+        plan = solve(profile, int(exc.smallest_feasible_cap_bytes * 1.02), "swap", time_limit_s=30,
+                     link_ratio=LINK_RATIO)
+    return w, profile, plan
+
+
+def _simulated_held_bytes(profile, plan):
+    """The simulator's view, per (clock, position): bytes of swapped storages packed before that release point
+    and released after it (their release step is later than the point's op)."""
+    graph = build_graph(profile, plan.d2h_bytes_per_s, plan.h2d_bytes_per_s)
+    sim = simulate(graph, choices_from_plan(graph, plan))
+    by_id = graph.by_saved_id()
+    swaps = [by_id[d.saved_tensor] for d in plan.decisions if d.action == ACTION_SWAP]
+
+    def held(clock: str, position: int) -> int:
+        step_ = graph.pack_steps[position] if clock == "pack" else graph.unpack_steps[position]
+        return sum(c.bytes for c in swaps if (clock == "unpack" or min(c.saved.entries) < position)
+                   and step_ < sim.release_steps[c.index])
+
+    return held
+
+
+@pytest.mark.slow
+def test_swapped_memory_at_each_release_point_is_the_simulators(monkeypatch):
+    w, profile, plan = _solved_swap_plan()
+    swaps = [d for d in plan.decisions if d.action == ACTION_SWAP]
+    assert swaps and all(d.release_before_op is not None for d in swaps)
+    assert any(d.release_at_pack is not None for d in swaps)  # released in forward
+    planned = {("pack", d.release_at_pack) if d.release_at_pack is not None else ("unpack", d.release_at_unpack)
+               for d in swaps}
+    simulated_held = _simulated_held_bytes(profile, plan)
+    reference = run_and_grads(w)
+    recorder = _Recorder(monkeypatch)
+    steps = []
+    with regen.apply(w.model, plan, emulate_link=True) as handle:
+        for n in range(STEPS):
+            assert_same(reference, run_and_grads(w))
+            points = recorder.take()
+            # one point per release position of the plan, where regen holds what the simulator has resident
+            assert {(clock, pos) for clock, pos, _, _ in points} == planned, f"step {n}"
+            assert [held for _, _, held, _ in points] == [simulated_held(clock, pos) for clock, pos, _, _ in points]
+            steps.append(points)
+    assert handle.stats.planned_steps == STEPS
+    # the memory really alive at each point (regen's and the model's own references) is the same every step:
+    # it follows op order, not how far the copies have got
+    assert all(points == steps[0] for points in steps)
+
+
+def _slow_swap_plan(release_in_backward: bool):
+    w, trace = traced("gpt")
+    plan = PLANS["swap"](trace)
+    plan.d2h_bytes_per_s = plan.h2d_bytes_per_s = VERY_SLOW_BYTES_PER_S
+    if release_in_backward:
+        for d in plan.decisions:
+            if d.action == ACTION_SWAP:
+                d.release_at_pack, d.release_at_unpack = None, d.swap_in_at_unpack
+                d.release_before_op = d.swap_in_before_op
+    return w, plan
+
+
+def test_the_forward_does_not_wait_for_copy_outs_due_in_backward():
+    w, plan = _slow_swap_plan(release_in_backward=True)
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan, emulate_link=True) as handle:
+        assert_same(reference, run_and_grads(w))  # the first step verifies; later ones match packs by order
+        w.model.zero_grad(set_to_none=True)
+        waited_s = handle.stats.link_wait_s
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        forward_s = time.perf_counter() - t0
+        step_ = handle.current
+        assert step_.phase == 2  # the forward ended at its last pack
+        # no barrier: the copy-outs are still running and their storages held, nothing was waited for
+        assert handle.stats.link_wait_s == waited_s
+        assert step_.swaps.due_at_unpack and any(c.copy_out.source is not None for _, _, c in step_.swaps.due_at_unpack)
+        copy_s = handle.index.swap_bytes / VERY_SLOW_BYTES_PER_S
+        assert forward_s < copy_s / 2
+        loss.backward()
+        del loss
+        assert handle.stats.link_wait_s > waited_s  # backward waited at the release points
+
+
+def test_a_pack_looks_only_at_the_first_pending_copy_out(monkeypatch):
+    w, plan = _slow_swap_plan(release_in_backward=True)
+    queries = [0]
+    query = LinkEvent.query
+
+    def counted(event):
+        queries[0] += 1
+        return query(event)
+
+    monkeypatch.setattr(LinkEvent, "query", counted)
+    with regen.apply(w.model, plan, emulate_link=True) as handle:
+        step(w)
+        queries[0] = 0
+        swapped = handle.stats.swapped_tensors
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        packs = handle.current.forward_packs_seen
+        # many copy-outs pending (the link is very slow) over many packs
+        assert handle.stats.swapped_tensors - swapped >= 10 and packs >= 50
+        assert queries[0] <= packs  # O(1) per pack (none at all: nothing is due before backward)
+        loss.backward()
+        del loss
