@@ -58,7 +58,8 @@ class ModuleRecorder:
 
     def __enter__(self) -> "ModuleRecorder":
         for m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            # first of the module's pre-hooks, as the runtime's: a call includes the ops of the user's
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
         return self
 

@@ -111,7 +111,8 @@ class RegenHandle:
             engine_for=self.engine_for, pool=self.pool, forward_ended=self._forward_ended,
             tracking_done=self._pop_tracker_for, released=self._step_released)
         self._hooks = [
-            self.root.register_forward_pre_hook(self._pre_hook),
+            # before the user's pre-hooks, whose ops the profiler counted in the forward (docs/internals.md)
+            self.root.register_forward_pre_hook(self._pre_hook, prepend=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ] + self._region_hooks()
 
@@ -247,7 +248,8 @@ class RegenHandle:
             except AttributeError:
                 raise PlanMismatchError(f"regen.apply: the plan replays module {path!r}, which this model does not "
                                         f"have; profile and solve for this model") from None
-            hooks.append(module.register_forward_pre_hook(self._region_pre_hook(path), with_kwargs=True))
+            # before the user's pre-hooks: the replay calls the module, which runs them again on these arguments
+            hooks.append(module.register_forward_pre_hook(self._region_pre_hook(path), with_kwargs=True, prepend=True))
             hooks.append(module.register_forward_hook(self._region_post_hook, always_call=True))
         return hooks
 
