@@ -128,6 +128,7 @@ def gan():
     g_step = Workload("g-step", d, (torch.randn(BATCH, 32, requires_grad=True),), _bce(ONES))
     profiles = [_profile(d_step), _profile(g_step)]
     assert [p.call.inputs[0].requires_grad for p in profiles] == [False, True]
+    assert profiles[0].fingerprint == profiles[1].fingerprint  # the same ops (the batch's own hooks count none)
     assert len(profiles[1].saved_entries) > len(profiles[0].saved_entries)  # the G step saves more
     plans = [_solve_tight(p, "recompute") for p in profiles]
     assert all(_count(plan, "recompute") > 0 for plan in plans)
