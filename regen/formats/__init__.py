@@ -37,8 +37,8 @@ from regen.formats.plan import (
 )
 
 __all__ = [
-    "PROFILE_FORMAT", "CallInput", "CallSignature", "DeviceInfo", "ModuleCall", "OpRecord", "Profile", "SavedEntry", "SavedTensor", "StaticMemory",
-    "TensorRecord", "load_profile", "op_fingerprint", "save_profile",
+    "PROFILE_FORMAT", "CallInput", "CallSignature", "DeviceInfo", "ModuleCall", "OpRecord", "Profile", "SavedEntry",
+    "SavedTensor", "StaticMemory", "TensorRecord", "load_profile", "op_fingerprint", "save_profile",
     "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport",
     "load_plan", "save_plan",
     "load_profile_or_plan",

@@ -208,8 +208,8 @@ class RegenHandle:
             step.end_forward()
 
     def _forward_ended(self, state: PlanState, step: Step, findings: StepFindings, in_pack_hook: bool):
-        """A step's forward ended: keep what it found for its plan's later steps, and pop the tracker (and, outside a
-        pack hook, its saved-tensor hooks) when they are on top of their stacks and backward has not begun
+        """A step's forward ended: keep what it found for its plan's later steps, and pop the tracker (and,
+        outside a pack hook, its saved-tensor hooks) when they are on top of their stacks and backward has not begun
         (inside backward the engine restores the thread's state afterwards; the next step or `remove()`
         pops them then)."""
         if findings.verified:
@@ -331,9 +331,9 @@ def apply(model: nn.Module, plan: Plan | str | Path | list, on_mismatch: str = "
     """Replay `plan` on `model`'s training steps until the handle is removed (or the `with` ends).
 
     `plan` is a Plan or a path to a plan file, or a list of them, one per way the loop calls the model (a
-    plan set: each step runs under the plan profiled with its call; plan_set.py). `on_mismatch="raise"` (default) raises PlanMismatchError
-    when the model or batch shape is not the one the plan was made for; `"keep"` warns and runs that step
-    unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps over an emulated host link at
-    the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
+    plan set: each step runs under the plan profiled with its call; plan_set.py). `on_mismatch="raise"`
+    (default) raises PlanMismatchError when the model or batch shape is not the one the plan was made for;
+    `"keep"` warns and runs that step unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps
+    over an emulated host link at the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
     """
     return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link)
