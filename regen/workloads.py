@@ -136,7 +136,12 @@ def build_workload(spec: str, batch_size: int | None = None, args: dict[str, Any
 
 def move_batch(batch: Batch, device: str | torch.device) -> Batch:
     def move(x):
-        return x.to(device) if isinstance(x, torch.Tensor) else x
+        if not isinstance(x, torch.Tensor):
+            return x
+        moved = x.to(device)
+        if x.requires_grad and moved is not x:  # a leaf on the device, not a copy of one left behind
+            moved = moved.detach().requires_grad_()
+        return moved
 
     if isinstance(batch, dict):
         return {k: move(v) for k, v in batch.items()}
@@ -145,6 +150,11 @@ def move_batch(batch: Batch, device: str | torch.device) -> Batch:
 
 def call_model(model: nn.Module, batch: Batch):
     return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+def call_arguments(batch: Batch) -> tuple[tuple, dict]:
+    """(args, kwargs) of the model call that call_model makes."""
+    return ((), dict(batch)) if isinstance(batch, dict) else (tuple(batch), {})
 
 
 def compute_loss(workload_name: str, output: Any, batch: Batch,

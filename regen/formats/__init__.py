@@ -5,6 +5,8 @@ from pathlib import Path
 
 from regen.formats.profile import (
     PROFILE_FORMAT,
+    CallInput,
+    CallSignature,
     DeviceInfo,
     ModuleCall,
     OpRecord,
@@ -36,8 +38,9 @@ from regen.formats.plan import (
 )
 
 __all__ = [
-    "PROFILE_FORMAT", "DeviceInfo", "ModuleCall", "OpRecord", "Profile", "RuntimeCosts", "SavedEntry", "SavedTensor", "StaticMemory",
-    "TensorRecord", "load_profile", "op_fingerprint", "save_profile",
+    "PROFILE_FORMAT", "CallInput", "CallSignature", "DeviceInfo", "ModuleCall", "OpRecord", "Profile",
+    "RuntimeCosts", "SavedEntry", "SavedTensor", "StaticMemory", "TensorRecord", "load_profile", "op_fingerprint",
+    "save_profile",
     "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport",
     "load_plan", "save_plan",
     "load_profile_or_plan",

@@ -25,6 +25,9 @@ produced its storage (`producer_op`) and the output slot, with shape and dtype a
   `replay_before_op`), with no recipe of its own; the replay rebuilds every tensor of the region at
   once, matched by the order in which the call packed them (`RegionDecision.packs`).
 
+`call` is the profile's `CallSignature` (how its step called the model): `regen.apply(model, [plan_a,
+plan_b])` runs each step under the plan whose call it matches.
+
 `recipe_ops` describes every op that appears in some recipe (name, randomness) so the runtime can
 check that the op it captured at that index is the op the plan expects.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from regen.errors import FormatError
+from regen.formats.profile import CallSignature, call_signature_from_document
 from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
 
 PLAN_FORMAT = "regen-plan/2"
@@ -166,6 +170,7 @@ class Plan:
         return sum(1 for d in self.decisions if d.region is not None)
     link: PlanLink | None = None  # absent in plans written before the link was recorded
     host_memory_cap_bytes: int | None = None  # the bound on host_pool_bytes the plan was solved under
+    call: CallSignature | None = None  # the profile's: how its step called the model (chooses within a plan set)
 
     def rebuilt_count(self) -> int:
         """Recompute decisions rebuilt with another's recipe (Decision.rebuilt_with)."""
@@ -230,6 +235,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             link=_optional_link(doc.get("link"), where),
             host_memory_cap_bytes=(int(doc["host_memory_cap_bytes"]) if doc.get("host_memory_cap_bytes") is not None
                                    else None),
+            call=call_signature_from_document(doc.get("call"), where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed plan ({exc})") from None

@@ -21,6 +21,13 @@ Memory
 `memory_peak_bytes` the peak while it ran; both are absolute (they include parameters, gradients,
 optimizer state and the batch, i.e. `memory_at_start_bytes`).
 
+The call (optional)
+-------------------
+`Profile.call` (`CallSignature`) says how the step called the model: each tensor argument's shape,
+dtype and whether it required grad, and how many parameters required grad. Besides the ops, these decide
+what autograd saves (a discriminator whose input requires grad saves more), so the runtime chooses among a
+set of plans for one model by it (regen.call_signature).
+
 Modules (optional)
 ------------------
 `OpRecord.module` is the path from the root module (`blocks.3.mlp`; `""` is the root itself) of the
@@ -180,6 +187,35 @@ class StaticMemory:
 
 
 @dataclass
+class CallInput:
+    """A tensor argument of the model's call: `name` is its position ("0", "1"...) or its keyword, with
+    ".k" for the k-th tensor inside a container argument."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    requires_grad: bool
+
+
+@dataclass
+class CallSignature:
+    """How a step called the model, as far as it decides what autograd saves (regen.call_signature)."""
+
+    inputs: list[CallInput]
+    trainable_parameters: int  # the model's parameters that required grad
+
+
+def call_signature_from_document(raw: Any, where: str) -> CallSignature | None:
+    """The optional `call` of a profile or a plan."""
+    if raw is None:
+        return None
+    sig = build_dataclass(CallSignature, raw, f"{where}: call")
+    sig.inputs = [build_dataclass(CallInput, x, f"{where}: call.inputs[{i}]") for i, x in enumerate(sig.inputs or [])]
+    sig.trainable_parameters = int(sig.trainable_parameters)
+    return sig
+
+
+@dataclass
 class Profile:
     workload: dict[str, Any]  # {"name": ..., "args": {...}, "batch_size": ...}
     device: DeviceInfo
@@ -199,6 +235,7 @@ class Profile:
     notes: list[str] = field(default_factory=list)
     module_calls: list[ModuleCall] = field(default_factory=list)  # optional: submodule calls of the forward
     runtime_costs: RuntimeCosts | None = None  # optional: without it the planner charges none
+    call: CallSignature | None = None  # optional: how the step called the model
 
     # ---- convenience -------------------------------------------------------------------------
     @property
@@ -294,6 +331,7 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             ops=ops, tensors=tensors, saved_entries=entries, saved_tensors=saved,
             format=str(doc["format"]), notes=list(doc.get("notes") or []), module_calls=calls,
             runtime_costs=_runtime_costs(doc, where),
+            call=call_signature_from_document(doc.get("call"), where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None

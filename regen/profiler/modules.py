@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from regen.formats.profile import PHASE_FORWARD, ModuleCall
@@ -34,6 +35,13 @@ class _OpenCall:
     first_entry: int
     inputs: list[int]
     depth: int
+
+
+def _multi_grad_hook(tensors: list[torch.Tensor], fn):
+    """register_multi_grad_hook outside the profiler's dispatch mode: on a leaf (a batch tensor that requires
+    grad) it dispatches a view to reach the gradient accumulator, which is no op of the step."""
+    with _disable_current_modes():
+        return register_multi_grad_hook(tensors, fn)
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:
@@ -58,7 +66,8 @@ class ModuleRecorder:
 
     def __enter__(self) -> "ModuleRecorder":
         for m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            # first of the module's pre-hooks, as the runtime's: a call includes the ops of the user's
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
         return self
 
@@ -93,7 +102,7 @@ class ModuleRecorder:
                                         self.depths[name]))
             tensors = _grad_tensors((args, kwargs))
             if tensors:
-                self._grad_hooks.append(register_multi_grad_hook(tensors, self._leave_backward(name)))
+                self._grad_hooks.append(_multi_grad_hook(tensors, self._leave_backward(name)))
         except Exception as exc:
             self.recorder.internal_error = exc
             raise
@@ -113,7 +122,7 @@ class ModuleRecorder:
                     buffer_bytes=sum(b.untyped_storage().nbytes() for b in module.buffers()), depth=frame.depth))
             tensors = _grad_tensors(output)
             if tensors:
-                self._grad_hooks.append(register_multi_grad_hook(tensors, self._enter_backward(name)))
+                self._grad_hooks.append(_multi_grad_hook(tensors, self._enter_backward(name)))
         except Exception as exc:
             self.recorder.internal_error = exc
             raise

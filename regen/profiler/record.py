@@ -19,9 +19,14 @@ Phases, in order (each announced through `progress`):
    disagreement that persists is kept and noted in the profile);
 7. the bandwidth probe, and the caller's probe of what regen's runtime adds per event (`runtime_probe`).
 
+The profile also records how the step called the model (`Profile.call`, regen.call_signature): a batch
+tensor that requires grad (a GAN's discriminator in the generator's step) makes autograd save more.
+
 The optimizer is `torch.optim.AdamW` with lr=0: the same kernels, time and state memory as a real step,
 without changing the model's weights (weight decay multiplies by 1 - lr*wd = 1, the update is scaled by 0).
-Gradients are set to None between steps, as `zero_grad()` does by default.
+Gradients are set to None between steps, as `zero_grad()` does by default, and so are those of batch
+tensors that require grad (a workload profiling a module's use on another's output: docs/recipes.md "A
+module used two ways"), whose gradient a training step hands on rather than accumulates.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+from regen.call_signature import call_signature
 from regen.errors import DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
@@ -56,7 +62,7 @@ from regen.profiler.environment import (
 from regen.profiler.liveness import held_until_ops
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker
 from regen.profiler.modules import ModuleRecorder
-from regen.workloads import Workload, forward_with_output, training_step
+from regen.workloads import Workload, call_arguments, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
 # the plain step time and the summed op times disagree (a busy machine) when they differ by this factor
@@ -99,7 +105,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     if DOUBLE_BACKWARD_NOTE in capture.notes:
         say(f"warning: {DOUBLE_BACKWARD_NOTE}")
     gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
-    optimizer.zero_grad(set_to_none=True)
+    _zero_grad(optimizer, workload)
     say("probing until when saved tensors are held outside autograd")
     notes = list(capture.notes) + record_held_until(workload, dev, capture)
     op_times_s = timer.op_times(capture.op_names)
@@ -140,6 +146,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         ops=capture.ops, tensors=capture.tensors, saved_entries=capture.saved_entries,
         saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
         runtime_costs=runtime_costs,
+        call=call_signature(workload.model, *call_arguments(workload.batch)),
     )
 
 
@@ -198,7 +205,7 @@ class _StepTimer:
         self.optimizer.step()
         self.sync()
         t2 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        _zero_grad(self.optimizer, self.workload)
         return t1 - t0, t2 - t1
 
     def plain_steps(self) -> tuple[list[float], list[float]]:
@@ -216,10 +223,18 @@ class _StepTimer:
         for k in range(self.repeats):
             self.say(f"timing ops: step {k + 1}/{self.repeats}")
             names, times = _timed_step(self.workload, self.cuda)
-            self.optimizer.zero_grad(set_to_none=True)
+            _zero_grad(self.optimizer, self.workload)
             _check_same_sequence(self.workload.name, recorded_names, names)
             per_step_times.append(times)
         return [statistics.median(times[i] for times in per_step_times) for i in range(len(recorded_names))]
+
+
+def _zero_grad(optimizer, workload: Workload) -> None:
+    """Gradients to None: the model's (the optimizer's parameters) and the batch's leaves."""
+    optimizer.zero_grad(set_to_none=True)
+    for t in tree_flatten(workload.batch)[0]:
+        if isinstance(t, torch.Tensor) and t.grad is not None:
+            t.grad = None
 
 
 def record_step(workload: Workload, device: torch.device, extra_inputs: list[torch.Tensor] = ()) -> Capture:

@@ -1,6 +1,7 @@
 """regen.runtime: replay a plan in an unmodified training loop (`regen.apply(model, plan)`).
 
 * apply.py: the handle (context manager / `.remove()`): hooks, step boundaries, what steps found;
+* plan_set.py: the handle's plans (one, or one per way the loop calls the model) and each step's choice;
 * step.py: one step: its phases, pack and unpack hooks, the end of its forward, its release;
 * tracker.py: the dispatch mode that numbers forward ops;
 * forward_ops.py: what a step does per forward op: writer map, fingerprint, recipe captures;

@@ -21,7 +21,11 @@ Plans with regions (`Plan.regions`) also get a forward pre-hook and a forward ho
 module: the step captures the region's call (arguments, RNG and autocast state) and replays the
 module's forward in backward (regions.py), rebuilding every tensor the plan gives to the region.
 
-The first planned step also hashes the forward ops and compares the result with `plan.fingerprint`.
+A plan set (`regen.apply(model, [plan_a, plan_b])`, plan_set.py) holds one plan per way the loop calls the
+model (a GAN's discriminator in its own step and in the generator's): the pre-hook runs each step under
+the plan profiled with that call (`Plan.call`), and each plan keeps what its own steps found.
+
+The first planned step of a plan also hashes the forward ops and compares the result with `plan.fingerprint`.
 Any mismatch raises `PlanMismatchError`, or with `on_mismatch="keep"` warns and keeps every later
 tensor of that step.
 
@@ -32,7 +36,7 @@ mode at all; with recipes they keep it until their last tracked op has run, doin
 (forward_ops.py).
 
 On CUDA, every `peak_check.PEAK_CHECK_EVERY_STEPS`-th step's peak (`torch.cuda.max_memory_allocated`) is
-compared with the plan's cap, with one warning per handle when it is over by more than 5% (peak_check.py).
+compared with the plan's cap (a plan set's largest), with one warning per handle when it is over by more than 5% (peak_check.py).
 
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
@@ -47,6 +51,7 @@ when an exception ends the `with` block, or at interpreter exit.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from pathlib import Path
@@ -56,14 +61,12 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 from regen.errors import PlanMismatchError, RegenError
-from regen.formats.plan import Plan, load_plan
-from regen.runtime.forward_ops import FastOps
-from regen.runtime.packing import PackRecord
+from regen.formats.plan import Plan
 from regen.runtime.peak_check import PeakCheck
-from regen.runtime.plan_index import index_plan
+from regen.runtime.plan_set import PlanState, call_difference, choose, plan_states
 from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.step import Step, StepContext, StepFindings
+from regen.runtime.step import PlanMismatchWarning, Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
 
@@ -73,14 +76,12 @@ ON_MISMATCH_CHOICES = ("raise", "keep")
 class RegenHandle:
     """The object `regen.apply` returns: a context manager, or call `.remove()` when done."""
 
-    def __init__(self, model: nn.Module, plan: Plan, on_mismatch: str = "raise", emulate_link: bool = False):
+    def __init__(self, model: nn.Module, plan: Plan | str | Path | list, on_mismatch: str = "raise",
+                 emulate_link: bool = False):
         if on_mismatch not in ON_MISMATCH_CHOICES:
             raise RegenError(f"regen.apply: on_mismatch must be one of {', '.join(ON_MISMATCH_CHOICES)}, "
                              f"got {on_mismatch!r}")
-        if isinstance(plan, (str, Path)):
-            plan = load_plan(plan)
-        if not isinstance(plan, Plan):
-            raise RegenError(f"regen.apply: expected a regen Plan (regen.load_plan(path)), got {type(plan).__name__}")
+        states = plan_states(plan)
         if not isinstance(model, nn.Module):
             raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
         if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -89,15 +90,10 @@ class RegenHandle:
                              "(model._orig_mod) and train it without torch.compile")
         self.model = model
         self.root = _unwrap(model)
-        self.plan = plan
-        self.index = index_plan(plan)
+        self.plan_states = states  # one per plan, each with what its steps found (plan_set.py)
         self.on_mismatch = on_mismatch
         self.tracker = ForwardTracker()
         self.tracker_pushed = False
-        self.verified = False
-        # what earlier steps found (StepFindings), given to every new step
-        self.pack_sequence: tuple[PackRecord, ...] | None = None  # the fast path's (see the module doc)
-        self.fast_ops: FastOps | None = None  # with recompute decisions: what fast steps still track
         self.stats = RuntimeStats()
         self.current: Step | None = None
         self.live_steps: list[Step] = []
@@ -105,20 +101,24 @@ class RegenHandle:
         self._depth = 0
         self._removed = False
         device = module_device(self.root)
-        self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
-        if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
+        swapping = [s.plan for s in states if s.index.swap_bytes]
+        self.emulated_link_bytes_per_s = _emulated_link(states, device) if emulate_link else None
+        if not emulate_link and swapping and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
-        self.peak_check = PeakCheck(plan.memory_cap_bytes, _cuda_peak_reader(device))
-        self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0,
+        # a set's steps are checked against its largest cap
+        self.peak_check = PeakCheck(max(s.plan.memory_cap_bytes for s in states), _cuda_peak_reader(device))
+        self.pool = HostPool(max((p.host_pool_bytes for p in swapping), default=0),
                              pin_memory=device is not None and device.type == "cuda")
         self.engines: dict[torch.device, SwapEngine] = {}
         self._finalizer = weakref.finalize(self, _close_engines, self.engines)  # also at interpreter exit
-        self._step_context = StepContext(
-            index=self.index, on_mismatch=on_mismatch, stats=self.stats, pause_tracker=self.tracker.pause,
-            engine_for=self.engine_for, pool=self.pool, forward_ended=self._forward_ended,
-            tracking_done=self._pop_tracker_for, released=self._step_released)
+        for state in states:
+            state.context = StepContext(
+                index=state.index, on_mismatch=on_mismatch, stats=self.stats, pause_tracker=self.tracker.pause,
+                engine_for=self.engine_for, pool=self.pool, forward_ended=functools.partial(self._forward_ended, state),
+                tracking_done=self._pop_tracker_for, released=self._step_released)
         self._hooks = [
-            self.root.register_forward_pre_hook(self._pre_hook),
+            # before the user's pre-hooks, whose ops the profiler counted in the forward (docs/internals.md)
+            self.root.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ] + self._region_hooks()
 
@@ -160,7 +160,7 @@ class RegenHandle:
         return bool(self._hooks) or self.tracker_pushed or self.current in self._hooks_pushed
 
     # ---- step boundaries ------------------------------------------------------------------------------
-    def _pre_hook(self, module, args):
+    def _pre_hook(self, module, args, kwargs):
         self._depth += 1
         if self._depth > 1 or not torch.is_grad_enabled():  # eval() with grad is planned too: its ops decide
             return
@@ -174,7 +174,13 @@ class RegenHandle:
             if prev.phase != PHASE_CLOSED:
                 prev.end_forward()
             self._pop_hooks_of(prev)
-        step = Step(self._step_context, self.verified, self.pack_sequence, self.fast_ops)
+        state = self._plan_for(args, kwargs)
+        if state is None:  # no plan of the set fits this call: an unplanned step (on_mismatch="keep")
+            self.current = None
+            self._pop_tracker(force=False)
+            return
+        step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
+                    call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
         self.peak_check.step_started(step, self.stats.steps)
         self.current = step
@@ -190,22 +196,36 @@ class RegenHandle:
         torch._C._autograd._push_saved_tensors_default_hooks(step.pack_fn, step.unpack_fn)
         self._hooks_pushed.add(step)
 
+    def _plan_for(self, args: tuple, kwargs: dict) -> PlanState | None:
+        """The plan of the set this call runs under; None (with a warning) when none fits and on_mismatch is
+        "keep"."""
+        state, problem = choose(self.plan_states, self.root, args, kwargs)
+        if state is not None:
+            return state
+        if self.on_mismatch == "raise":
+            raise PlanMismatchError(f"regen.apply: {problem}, or pass on_mismatch='keep' to run such steps unplanned")
+        self.stats.steps += 1
+        self.stats.unplanned_steps += 1
+        warnings.warn(f"regen.apply: {problem}; running this step unplanned (on_mismatch='keep')",
+                      PlanMismatchWarning, stacklevel=4)
+        return None
+
     def _post_hook(self, module, args, output):
         self._depth = max(0, self._depth - 1)
         step = self.current
         if self._depth == 0 and step is not None and step.phase == PHASE_TAIL:
             step.end_forward()
 
-    def _forward_ended(self, step: Step, findings: StepFindings, in_pack_hook: bool):
-        """A step's forward ended: keep what it found for later steps, and pop the tracker (and, outside a
-        pack hook, its saved-tensor hooks) when they are on top of their stacks and backward has not begun
+    def _forward_ended(self, state: PlanState, step: Step, findings: StepFindings, in_pack_hook: bool):
+        """A step's forward ended: keep what it found for its plan's later steps, and pop the tracker (and,
+        outside a pack hook, its saved-tensor hooks) when they are on top of their stacks and backward has not begun
         (inside backward the engine restores the thread's state afterwards; the next step or `remove()`
         pops them then)."""
         if findings.verified:
-            self.verified = True
+            state.verified = True
         if findings.pack_sequence is not None:
-            self.pack_sequence = findings.pack_sequence
-            self.fast_ops = findings.fast_ops
+            state.pack_sequence = findings.pack_sequence
+            state.fast_ops = findings.fast_ops
         if torch._C._current_graph_task_id() == -1:
             self._pop_tracker_for(step)
             if not in_pack_hook:
@@ -250,13 +270,14 @@ class RegenHandle:
     def _region_hooks(self) -> list:
         """A pre-hook and a hook on each module a plan region replays, reporting its calls to the step."""
         hooks = []
-        for path in dict.fromkeys(r.region.module for r in self.index.regions.values()):
+        for path in dict.fromkeys(r.region.module for s in self.plan_states for r in s.index.regions.values()):
             try:
                 module = self.root.get_submodule(path)
             except AttributeError:
                 raise PlanMismatchError(f"regen.apply: the plan replays module {path!r}, which this model does not "
                                         f"have; profile and solve for this model") from None
-            hooks.append(module.register_forward_pre_hook(self._region_pre_hook(path), with_kwargs=True))
+            # before the user's pre-hooks: the replay calls the module, which runs them again on these arguments
+            hooks.append(module.register_forward_pre_hook(self._region_pre_hook(path), with_kwargs=True, prepend=True))
             hooks.append(module.register_forward_hook(self._region_post_hook, always_call=True))
         return hooks
 
@@ -287,14 +308,16 @@ _NO_LINK_WARNING = (
     "over an emulated link at the plan's bandwidth, or solve without a link for a recompute-only plan")
 
 
-def _emulated_link(plan: Plan, device: torch.device | None, swap_bytes: int) -> tuple[float, float]:
-    """(d2h, h2d) bytes/s of the emulated link: the plan's; only on a CPU device."""
+def _emulated_link(states: list[PlanState], device: torch.device | None) -> tuple[float, float]:
+    """(d2h, h2d) bytes/s of the emulated link: the plan's (the first of those that swap); only on a CPU device."""
     if device is not None and device.type != "cpu":
         raise RegenError(f"regen.apply: emulate_link=True emulates a GPU's host link on a CPU device; this model is "
                          f"on {device}, whose real link regen uses")
-    if swap_bytes and not (plan.d2h_bytes_per_s > 0 and plan.h2d_bytes_per_s > 0):
+    swapping = [s.plan for s in states if s.index.swap_bytes]
+    if any(not (plan.d2h_bytes_per_s > 0 and plan.h2d_bytes_per_s > 0) for plan in swapping):
         raise RegenError("regen.apply: emulate_link=True needs the plan's copy bandwidths (d2h/h2d_bytes_per_s) "
                          "to be positive")
+    plan = (swapping or [states[0].plan])[0]
     return plan.d2h_bytes_per_s, plan.h2d_bytes_per_s
 
 
@@ -320,13 +343,14 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply(model: nn.Module, plan: Plan | str | Path, on_mismatch: str = "raise",
+def apply(model: nn.Module, plan: Plan | str | Path | list, on_mismatch: str = "raise",
           emulate_link: bool = False) -> RegenHandle:
     """Replay `plan` on `model`'s training steps until the handle is removed (or the `with` ends).
 
-    `plan` is a Plan or a path to a plan file. `on_mismatch="raise"` (default) raises PlanMismatchError
-    when the model or batch shape is not the one the plan was made for; `"keep"` warns and runs that step
-    unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps over an emulated host link at
-    the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
+    `plan` is a Plan or a path to a plan file, or a list of them, one per way the loop calls the model (a
+    plan set: each step runs under the plan profiled with its call; plan_set.py). `on_mismatch="raise"`
+    (default) raises PlanMismatchError when the model or batch shape is not the one the plan was made for;
+    `"keep"` warns and runs that step unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps
+    over an emulated host link at the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
     """
     return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link)

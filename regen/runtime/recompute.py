@@ -8,10 +8,12 @@ version counter so an in-place change before the replay is caught; those the op 
 schema's `(a!)` arguments, e.g. BatchNorm's running statistics) are captured as a copy of their value
 before the op (`Scratch`), and the replay writes a fresh copy of that: a recompute never applies a
 buffer update twice. Random ops also save the RNG
-state they ran with (CPU, and the CUDA device's when they ran there), and the state of every
-`torch.Generator` they were given (`torch.randn(..., generator=g)`).
+state they ran with (CPU, and the CUDA device's when they ran there) and the state of every
+`torch.Generator` they were given (`torch.randn(..., generator=g)`). Every op records the grad mode it
+ran with: some kernels return other outputs without grad (`aten.mkldnn_rnn_layer`, an LSTM layer on
+CPU, returns no workspace), so a replay runs each op under its own grad mode.
 
-In backward, `replay_recipe` runs a decision's recipe in order with grad and autocast off (the ops were
+In backward, `replay_recipe` runs a decision's recipe in order with autocast off (the ops were
 recorded below autocast, the casts it chose among them, so a backward inside an autocast block must not
 cast them again), resolving each `Ref`
 from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
@@ -91,6 +93,7 @@ class CapturedOp:
     args: tuple
     kwargs: dict
     refs: tuple[tuple[int, int], ...]  # (op, slot) of every Ref, for early freeing
+    grad_enabled: bool = False  # the grad mode it ran with (the replay runs it under the same)
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
     # the torch.Generator arguments of a random op (torch.randn(..., generator=g)), with their states
@@ -127,7 +130,8 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> Ca
     captured_kwargs = dict(kwargs)
     _snapshot_written_externals(func, captured_args, captured_kwargs, writer)
     cap = CapturedOp(index=index, func=func, args=tree_map(template, tuple(captured_args)),
-                     kwargs=tree_map(template, captured_kwargs), refs=tuple(refs))
+                     kwargs=tree_map(template, captured_kwargs), refs=tuple(refs),
+                     grad_enabled=torch.is_grad_enabled())
     if random:
         cap.cpu_rng_state = torch.get_rng_state()
         device = _op_device(args, kwargs)
@@ -216,7 +220,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             last_use[key] = pos
     table: dict[tuple[int, int], torch.Tensor] = {}
 
-    def resolve(a):
+    def resolve(a, detach_externals: bool):
         if isinstance(a, Ref):
             key = (a.op, a.slot)
             base = table.get(key)
@@ -228,7 +232,8 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                 raise PlanMismatchError(
                     f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
                     f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
-            return a.tensor
+            # under grad, a parameter would put the replay in autograd's graph (and its saved tensors)
+            return a.tensor.detach() if detach_externals else a.tensor
         if isinstance(a, (Like, Scratch)):
             return a.materialize()
         return a
@@ -242,9 +247,11 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                         raise PlanMismatchError(
                             f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "
                             f"tensor its recipe did not create; the plan does not fit this model")
-            args = tree_map(resolve, cap.args)
-            kwargs = tree_map(resolve, cap.kwargs)
-            out = _run_with_rng(cap, args, kwargs)
+            grad = cap.grad_enabled
+            args = tree_map(lambda a: resolve(a, grad), cap.args)
+            kwargs = tree_map(lambda a: resolve(a, grad), cap.kwargs)
+            with torch.set_grad_enabled(grad):  # no input requires grad: nothing is recorded
+                out = _run_with_rng(cap, args, kwargs)
             outs = op_outputs(cap.func, args, kwargs, out)
             for slot, _ in written_outputs(cap.func, args, kwargs, outs):
                 table[(cap.index, slot)] = outs[slot]

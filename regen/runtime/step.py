@@ -91,9 +91,11 @@ class Step:
     `forward_op` what the tracker calls for each counted forward op."""
 
     def __init__(self, ctx: StepContext, verified: bool, pack_sequence: tuple[PackRecord, ...] | None,
-                 fast_ops: FastOps | None):
-        """`verified`, `pack_sequence`, `fast_ops`: what the handle's earlier steps found (StepFindings)."""
+                 fast_ops: FastOps | None, call_difference: Callable[[], str | None] = lambda: None):
+        """`verified`, `pack_sequence`, `fast_ops`: what the earlier steps of its plan found (StepFindings);
+        `call_difference()`: how this step's call differs from the profiled one, for a mismatch's message."""
         self.ctx = ctx
+        self.call_difference = call_difference
         self.index = ctx.index
         self.phase = PHASE_FORWARD
         self.planned = True
@@ -178,6 +180,10 @@ class Step:
             self.regions.returned(module)
 
     def mismatch(self, message: str):
+        if self.ctx.on_mismatch == "raise" or self.planned:
+            difference = self.call_difference()
+            if difference is not None:
+                message = f"{message}; {difference}"
         if self.ctx.on_mismatch == "raise":
             self.failed = True
             self.planned = False

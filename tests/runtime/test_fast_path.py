@@ -35,7 +35,7 @@ def test_swap_plan_steps_after_the_first_match_eager_bit_for_bit_without_the_mod
             assert_same(references[s], run_and_grads(w, seed=s))
             swapped.append(handle.stats.swapped_tensors)
         probe.hook.remove()
-    assert handle.pack_sequence is not None and len(handle.pack_sequence) > 0
+    assert handle.plan_states[0].pack_sequence is not None and len(handle.plan_states[0].pack_sequence) > 0
     assert probe.seen == [True] + [False] * (STEPS - 1), "steps after the verified one must skip the mode"
     per_step = [b - a for a, b in zip([0] + swapped, swapped)]
     assert per_step[0] > 0 and len(set(per_step)) == 1, f"every step swaps the same tensors: {per_step}"
@@ -49,7 +49,7 @@ def test_keep_all_plan_uses_the_fast_path():
     with regen.apply(w.model, PLANS["keep-all"](trace)) as handle:
         for _ in range(3):
             assert_same(reference, run_and_grads(w))
-    assert handle.pack_sequence is not None
+    assert handle.plan_states[0].pack_sequence is not None
     assert handle.stats.planned_steps == 3
 
 
@@ -62,7 +62,7 @@ def test_recompute_plans_keep_the_mode_on_fast_steps():
         for _ in range(2):
             assert_same(reference, run_and_grads(w))
         probe.hook.remove()
-    assert handle.pack_sequence is not None and handle.fast_ops is not None
+    assert handle.plan_states[0].pack_sequence is not None and handle.plan_states[0].fast_ops is not None
     assert probe.seen == [True, True]
 
 
@@ -74,7 +74,7 @@ def test_later_step_with_other_batch_shape_raises():
         with regen.apply(w.model, plan) as handle:
             run_and_grads(w)
             run_and_grads(w)
-            assert handle.pack_sequence is not None
+            assert handle.plan_states[0].pack_sequence is not None
             run_and_grads(other)
     assert_nothing_left(handle, w.model)
 
@@ -134,7 +134,7 @@ def test_gradient_accumulation_on_the_fast_path(interleaved, strategy):
     reference = accumulate_grads(w, interleaved)
     with regen.apply(w.model, plan) as handle:
         step(w)  # the verified step
-        assert handle.pack_sequence is not None
+        assert handle.plan_states[0].pack_sequence is not None
         for _ in range(2):
             planned = accumulate_grads(w, interleaved)
             assert reference.keys() == planned.keys()
@@ -163,7 +163,7 @@ def test_exception_in_a_fast_step_leaves_nothing_behind():
                 step(w)  # a fast-path step, stopped halfway through its forward
             finally:
                 hook.remove()
-    assert handle.pack_sequence is not None
+    assert handle.plan_states[0].pack_sequence is not None
     assert_nothing_left(handle, w.model)
     with regen.apply(w.model, plan) as handle2:
         for _ in range(2):
@@ -179,7 +179,7 @@ def test_only_a_verified_planned_step_records_the_pack_sequence():
     with regen.apply(w.model, PLANS["swap"](trace), on_mismatch="keep") as handle:
         with pytest.warns(PlanMismatchWarning):
             run_and_grads(other)
-        assert not handle.verified and handle.pack_sequence is None
+        assert not handle.plan_states[0].verified and handle.plan_states[0].pack_sequence is None
         run_and_grads(w)
-        assert handle.verified and handle.pack_sequence is not None
+        assert handle.plan_states[0].verified and handle.plan_states[0].pack_sequence is not None
     assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 1

@@ -61,10 +61,10 @@ def test_later_steps_match_unplanned_bit_for_bit(name, strategy, monkeypatch):
             dropped.append(handle.stats.dropped_tensors - before[1])
             recomputes.append(handle.stats.recomputes - before[2])
             if s == 0:
-                assert handle.fast_ops is not None and handle.pack_sequence is not None
+                assert handle.plan_states[0].fast_ops is not None and handle.plan_states[0].pack_sequence is not None
         after_planned = torch.rand(3)
     assert torch.equal(after_reference, after_planned), "replays must leave the ambient RNG stream alone"
-    fast = handle.fast_ops
+    fast = handle.plan_states[0].fast_ops
     assert fast.tracked >= set(r.index for r in plan.recipe_ops)
     assert len(fast.tracked) < plan.num_forward_ops, "the fast path must skip untracked ops"
     # the verified step updates the writer map on every forward op; later ones only for recipe producers
@@ -96,7 +96,7 @@ def test_later_step_with_other_batch_shape_raises():
         with regen.apply(w.model, PLANS["hybrid"](trace)) as handle:
             run_and_grads(w)
             run_and_grads(w)
-            assert handle.fast_ops is not None
+            assert handle.plan_states[0].fast_ops is not None
             run_and_grads(other)
     assert_nothing_left(handle, w.model)
 
@@ -126,7 +126,7 @@ def test_later_step_recipe_op_drift_raises():
         with regen.apply(w.model, plan) as handle:
             run_and_grads(w)
             run_and_grads(w)
-            assert handle.fast_ops is not None
+            assert handle.plan_states[0].fast_ops is not None
             w.model.act = torch.tanh  # same shapes and pack count: only the op names differ
             run_and_grads(w)
     assert_nothing_left(handle, w.model)

@@ -1,0 +1,65 @@
+"""How a step calls the model: the rule the profiler and the runtime share to tell the uses of one model apart.
+
+Besides the ops it runs, what autograd saves in a forward depends on which tensors require grad: a linear
+layer saves its weight only when its input requires grad, so a GAN's discriminator saves more in the
+generator's step (its input is the generator's output) than in its own step (a detached batch). The
+profiler records the `CallSignature` of its step (each tensor argument's name, shape, dtype and
+requires_grad, and the number of parameters that require grad); `regen.apply(model, [plan_a, plan_b])`
+runs each step under the plan whose signature the call has, and a single plan's mismatch says how the call
+differs from the profiled one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from regen.formats.profile import CallInput, CallSignature
+
+
+def call_inputs(args: tuple, kwargs: dict) -> list[CallInput]:
+    """The tensor arguments of a call, named by position or keyword (keywords sorted: their order in a
+    call does not matter)."""
+    named = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
+    inputs = []
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            inputs.append(_input(name, value))
+            continue
+        tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        inputs.extend(_input(f"{name}.{k}", t) for k, t in enumerate(tensors))
+    return inputs
+
+
+def _input(name: str, t: torch.Tensor) -> CallInput:
+    return CallInput(name=name, shape=list(t.shape), dtype=str(t.dtype), requires_grad=bool(t.requires_grad))
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def call_signature(model: nn.Module, args: tuple, kwargs: dict) -> CallSignature:
+    return CallSignature(inputs=call_inputs(args, kwargs), trainable_parameters=trainable_parameters(model))
+
+
+def describe(sig: CallSignature) -> str:
+    """`x: [4, 32] float32 requiring grad; 12 parameters requiring grad`"""
+    parts = [f"{x.name}: {x.shape} {x.dtype.removeprefix('torch.')}{' requiring grad' if x.requires_grad else ''}"
+             for x in sig.inputs]
+    return "; ".join(parts + [f"{sig.trainable_parameters} parameters requiring grad"])
+
+
+def grad_difference(profiled: CallSignature, inputs: list[CallInput], trainable: int) -> str | None:
+    """How a call's requires_grad flags differ from the profiled call's, or None when they do not."""
+    differences = []
+    for x in inputs:
+        was = next((p for p in profiled.inputs if p.name == x.name), None)
+        if was is not None and was.requires_grad != x.requires_grad:
+            now, then = ("requires", "did not") if x.requires_grad else ("does not require", "did")
+            differences.append(f"input {x.name} {now} grad here, it {then} in the profiled step")
+    if trainable != profiled.trainable_parameters:
+        differences.append(f"{trainable} parameters require grad here, {profiled.trainable_parameters} did in the "
+                           f"profiled step")
+    return ", ".join(differences) or None

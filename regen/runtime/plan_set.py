@@ -1,0 +1,105 @@
+"""The plans of one `regen.apply` handle, and the choice of each step's plan.
+
+`regen.apply(model, plan)` takes one plan; `regen.apply(model, [plan_a, plan_b])` a *plan set*: one plan
+per way the training loop calls the model (a GAN's discriminator in its own step and in the generator's,
+where its input requires grad and it saves more). Each plan was profiled with its own call; its
+`Plan.call` (regen.call_signature) says how, and a step runs under the plan whose call it has. The plans
+of a set must each record their call, and no two the same one.
+
+Each plan keeps what its own steps found (`PlanState`: verified, the pack-order fast path's records),
+since the steps of one use say nothing about the other's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from torch import nn
+
+from regen.call_signature import call_inputs, call_signature, describe, grad_difference, trainable_parameters
+from regen.errors import RegenError
+from regen.formats.plan import Plan, load_plan
+from regen.runtime.forward_ops import FastOps
+from regen.runtime.packing import PackRecord
+from regen.runtime.plan_index import PlanIndex, index_plan
+from regen.runtime.step import StepContext
+
+TWO_USES_DOC = 'docs/recipes.md "A module used two ways"'
+
+
+@dataclass
+class PlanState:
+    """One plan of a handle and what its steps found for its later steps (StepFindings)."""
+
+    plan: Plan
+    index: PlanIndex
+    context: StepContext | None = None  # what its steps get (set by the handle)
+    verified: bool = False
+    pack_sequence: tuple[PackRecord, ...] | None = None  # the fast path's (docs/internals.md)
+    fast_ops: FastOps | None = None  # with recompute decisions: what fast steps still track
+
+
+def plan_states(plans) -> list[PlanState]:
+    """The handle's plans: a Plan, a plan file, or a list of them (a plan set), checked."""
+    given = list(plans) if isinstance(plans, (list, tuple)) else [plans]
+    if not given:
+        raise RegenError("regen.apply: an empty list of plans; give a plan, or one plan per use of the model")
+    loaded = []
+    for plan in given:
+        if isinstance(plan, (str, Path)):
+            plan = load_plan(plan)
+        if not isinstance(plan, Plan):
+            raise RegenError(f"regen.apply: expected a regen Plan (regen.load_plan(path)), got {type(plan).__name__}")
+        loaded.append(plan)
+    if len(loaded) > 1:
+        _check_set(loaded)
+    return [PlanState(plan, index_plan(plan)) for plan in loaded]
+
+
+def _check_set(plans: list[Plan]) -> None:
+    for k, plan in enumerate(plans):
+        if plan.call is None:
+            raise RegenError(f"regen.apply: plan {k} of the set does not record how its step called the model "
+                             f"(profiled by an older regen); profile and solve it again")
+        for j in range(k):
+            if plans[j].call == plan.call:
+                raise RegenError(f"regen.apply: plans {j} and {k} of the set were profiled with the same call "
+                                 f"({describe(plan.call)}); a set holds one plan per way the model is called "
+                                 f"({TWO_USES_DOC})")
+
+
+def choose(states: list[PlanState], root: nn.Module, args: tuple, kwargs: dict) -> tuple[PlanState | None, str]:
+    """The plan for a call of the model: (its state, "") or (None, why none fits)."""
+    if len(states) == 1:
+        return states[0], ""
+    inputs = call_inputs(args, kwargs)
+    matching = [s for s in states if s.plan.call.inputs == inputs]
+    if len(matching) > 1:
+        trainable = trainable_parameters(root)
+        matching = [s for s in matching if s.plan.call.trainable_parameters == trainable]
+    if len(matching) == 1:
+        return matching[0], ""
+    profiled = " | ".join(f"plan {k}: {describe(s.plan.call)}" for k, s in enumerate(states))
+    return None, (f"this call of the model ({describe(call_signature(root, args, kwargs))}) is none of the plan "
+                  f"set's ({profiled}); profile and solve this use too ({TWO_USES_DOC})")
+
+
+def call_difference(state: PlanState, root: nn.Module, args: tuple, kwargs: dict) -> Callable[[], str | None]:
+    """For a step's mismatch message: how its call's requires_grad flags differ from its plan's profiled call
+    (the arguments' flags are read now; the parameters' only if a mismatch asks)."""
+    profiled = state.plan.call
+    if profiled is None:
+        return lambda: None
+    inputs = call_inputs(args, kwargs)
+
+    def explain() -> str | None:
+        difference = grad_difference(profiled, inputs, trainable_parameters(root))
+        if difference is None:
+            return None
+        return (f"this call differs from the profiled one ({difference}), so autograd saves other tensors: "
+                f"profile this use of the model too and apply both plans, regen.apply(model, [plan_a, plan_b]) "
+                f"({TWO_USES_DOC})")
+
+    return explain

@@ -1,0 +1,214 @@
+"""Models that regen profiles and plans end to end (regen.profiler, regen.planner, regen.apply), in the ways
+a training loop uses them: an LSTM whose kernel returns other outputs without grad, a user's forward
+pre-hook on the root module, and a module used two ways in one loop (a GAN's discriminator, planned by a
+plan set). Each planned step gives the unplanned loss, gradients and buffers bit for bit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import regen
+import regen.formats
+from common import assert_same, run_and_grads
+from regen.errors import InfeasibleCapError, PlanMismatchError, RegenError
+from regen.planner import solve
+from regen.profiler import profile_workload
+from regen.runtime import PlanMismatchWarning
+from regen.workloads import Workload
+
+LINK_RATIO = 0.5  # a CPU profile plans swaps only over a given link (docs/limitations.md "CPU vs GPU")
+
+
+def _profile(w: Workload):
+    return profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
+
+
+def _solve_tight(profile, strategy: str, fraction: float = 0.5):
+    """A plan at `fraction` of the unplanned peak, or at the smallest cap the strategy reaches."""
+    link = {} if strategy == "recompute" else {"link_ratio": LINK_RATIO}
+    try:
+        return solve(profile, int(profile.peak_bytes * fraction), strategy=strategy, time_limit_s=30, **link)
+    except InfeasibleCapError as exc:
+        return solve(profile, exc.smallest_feasible_cap_bytes, strategy=strategy, time_limit_s=30, **link)
+
+
+def _count(plan, action: str) -> int:
+    return sum(1 for d in plan.decisions if d.action == action)
+
+
+# ---- an LSTM under recompute ---------------------------------------------------------------------
+
+
+class TwoLayerLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0]).mean()
+
+
+def test_lstm_recompute_replays_under_the_grad_mode_it_ran_with():
+    """On CPU an LSTM layer is `aten.mkldnn_rnn_layer`, which returns its workspace only with grad on: a
+    recipe replayed without grad did not rebuild it."""
+    torch.manual_seed(0)
+    w = Workload("lstm", TwoLayerLSTM(), (torch.randn(4, 12, 8),), None)
+    plan = _solve_tight(_profile(w), "recompute")
+    assert "aten.mkldnn_rnn_layer.default" in {op.name for op in plan.recipe_ops}, "no LSTM layer replayed"
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan) as handle:
+        for _ in range(3):  # the verified step, then the fast path
+            assert_same(reference, run_and_grads(w))
+    assert handle.stats.planned_steps == 3 and handle.stats.recomputes > 0
+
+
+# ---- a forward pre-hook on the root module -------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 128), nn.Linear(128, 128), nn.Linear(128, 1)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).mean()
+
+
+@pytest.fixture(scope="module")
+def hooked_mlp():
+    """A model whose root has a user pre-hook that runs tensor ops, and its profile (hook included)."""
+    torch.manual_seed(0)
+    model = MLP()
+    model.register_forward_pre_hook(lambda module, args: (args[0] * 2 + 1,))
+    w = Workload("hooked", model, (torch.randn(512, 8),), None)
+    return w, _profile(w)
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "swap", "hybrid"])
+def test_root_pre_hook_ops_are_counted_at_run_time_as_in_the_profile(hooked_mlp, strategy):
+    w, profile = hooked_mlp
+    assert [op.name for op in profile.ops[:2]] == ["aten.mul.Tensor", "aten.add.Tensor"]  # the hook's ops
+    plan = _solve_tight(profile, strategy)
+    assert _count(plan, "keep") < len(plan.decisions)
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan, emulate_link=strategy != "recompute") as handle:
+        for _ in range(3):
+            assert_same(reference, run_and_grads(w))
+    assert handle.stats.planned_steps == 3 and handle.stats.unplanned_steps == 0
+
+
+# ---- a module used two ways: a GAN's discriminator -----------------------------------------------
+
+BATCH = 256
+ONES = torch.ones(BATCH, 1)
+D_LABELS = torch.cat([torch.ones(BATCH // 2, 1), torch.zeros(BATCH // 2, 1)])
+
+
+def _generator():
+    return nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 32))
+
+
+def _discriminator():
+    return nn.Sequential(nn.Linear(32, 128), nn.LeakyReLU(0.2), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+
+
+def _bce(labels):
+    return lambda out, batch: F.binary_cross_entropy_with_logits(out, labels)
+
+
+@pytest.fixture(scope="module")
+def gan():
+    """(G, D, plan of D's own step, plan of D in G's step): D's two uses, each profiled by a workload whose
+    batch is what the loop gives D there (a detached batch; the generator's output, which requires grad)."""
+    torch.manual_seed(0)
+    g, d = _generator(), _discriminator()
+    d_step = Workload("d-step", d, (torch.randn(BATCH, 32),), _bce(D_LABELS))
+    g_step = Workload("g-step", d, (torch.randn(BATCH, 32, requires_grad=True),), _bce(ONES))
+    profiles = [_profile(d_step), _profile(g_step)]
+    assert [p.call.inputs[0].requires_grad for p in profiles] == [False, True]
+    assert profiles[0].fingerprint == profiles[1].fingerprint  # the same ops (the batch's own hooks count none)
+    assert len(profiles[1].saved_entries) > len(profiles[0].saved_entries)  # the G step saves more
+    plans = [_solve_tight(p, "recompute") for p in profiles]
+    assert all(_count(plan, "recompute") > 0 for plan in plans)
+    return g, d, plans[0], plans[1]
+
+
+def _gan_loop(g, d, plans=None, steps: int = 3):
+    """SGD steps of a GAN from copies of `g` and `d`, with `d` under `plans` (or unplanned): every loss and the
+    final parameters of both."""
+    import copy
+
+    g, d = copy.deepcopy(g), copy.deepcopy(d)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    handle = regen.apply(d, plans) if plans is not None else None
+    torch.manual_seed(1)
+    losses = []
+    try:
+        for _ in range(steps):
+            fake = g(torch.randn(BATCH, 16))
+            real = torch.randn(BATCH, 32)
+            d_input = torch.cat([real[: BATCH // 2], fake.detach()[: BATCH // 2]])
+            loss_d = F.binary_cross_entropy_with_logits(d(d_input), D_LABELS)
+            loss_d.backward()
+            opt_d.step()
+            opt_d.zero_grad()
+            loss_g = F.binary_cross_entropy_with_logits(d(fake), ONES)  # D's input requires grad here
+            loss_g.backward()
+            opt_g.step()
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            losses += [loss_d.detach(), loss_g.detach()]
+    finally:
+        if handle is not None:
+            handle.remove()
+    return losses, [p.detach().clone() for p in [*g.parameters(), *d.parameters()]], handle
+
+
+def test_gan_discriminator_runs_each_step_under_the_plan_of_its_use(gan, tmp_path):
+    g, d, plan_d, plan_g = gan
+    paths = [tmp_path / "d.plan.yaml", tmp_path / "g.plan.yaml"]
+    for plan, path in zip((plan_d, plan_g), paths):
+        regen.formats.save_plan(plan, path)
+    assert regen.load_plan(paths[1]).call == plan_g.call
+    ref_losses, ref_params, _ = _gan_loop(g, d)
+    losses, params, handle = _gan_loop(g, d, paths)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    assert handle.stats.planned_steps == 6 and handle.stats.unplanned_steps == 0
+    assert handle.stats.recomputes >= 6 * 2
+    assert all(s.verified and s.pack_sequence is not None for s in handle.plan_states)  # each its own fast path
+
+
+def test_one_plan_for_a_module_used_two_ways_says_how_to_plan_both(gan):
+    g, d, plan_d, _ = gan
+    with pytest.raises(PlanMismatchError, match=r"input 0 requires grad here, it did not in the profiled step.*"
+                                                r"regen\.apply\(model, \[plan_a, plan_b\]\)"):
+        _gan_loop(g, d, plan_d, steps=1)
+
+
+def test_a_call_no_plan_of_the_set_fits(gan):
+    g, d, plan_d, plan_g = gan
+    other = torch.randn(BATCH // 2, 32)
+    with regen.apply(d, [plan_d, plan_g]) as handle:
+        with pytest.raises(PlanMismatchError, match=r"none of the plan set's .*plan 0: 0: \[256, 32\] float32"):
+            d(other).sum().backward()
+    with regen.apply(d, [plan_d, plan_g], on_mismatch="keep") as handle:
+        with pytest.warns(PlanMismatchWarning, match="none of the plan set's"):
+            d(other).sum().backward()
+        assert handle.stats.unplanned_steps == 1 and handle.active_steps == 0
+
+
+def test_a_plan_set_needs_one_plan_per_call(gan):
+    import copy
+
+    _, d, plan_d, plan_g = gan
+    with pytest.raises(RegenError, match="plans 0 and 1 of the set were profiled with the same call"):
+        regen.apply(d, [plan_d, plan_d])
+    old = copy.deepcopy(plan_g)
+    old.call = None
+    with pytest.raises(RegenError, match="plan 1 of the set does not record how its step called the model"):
+        regen.apply(d, [plan_d, old])
+    with pytest.raises(RegenError, match="an empty list of plans"):
+        regen.apply(d, [])
