@@ -65,7 +65,7 @@ def test_another_branch_on_a_fast_step_raises_even_at_a_reused_address():
             with regen.apply(w.model, plan) as handle:
                 run_and_grads(w)
                 run_and_grads(w)
-                assert handle.fast_ops is not None and handle.stats.planned_steps == 2
+                assert handle.plan_states[0].fast_ops is not None and handle.stats.planned_steps == 2
                 w.model.flag = True
                 run_and_grads(w)
         (address, reused), = w.model.addresses
