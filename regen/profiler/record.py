@@ -108,6 +108,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     _zero_grad(optimizer, workload)
     say("probing until when saved tensors are held outside autograd")
     notes = list(capture.notes) + record_held_until(workload, dev, capture)
+    _zero_grad(optimizer, workload)
     op_times_s = timer.op_times(capture.op_names)
     for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
         problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))

@@ -151,7 +151,7 @@ def test_the_forward_does_not_wait_for_copy_outs_due_in_backward():
         # no barrier: the copy-outs are still running and their storages held, nothing was waited for
         assert handle.stats.link_wait_s == waited_s
         assert step_.swaps.due_at_unpack and any(c.copy_out.source is not None for _, _, c in step_.swaps.due_at_unpack)
-        copy_s = handle.index.swap_bytes / VERY_SLOW_BYTES_PER_S
+        copy_s = handle.plan_states[0].index.swap_bytes / VERY_SLOW_BYTES_PER_S
         assert forward_s < copy_s / 2
         loss.backward()
         del loss
