@@ -3,8 +3,9 @@
 A forward pre-hook on the root module starts a *step* (step.py) whenever the model is called with grad
 enabled, in training or eval mode (no_grad forwards are left alone; an eval forward whose ops differ
 from the plan's, e.g. with dropout or batch norm, is a mismatch like any other; under
-DistributedDataParallel the hooks go on the wrapped module). The handle pushes, for each step, the step's pair of saved-tensor hooks and,
-while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
+DistributedDataParallel the hooks go on the wrapped module; nn.DataParallel, whose replicas run in threads
+through one handle, is refused). The handle pushes, for each step, the step's pair of saved-tensor hooks
+and, while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
 forward ops (the loss included) until the plan's `num_forward_ops` have run or backward begins:
 
 * pack: the tensor's plan entry is found (packing.py) by the writer map of its storage, `(producer_op,
@@ -50,7 +51,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
-from regen.errors import PlanMismatchError, RegenError
+from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan, load_plan
 from regen.runtime.forward_ops import FastOps
 from regen.runtime.packing import PackRecord
@@ -102,8 +103,8 @@ class RegenHandle:
         self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
         if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
-        self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0,
-                             pin_memory=device is not None and device.type == "cuda")
+        # allocated at the first copy-out, pinned if a CUDA engine makes it (the model may move to the GPU later)
+        self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0)
         self.engines: dict[torch.device, SwapEngine] = {}
         self._finalizer = weakref.finalize(self, _close_engines, self.engines)  # also at interpreter exit
         self._step_context = StepContext(
@@ -167,6 +168,7 @@ class RegenHandle:
             if prev.phase != PHASE_CLOSED:
                 prev.end_forward()
             self._pop_hooks_of(prev)
+        self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
         step = Step(self._step_context, self.verified, self.pack_sequence, self.fast_ops)
         self.stats.steps += 1
         self.current = step
@@ -208,6 +210,7 @@ class RegenHandle:
             self._pop_tracker(force=False)
 
     def _pop_tracker(self, force: bool):
+        self.tracker.pop_closer(force)
         if not self.tracker_pushed:
             return
         if _get_current_dispatch_mode() is self.tracker:
@@ -297,9 +300,11 @@ def _close_engines(engines: dict) -> None:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module whose forward the plan describes: DDP and DataParallel wrap it."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
+    """The module whose forward the plan describes: DistributedDataParallel wraps it (DataParallel is
+    refused)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, nn.DataParallel):
+            raise RegenError(f"regen.apply: {DATA_PARALLEL_REFUSED}")
         model = model.module
     return model
 

@@ -91,9 +91,11 @@ class SwapQueue:
         """The candidate's host range goes back to the pool (and its device source, if still held)."""
         out = cand.copy_out
         cand.copy_out = None
+        engine = self.engine_for(out.device)
         if out.source is not None:
-            self.engine_for(out.source.device).release_source(out)
+            engine.release_source(out)
         self.pool.release(out.slot)
+        engine.retire(out)
 
     def clear(self) -> None:
         """The step is released: forget the copy-ins never issued."""
