@@ -87,7 +87,7 @@ class RegenHandle:
         self.plan = plan
         self.index = index_plan(plan)
         self.on_mismatch = on_mismatch
-        self.tracker = ForwardTracker()
+        self.tracker = ForwardTracker(outside_model=lambda: self._depth == 0)
         self.tracker_pushed = False
         self.verified = False
         # what earlier steps found (StepFindings), given to every new step

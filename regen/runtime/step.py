@@ -144,6 +144,8 @@ class Step:
         findings = self._findings()
         self.ops.end_forward()
         self.matcher = None
+        if self._pending_copy_outs:
+            self.ctx.stats.copy_outs_unfinished_at_end_forward += self.swaps.unfinished_copy_outs()
         self.swaps.flush(wait_all=True)
         self.ctx.forward_ended(self, findings, in_pack_hook)
         self._maybe_release()

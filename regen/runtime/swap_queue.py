@@ -59,6 +59,11 @@ class SwapQueue:
                 keep.append(cand)
         self.pending_copy_outs[:] = keep
 
+    def unfinished_copy_outs(self) -> int:
+        """Copy-outs still running (their device storage held)."""
+        return sum(1 for cand in self.pending_copy_outs if cand.copy_out is not None and cand.copy_out.source is not None
+                   and not self.engine_for(cand.copy_out.device).copy_out_finished(cand.copy_out))
+
     # ---- backward ---------------------------------------------------------------------------------
     def issue_due(self, unpack_order: int) -> None:
         """Issue the copy-ins scheduled at or before this unpack."""

@@ -17,6 +17,8 @@ runs, from above the dispatch, where the tracker can be popped.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,9 +41,11 @@ class ForwardTracker(TorchDispatchMode):
     closes matching at the next op; CLOSED passes ops straight through.
     """
 
-    def __init__(self):
+    def __init__(self, outside_model: Callable[[], bool] = lambda: True):
+        """`outside_model()`: no call of the model's root module is running (its hook then closes a tail)."""
         super().__init__()
         self.step = None
+        self.outside_model = outside_model
         self.paused = 0
         self._counted: dict = {}  # func -> opinfo.is_counted(func), cached (this runs on every op)
         self.closer = ForwardCloser(self)
@@ -86,17 +90,20 @@ class ForwardTracker(TorchDispatchMode):
 
 
 class ForwardCloser(TorchFunctionMode):
-    """Ends the tracked step's forward at the first torch call after its last planned op that regen's own
-    code does not make (regen's hooks run with the Python dispatch key excluded: `regen_ops`)."""
+    """Ends the tracked step's forward at the first torch call after its last planned op made outside the
+    model (inside it, the root module's hook ends it) and outside regen's own code (regen's hooks run with
+    the Python dispatch key excluded: `regen_ops`)."""
 
     def __init__(self, tracker: ForwardTracker):
         super().__init__()
         self.tracker = tracker
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        step = self.tracker.step
+        tracker = self.tracker
+        step = tracker.step
         if (step is not None and step.phase == PHASE_TAIL and torch._C._current_graph_task_id() == -1
-                and not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)):
+                and not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
+                and tracker.outside_model()):
             step.end_forward()
         return func(*args, **(kwargs or {}))
 
