@@ -61,8 +61,9 @@ class SwapQueue:
 
     def unfinished_copy_outs(self) -> int:
         """Copy-outs still running (their device storage held)."""
-        return sum(1 for cand in self.pending_copy_outs if cand.copy_out is not None and cand.copy_out.source is not None
-                   and not self.engine_for(cand.copy_out.device).copy_out_finished(cand.copy_out))
+        outs = [cand.copy_out for cand in self.pending_copy_outs]
+        return sum(1 for out in outs if out is not None and out.source is not None
+                   and not self.engine_for(out.device).copy_out_finished(out))
 
     # ---- backward ---------------------------------------------------------------------------------
     def issue_due(self, unpack_order: int) -> None:

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -29,7 +30,8 @@ def test_the_cpu_dry_run_prints_every_row_and_checks_gradients(capsys):
     lines = out.splitlines()
     assert "sum of op times" in out and "device-to-host" in out and "host-to-device" in out
     assert any(line.startswith("variant") and "stall ms" in line and "pending" in line for line in lines)
-    rows = {line.split("  ")[0]: line for line in lines if line.startswith(("no plan", "checkpoint", "offload", "regen "))}
+    labels = ("no plan", "checkpoint", "offload", "regen ")
+    rows = {line.split("  ")[0]: line for line in lines if line.startswith(labels)}
     assert "no plan" in rows and any(r.startswith("checkpoint per block") for r in rows) and "offload-all" in rows
     for strategy in gpu_check.STRATEGIES:
         row = next(line for label, line in rows.items() if label.startswith(f"regen {strategy} @"))
