@@ -103,8 +103,9 @@ class RegenHandle:
         self.emulated_link_bytes_per_s = _emulated_link(plan, device, self.index.swap_bytes) if emulate_link else None
         if not emulate_link and self.index.swap_bytes and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
-        # allocated at the first copy-out, pinned if a CUDA engine makes it (the model may move to the GPU later)
-        self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0)
+        # pinned for a model on CUDA; a model moved to the GPU later gets it again, pinned, at its first copy-out
+        self.pool = HostPool(plan.host_pool_bytes if self.index.swap_bytes else 0,
+                             pin_memory=device is not None and device.type == "cuda")
         self.engines: dict[torch.device, SwapEngine] = {}
         self._finalizer = weakref.finalize(self, _close_engines, self.engines)  # also at interpreter exit
         self._step_context = StepContext(

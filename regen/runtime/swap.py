@@ -1,8 +1,8 @@
 """Swap: copy a saved tensor's storage to host memory in forward and back to the device in backward.
 
-* `HostPool`: host memory allocated once, at the first copy-out (pinned once a CUDA engine uses it:
-  allocating pinned memory per tensor forces a device sync), its first chunk the plan's
-  `host_pool_bytes`, and handed out as byte ranges (`formats.plan.host_range_bytes`: rounded up to
+* `HostPool`: host memory allocated once, by `regen.apply`, its first chunk the plan's `host_pool_bytes`
+  (pinned for a model on CUDA: allocating pinned memory per tensor forces a device sync; a pool made
+  pageable is made again, pinned, at the first CUDA copy-out: a model moved to the GPU after apply), and handed out as byte ranges (`formats.plan.host_range_bytes`: rounded up to
   512 bytes, as the plan sizes it), first fit; it grows by whole chunks when a step needs more than it
   holds, and every range goes back to it when its step is done, so later steps reuse it. Its ranges
   and pending read events are taken and given back under a lock (engines of several devices share it).
@@ -85,17 +85,19 @@ class HostSlot:
 
 
 class HostPool:
-    """Host memory for swapped storages, allocated at the first copy-out and reused every step."""
+    """Host memory for swapped storages, allocated once and reused every step."""
 
-    def __init__(self, initial_bytes: int = 0):
+    def __init__(self, initial_bytes: int = 0, pin_memory: bool = False):
         self.initial_bytes = initial_bytes  # the first chunk's size: the plan's host_pool_bytes
-        self.pin_memory = False  # set by the first CUDA engine (use_pinned_memory)
+        self.pin_memory = pin_memory  # also set by the first CUDA engine (use_pinned_memory)
         self.chunks: list[_Chunk] = []
         self.checked_out_bytes = 0
         self.grow_count = 0
         # events of copy-ins that read ranges since given back; the next copy-out waits on them
         self.pending_read_events: list[object] = []
         self._lock = threading.Lock()
+        if initial_bytes > 0:
+            self._grow(initial_bytes)
 
     @property
     def capacity_bytes(self) -> int:
@@ -103,7 +105,8 @@ class HostPool:
 
     def use_pinned_memory(self) -> None:
         """A CUDA engine copies through this pool: chunks allocated from now on are pinned, and pageable
-        chunks with nothing checked out are let go (allocated again, pinned, at the next copy-out)."""
+        chunks with nothing checked out are let go (the first chunk is allocated again, pinned, at the
+        next copy-out)."""
         with self._lock:
             if self.pin_memory:
                 return

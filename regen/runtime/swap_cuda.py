@@ -30,7 +30,7 @@ class CudaEngine(SwapEngine):
 
     def __init__(self, device: torch.device, pool: HostPool):
         super().__init__(device, pool)
-        pool.use_pinned_memory()  # decided at the first CUDA copy-out, wherever the model was at apply()
+        pool.use_pinned_memory()  # at the first CUDA copy-out: a model moved to the GPU after apply()
         self.d2h_stream = torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
         self._reached = torch.cuda.Event()  # "the compute stream got here", recorded again for every copy

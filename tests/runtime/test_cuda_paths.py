@@ -4,7 +4,7 @@ torch.cuda's streams and events are replaced by records (fake_cuda.py), so `Cuda
 profiler's CUDA op timing run here on CPU tensors: every stream, event and synchronize names its device;
 a swapped source is let go on the stream it was allocated on, whichever stream is current at the
 release; a copy-in buffer read on another stream is recorded on that stream; CUDA events are reused from
-step to step; the host pool is allocated at the first copy-out, pinned for a CUDA engine, with the
+step to step; the host pool is made again, pinned, at the first CUDA copy-out, with the
 plan's rounding (never growing in the first step) and under a lock; `nn.DataParallel` is refused; and a
 loss computed outside the model whose last op saves nothing leaves no dispatch mode for the backward.
 What only a GPU shows (real stream concurrency, the allocator's reuse) is bench/gpu_check.py's.
@@ -168,8 +168,8 @@ def test_data_parallel_is_refused_in_one_line():
 # ---- the engine in planned steps: pinning (item 6), event reuse (item 8) --------------------------------
 @pytest.mark.parametrize("strategy", ["swap", "hybrid"])
 def test_planned_steps_through_the_cuda_engine(monkeypatch, strategy):
-    """A model whose pool is decided at the first CUDA copy-out (pinned), exact gradients, and no new CUDA
-    event after the first step."""
+    """A model that meets CUDA after apply() gets its pool again, pinned, at the first CUDA copy-out; exact
+    gradients; no new CUDA event after the first step."""
     fake = FakeCuda().install(monkeypatch)
     pinned = _pageable_host_memory(monkeypatch)
     monkeypatch.setattr(apply_module, "new_engine", lambda device, pool, link, stats=None: CudaEngine(device, pool))
@@ -181,12 +181,13 @@ def test_planned_steps_through_the_cuda_engine(monkeypatch, strategy):
         warnings.simplefilter("ignore", RuntimeWarning)  # swaps on a CPU device: the engine is CUDA's here
         handle = regen.apply(w.model, plan)
     with handle:
-        assert handle.pool.chunks == []  # nothing allocated at apply()
+        assert pinned == [False]  # apply() on a CPU model: pageable
         for _ in range(3):
             assert_same(reference, run_and_grads(w))
             events.append(fake.events_created)
     assert handle.stats.swapped_tensors == 3 * plan.action_counts()["swap"] > 0
-    assert pinned == [True], "the pool's one chunk is allocated pinned, at the first copy-out"
+    assert pinned == [False, True], "allocated again, pinned, at the first CUDA copy-out"
+    assert handle.pool.grow_count == 2 and len(handle.pool.chunks) == 1
     assert events[0] > 0 and events[2] == events[1] == events[0], f"CUDA events created by step: {events}"
     assert fake.unnamed_device_calls == []
     assert_nothing_left(handle, w.model)
