@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One command for the GPU check (see bench/gpu_check.py): bench/compare.py's link comparison over the real
-# host link. Profile a GPT-2-sized workload; train no plan, per-block checkpointing, offload-all, and regen's
-# recompute, swap and hybrid plans at 50% and at the peers' peaks; print max_memory_allocated next to
-# max_memory_reserved and the measured step time next to the predicted one. Without CUDA it says so, exits 0.
+# One command for the GPU check (bench/gpu_check.py): regen's CUDA path and bench/compare.py's link
+# comparison over the real host link, under 5 minutes. Made for a bare GPU machine (docs/limitations.md, "how
+# to run it on a lent GPU"): its plain python3 with its own torch, no venv, nothing installed; the wheels that
+# bench/gpu_wheels.sh downloaded into .whl/ (pulp, highspy) are installed into /tmp/site when present, and the
+# repo root goes on PYTHONPATH. Without CUDA it says so and exits 0 (--cpu-dry-run runs its code on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
-[ -x "$PY" ] || PY=python3
+PY="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec timeout 290 "$PY" bench/gpu_check.py "$@"
+exec timeout 300 "$PY" bench/gpu_check.py "$@"

@@ -43,3 +43,9 @@ class SolverError(RegenError):
 
 class PlanMismatchError(RegenError):
     """A plan applied to a model or batch shape it was not made for."""
+
+
+# nn.DataParallel runs one replica per device in threads, all through the one module's hooks: refused by
+# the profiler and by regen.apply
+DATA_PARALLEL_REFUSED = ("nn.DataParallel runs its replicas in threads through one set of hooks, which regen does "
+                         "not follow; use DistributedDataParallel (one process per GPU) or the bare module")

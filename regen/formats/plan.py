@@ -48,6 +48,17 @@ PLAN_VERSIONS = (1, 2)  # 1: swaps without release points, refused (re-solve); o
 ACTION_KEEP = "keep"
 ACTION_SWAP = "swap"
 ACTION_RECOMPUTE = "recompute"
+
+# The runtime hands out its host pool in ranges of whole HOST_RANGE_ALIGN_BYTES (DMA-friendly, and a
+# multiple of every dtype's size); Plan.host_pool_bytes is sized with the same rounding.
+HOST_RANGE_ALIGN_BYTES = 512
+
+
+def host_range_bytes(nbytes: int) -> int:
+    """The host pool bytes a swapped storage of `nbytes` takes: rounded up to HOST_RANGE_ALIGN_BYTES."""
+    return (nbytes + HOST_RANGE_ALIGN_BYTES - 1) // HOST_RANGE_ALIGN_BYTES * HOST_RANGE_ALIGN_BYTES
+
+
 ACTIONS = (ACTION_KEEP, ACTION_SWAP, ACTION_RECOMPUTE)
 
 
@@ -152,7 +163,8 @@ class Plan:
     solver: SolverReport
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
-    host_pool_bytes: int  # pinned host memory the runtime allocates once
+    host_pool_bytes: int  # host memory the runtime allocates once (pinned on CUDA): swapped ranges, rounded
+    # up by host_range_bytes, at their most at once
     num_forward_ops: int
     decisions: list[Decision]
     recipe_ops: list[RecipeOp] = field(default_factory=list)

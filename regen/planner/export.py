@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from regen.errors import RegenError
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
-                                RegionDecision)
+                                RegionDecision, host_range_bytes)
 from regen.planner.graph import PlanningGraph
 from regen.planner.recipes import Recipe, recipe_transient_bytes
 from regen.planner.result import Choice, StrategyResult
@@ -29,7 +29,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
     plan_region = {r.index: k for k, r in enumerate(graph.regions[i] for i in sorted(
         {ch.region for ch in result.choices.values() if ch.region is not None}))}
     recipe_ops: dict[int, RecipeOp] = {}
-    host_intervals = []  # (copy-out issued after, copy-in needed at, bytes) of every tensor in host memory
+    host_intervals = []  # (copy-out issued after, copy-in needed at, host range bytes) of every swapped tensor
     for c in graph.candidates:
         s = c.saved
         ch = result.choices.get(c.index, Choice())
@@ -41,7 +41,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
             d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
             d.release_before_op = sim.release_steps[c.index]
             d.release_at_pack, d.release_at_unpack = graph.release_position(c, d.release_before_op)
-            host_intervals.append((c.issue_after, c.first_backward, c.bytes))
+            host_intervals.append((c.issue_after, c.first_backward, host_range_bytes(c.bytes)))
         elif ch.action == ACTION_RECOMPUTE and ch.region is not None:
             d.region = plan_region[ch.region]
             d.recompute_before_op = graph.regions[ch.region].replay_step

@@ -414,11 +414,13 @@ class CaptureMode(TorchDispatchMode):
 
 
 class TimingMode(TorchDispatchMode):
-    """Times every dispatched op: perf_counter on CPU, a pair of CUDA events around each op on CUDA."""
+    """Times every dispatched op: perf_counter on CPU; on CUDA, a pair of CUDA events around each op,
+    recorded on `device`'s current stream (where its kernels run, whichever device is current)."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, device: torch.device):
         super().__init__()
-        self.cuda = cuda
+        self.device = device
+        self.cuda = device.type == "cuda"
         self.names: list[str] = []
         self._cpu_times: list[float] = []
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -429,10 +431,11 @@ class TimingMode(TorchDispatchMode):
             return func(*args, **kwargs)
         self.names.append(opinfo.op_name(func))
         if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             out = func(*args, **kwargs)
-            end.record()
+            end.record(stream)
             self._events.append((start, end))
             return out
         t0 = time.perf_counter()
@@ -444,7 +447,7 @@ class TimingMode(TorchDispatchMode):
         """Per-op times of the step (synchronises the device on CUDA)."""
         if not self.cuda:
             return list(self._cpu_times)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         return [start.elapsed_time(end) / 1e3 for start, end in self._events]  # elapsed_time is in ms
 
 

@@ -40,7 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from regen.call_signature import call_signature
-from regen.errors import DeviceError, RegenError, WorkloadError
+from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
 from regen.profiler.capture import (
@@ -223,7 +223,7 @@ class _StepTimer:
         per_step_times = []
         for k in range(self.repeats):
             self.say(f"timing ops: step {k + 1}/{self.repeats}")
-            names, times = _timed_step(self.workload, self.cuda)
+            names, times = _timed_step(self.workload, self.device)
             _zero_grad(self.optimizer, self.workload)
             _check_same_sequence(self.workload.name, recorded_names, names)
             per_step_times.append(times)
@@ -282,8 +282,8 @@ def _backward(workload: Workload, loss: torch.Tensor) -> None:
         raise WorkloadError(f"workload '{workload.name}': the backward raised {type(exc).__name__}: {exc}") from exc
 
 
-def _timed_step(workload: Workload, cuda: bool) -> tuple[list[str], list[float]]:
-    mode = TimingMode(cuda)
+def _timed_step(workload: Workload, device: torch.device) -> tuple[list[str], list[float]]:
+    mode = TimingMode(device)
     with torch.autograd.graph.saved_tensors_hooks(pass_through_pack, pass_through_unpack):
         with mode:
             loss, output = forward_with_output(workload)
@@ -305,8 +305,10 @@ def _check_same_sequence(name: str, recorded: list[str], timed: list[str]) -> No
 
 
 def _check_model_device(workload: Workload, device: torch.device) -> None:
+    if isinstance(workload.model, torch.nn.DataParallel):
+        raise WorkloadError(f"workload '{workload.name}': {DATA_PARALLEL_REFUSED}")
     for p in workload.model.parameters():
-        if p.device.type != device.type:
+        if p.device != device:
             raise DeviceError(f"workload '{workload.name}': the model's parameters are on {p.device} but the "
                               f"profile was asked for {device}; build the workload on that device")
         break

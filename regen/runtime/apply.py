@@ -3,8 +3,9 @@
 A forward pre-hook on the root module starts a *step* (step.py) whenever the model is called with grad
 enabled, in training or eval mode (no_grad forwards are left alone; an eval forward whose ops differ
 from the plan's, e.g. with dropout or batch norm, is a mismatch like any other; under
-DistributedDataParallel the hooks go on the wrapped module). The handle pushes, for each step, the step's pair of saved-tensor hooks and,
-while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
+DistributedDataParallel the hooks go on the wrapped module; nn.DataParallel, whose replicas run in threads
+through one handle, is refused). The handle pushes, for each step, the step's pair of saved-tensor hooks
+and, while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
 forward ops (the loss included) until the plan's `num_forward_ops` have run or backward begins:
 
 * pack: the swapped storages due at this pack are released (their release points, swap_queue.py); the
@@ -60,7 +61,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
-from regen.errors import PlanMismatchError, RegenError
+from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan
 from regen.runtime.peak_check import PeakCheck
 from regen.runtime.plan_set import PlanState, call_difference, choose, plan_states
@@ -92,7 +93,7 @@ class RegenHandle:
         self.root = _unwrap(model)
         self.plan_states = states  # one per plan, each with what its steps found (plan_set.py)
         self.on_mismatch = on_mismatch
-        self.tracker = ForwardTracker()
+        self.tracker = ForwardTracker(outside_model=lambda: self._depth == 0)
         self.tracker_pushed = False
         self.stats = RuntimeStats()
         self.current: Step | None = None
@@ -107,6 +108,7 @@ class RegenHandle:
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
         # a set's steps are checked against its largest cap
         self.peak_check = PeakCheck(max(s.plan.memory_cap_bytes for s in states), _cuda_peak_reader(device))
+        # pinned for a model on CUDA; a model moved to the GPU later gets it again, pinned, at its first copy-out
         self.pool = HostPool(max((p.host_pool_bytes for p in swapping), default=0),
                              pin_memory=device is not None and device.type == "cuda")
         self.engines: dict[torch.device, SwapEngine] = {}
@@ -174,6 +176,7 @@ class RegenHandle:
             if prev.phase != PHASE_CLOSED:
                 prev.end_forward()
             self._pop_hooks_of(prev)
+        self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
         state = self._plan_for(args, kwargs)
         if state is None:  # no plan of the set fits this call: an unplanned step (on_mismatch="keep")
             self.current = None
@@ -236,6 +239,7 @@ class RegenHandle:
             self._pop_tracker(force=False)
 
     def _pop_tracker(self, force: bool):
+        self.tracker.pop_closer(force)
         if not self.tracker_pushed:
             return
         if _get_current_dispatch_mode() is self.tracker:
@@ -336,9 +340,11 @@ def _close_engines(engines: dict) -> None:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module whose forward the plan describes: DDP and DataParallel wrap it."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
+    """The module whose forward the plan describes: DistributedDataParallel wraps it (DataParallel is
+    refused)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, nn.DataParallel):
+            raise RegenError(f"regen.apply: {DATA_PARALLEL_REFUSED}")
         model = model.module
     return model
 

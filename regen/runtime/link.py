@@ -165,8 +165,7 @@ class EmulatedEngine(SwapEngine):
     def copy_out(self, t: torch.Tensor) -> CopyOut:
         src = storage_bytes_view(t)
         slot = self.pool.allocate(src.numel())
-        after = tuple(self.pool.pending_read_events)  # recycled ranges: their last copy-in has read them
-        self.pool.pending_read_events.clear()
+        after = tuple(self.pool.take_read_events())  # recycled ranges: their last copy-in has read them
         done = self.d2h.submit(src, slot.tensor, after)
         return CopyOut(slot=slot, done_event=done, source=src, device=self.device)
 

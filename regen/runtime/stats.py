@@ -18,4 +18,5 @@ class RuntimeStats:
     recomputes: int = 0  # recipe replays
     region_replays: int = 0  # module calls run again in backward (Plan.regions)
     synchronous_copy_ins: int = 0  # copy-ins issued at their consumer instead of their planned unpack
+    copy_outs_held_at_end_forward: int = 0  # copy-outs whose storage a forward's end still held (all steps)
     link_wait_s: float = 0.0  # emulated link (emulate_link=True): wall time the compute thread waited on copies

@@ -154,6 +154,7 @@ class Step:
         findings = self._findings()
         self.ops.end_forward()
         self.matcher = None
+        self.ctx.stats.copy_outs_held_at_end_forward += self.swaps.held_copy_outs()
         self.ctx.forward_ended(self, findings, in_pack_hook)
         self._maybe_release()
 

@@ -1,8 +1,11 @@
 """Swap: copy a saved tensor's storage to host memory in forward and back to the device in backward.
 
-* `HostPool`: host memory allocated once (pinned on CUDA: allocating pinned memory per tensor forces a
-  device sync) and handed out as byte ranges, first fit; it grows by whole chunks when a step needs
-  more than it holds, and every range goes back to it when its step is done, so later steps reuse it.
+* `HostPool`: host memory allocated once, by `regen.apply`, its first chunk the plan's `host_pool_bytes`
+  (pinned for a model on CUDA: allocating pinned memory per tensor forces a device sync; a pool made
+  pageable is made again, pinned, at the first CUDA copy-out: a model moved to the GPU after apply), and handed out as byte ranges (`formats.plan.host_range_bytes`: rounded up to
+  512 bytes, as the plan sizes it), first fit; it grows by whole chunks when a step needs more than it
+  holds, and every range goes back to it when its step is done, so later steps reuse it. Its ranges
+  and pending read events are taken and given back under a lock (engines of several devices share it).
 * `SwapEngine`: the copies, one interface (the calls swap_queue.py makes) with three backends, chosen
   by `new_engine`: `CudaEngine` (swap_cuda.py: a device-to-host and a host-to-device stream, events),
   `EmulatedEngine` (link.py: a CPU device with `regen.apply(..., emulate_link=True)`: one copy thread
@@ -22,16 +25,19 @@ view it; each entry is rebuilt over the restored bytes with its own geometry (se
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
-HOST_ALIGN_BYTES = 512  # alignment of each host range (DMA-friendly, and a multiple of every dtype)
+from regen.formats.plan import host_range_bytes
+
 MIN_CHUNK_BYTES = 1 << 20  # a pool never grows by less than this
 
 
-def _align(n: int) -> int:
-    return (n + HOST_ALIGN_BYTES - 1) // HOST_ALIGN_BYTES * HOST_ALIGN_BYTES
+def host_memory(nbytes: int, pinned: bool) -> torch.Tensor:
+    """`nbytes` of host memory for a chunk of the pool (page-locked when `pinned`)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def storage_bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -83,12 +89,14 @@ class HostPool:
     """Host memory for swapped storages, allocated once and reused every step."""
 
     def __init__(self, initial_bytes: int = 0, pin_memory: bool = False):
-        self.pin_memory = pin_memory
+        self.initial_bytes = initial_bytes  # the first chunk's size: the plan's host_pool_bytes
+        self.pin_memory = pin_memory  # also set by the first CUDA engine (use_pinned_memory)
         self.chunks: list[_Chunk] = []
         self.checked_out_bytes = 0
         self.grow_count = 0
         # events of copy-ins that read ranges since given back; the next copy-out waits on them
         self.pending_read_events: list[object] = []
+        self._lock = threading.Lock()
         if initial_bytes > 0:
             self._grow(initial_bytes)
 
@@ -96,21 +104,33 @@ class HostPool:
     def capacity_bytes(self) -> int:
         return sum(c.tensor.numel() for c in self.chunks)
 
+    def use_pinned_memory(self) -> None:
+        """A CUDA engine copies through this pool: chunks allocated from now on are pinned, and pageable
+        chunks with nothing checked out are let go (the first chunk is allocated again, pinned, at the
+        next copy-out)."""
+        with self._lock:
+            if self.pin_memory:
+                return
+            self.pin_memory = True
+            if self.checked_out_bytes == 0:
+                self.chunks = []
+
     def _grow(self, nbytes: int) -> _Chunk:
-        size = _align(max(nbytes, MIN_CHUNK_BYTES, self.capacity_bytes))
-        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
-        chunk = _Chunk(tensor=tensor, free=[[0, size]])
+        first = self.initial_bytes if not self.chunks else 0
+        size = host_range_bytes(max(nbytes, first, MIN_CHUNK_BYTES, self.capacity_bytes))
+        chunk = _Chunk(tensor=host_memory(size, self.pin_memory), free=[[0, size]])
         self.chunks.append(chunk)
         self.grow_count += 1
         return chunk
 
     def allocate(self, nbytes: int) -> HostSlot:
-        need = _align(max(nbytes, 1))
-        for chunk in self.chunks:
-            slot = self._take(chunk, need, nbytes)
-            if slot is not None:
-                return slot
-        slot = self._take(self._grow(need), need, nbytes)
+        need = host_range_bytes(max(nbytes, 1))
+        with self._lock:
+            for chunk in self.chunks:
+                slot = self._take(chunk, need, nbytes)
+                if slot is not None:
+                    return slot
+            slot = self._take(self._grow(need), need, nbytes)
         assert slot is not None
         return slot
 
@@ -126,8 +146,18 @@ class HostPool:
                                 tensor=chunk.tensor[start:start + nbytes])
         return None
 
+    def take_read_events(self) -> list[object]:
+        """The pending read events (a copy-out about to write a range waits on them), and none left."""
+        with self._lock:
+            events, self.pending_read_events = self.pending_read_events, []
+        return events
+
     def release(self, slot: HostSlot) -> None:
         """Give a range back; its last reader's event goes with it so the next writer can wait on it."""
+        with self._lock:
+            self._release(slot)
+
+    def _release(self, slot: HostSlot) -> None:
         free = slot.chunk.free
         start, end = slot.start, slot.start + slot.reserved_bytes
         if slot.last_read_event is not None:
@@ -153,6 +183,7 @@ class CopyOut:
     done_event: object | None  # the backend's completion event; None when the copy is done (SyncEngine)
     source: torch.Tensor | None  # the device bytes, held until release_source ran (at the release point)
     device: torch.device  # where the storage lives (and comes back to)
+    stream: object | None = None  # CUDA: the stream the source was allocated on (current at the pack)
 
 
 @dataclass
@@ -160,6 +191,7 @@ class CopyIn:
     buffer: torch.Tensor  # uint8 device tensor holding the restored storage
     done_event: object | None  # the backend's completion event; None when the copy is done (SyncEngine)
     waited_streams: set = field(default_factory=set)  # CUDA: streams ordered after the copy; else {None}
+    stream: object | None = None  # CUDA: the stream the buffer was allocated on (current at the issue)
 
 
 class SwapEngine:
@@ -187,6 +219,9 @@ class SwapEngine:
 
     def drop_copy_in(self, cin: CopyIn) -> None:
         """Before the buffer goes back to the allocator, make sure no copy still writes it."""
+
+    def retire(self, out: CopyOut) -> None:
+        """The copy-out's host range went back to the pool: nothing waits on its events any more."""
 
     def close(self) -> None:
         """Stop whatever the backend runs in the background (nothing to stop by default)."""

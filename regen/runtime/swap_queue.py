@@ -83,6 +83,11 @@ class SwapQueue:
         if out is not None and out.source is not None:
             self.engine_for(out.device).release_source(out)
 
+    def held_copy_outs(self) -> int:
+        """Copy-outs whose device storage is still held (their release point not reached yet)."""
+        return sum(1 for due in (self.due_at_pack, self.due_at_unpack) for _, _, cand in due
+                   if cand.copy_out is not None and cand.copy_out.source is not None)
+
     # ---- backward ---------------------------------------------------------------------------------
     def issue_due(self, unpack_order: int) -> None:
         """Issue the copy-ins scheduled at or before this unpack."""
@@ -117,9 +122,11 @@ class SwapQueue:
         """The candidate's host range goes back to the pool (and its device source, if still held)."""
         out = cand.copy_out
         cand.copy_out = None
+        engine = self.engine_for(out.device)
         if out.source is not None:
-            self.engine_for(out.device).release_source(out)
+            engine.release_source(out)
         self.pool.release(out.slot)
+        engine.retire(out)
 
     def clear(self) -> None:
         """The step is released: forget the copy-ins never issued."""

@@ -5,11 +5,22 @@ forward_ops.py: writer map, fingerprint, recipe captures). The step's `phase` sa
 FORWARD counts the op; TAIL (all of the plan's forward ops ran) closes the step's forward at the next
 op; CLOSED passes ops straight through, and so does the mode while paused: regen's own copies and
 replays run paused so they are never counted.
+
+A dispatch mode cannot pop itself: it is set aside while it handles an op and put back after. So when
+the plan's last op runs and nothing is packed after it (a loss such as `mse_loss` computed outside the
+model: no root hook follows either), the op that would close the forward, `loss.backward()`'s first,
+finds the tracker unable to leave, and the whole backward would run through it in Python. The tracker
+therefore pushes `ForwardCloser`, a torch function mode, once the last op has run: the next torch call
+made outside regen's own code (`loss.backward()`, `loss.item()`) ends the step's forward before it
+runs, from above the dispatch, where the tracker can be popped.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.opinfo import is_counted
@@ -30,11 +41,15 @@ class ForwardTracker(TorchDispatchMode):
     closes matching at the next op; CLOSED passes ops straight through.
     """
 
-    def __init__(self):
+    def __init__(self, outside_model: Callable[[], bool] = lambda: True):
+        """`outside_model()`: no call of the model's root module is running (its hook then closes a tail)."""
         super().__init__()
         self.step = None
+        self.outside_model = outside_model
         self.paused = 0
         self._counted: dict = {}  # func -> opinfo.is_counted(func), cached (this runs on every op)
+        self.closer = ForwardCloser(self)
+        self.closer_pushed = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         step = self.step
@@ -53,10 +68,44 @@ class ForwardTracker(TorchDispatchMode):
         if torch._C._current_graph_task_id() != -1:
             step.backward_began()
             return func(*args, **kwargs)
-        return step.forward_op(func, args, kwargs)
+        out = step.forward_op(func, args, kwargs)
+        if step.phase == PHASE_TAIL and not self.closer_pushed:  # the last planned op ran
+            self.closer.__enter__()
+            self.closer_pushed = True
+        return out
 
     def pause(self):
         return _Paused(self)
+
+    def pop_closer(self, force: bool) -> None:
+        """Pop the closer when it is on top of the torch function modes (it is set aside while it handles
+        a call, and stays until the next chance); with force, also forget one no longer on the stack."""
+        if not self.closer_pushed:
+            return
+        if _get_current_function_mode() is self.closer:
+            self.closer.__exit__(None, None, None)
+            self.closer_pushed = False
+        elif force and self.closer not in _get_current_function_mode_stack():
+            self.closer_pushed = False
+
+
+class ForwardCloser(TorchFunctionMode):
+    """Ends the tracked step's forward at the first torch call after its last planned op made outside the
+    model (inside it, the root module's hook ends it) and outside regen's own code (regen's hooks run with
+    the Python dispatch key excluded: `regen_ops`)."""
+
+    def __init__(self, tracker: ForwardTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tracker = self.tracker
+        step = tracker.step
+        if (step is not None and step.phase == PHASE_TAIL and torch._C._current_graph_task_id() == -1
+                and not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
+                and tracker.outside_model()):
+            step.end_forward()
+        return func(*args, **(kwargs or {}))
 
 
 class _Paused:

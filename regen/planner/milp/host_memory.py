@@ -3,8 +3,9 @@ the runtime's host pool holds (pinned on CUDA), stay within `PlanningGraph.host_
 
 A swapped candidate t holds its host range from the op after which its copy-out is issued to its first
 backward use (regen.planner.export computes the plan's host pool the same way), so at every such issue
-point s: `sum_{t: issue_after_t <= s <= b_t} m_t swap_t <= host cap`. When every swappable candidate
-fits at once the constraint is left out.
+point s: `sum_{t: issue_after_t <= s <= b_t} m_t swap_t <= host cap`, m_t being t's host range (its
+bytes rounded up as the runtime's pool hands them out: formats.plan.host_range_bytes). When every
+swappable candidate fits at once the constraint is left out.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import heapq
 
 import pulp
 
+from regen.formats.plan import host_range_bytes
 from regen.planner.milp.highs import new_var
 
 
@@ -25,7 +27,7 @@ def add_host_memory_constraints(model) -> None:
     instead of one dense row per point (3,000 candidates: 1.8 million nonzeros, which doubled the LP)."""
     cap = model.graph.host_memory_cap_bytes
     swapped = sorted((v for v in model.vars.values() if v.swap is not None), key=lambda v: v.c.issue_after)
-    if cap is None or sum(v.c.bytes for v in swapped) <= cap:
+    if cap is None or sum(host_range_bytes(v.c.bytes) for v in swapped) <= cap:
         return
     mu = model.mem_unit
     ending: list[tuple[int, int, object]] = []  # (first_backward, candidate index, vars): a heap
@@ -34,14 +36,14 @@ def add_host_memory_constraints(model) -> None:
         change = []
         while k < len(swapped) and swapped[k].c.issue_after <= s:
             v = swapped[k]
-            alive_bytes += v.c.bytes
-            change.append((v.swap, v.c.bytes / mu))
+            alive_bytes += host_range_bytes(v.c.bytes)
+            change.append((v.swap, host_range_bytes(v.c.bytes) / mu))
             heapq.heappush(ending, (v.c.first_backward, v.c.index, v))
             k += 1
         while ending and ending[0][0] < s:
             v = heapq.heappop(ending)[2]
-            alive_bytes -= v.c.bytes
-            change.append((v.swap, -v.c.bytes / mu))
+            alive_bytes -= host_range_bytes(v.c.bytes)
+            change.append((v.swap, -host_range_bytes(v.c.bytes) / mu))
         h = new_var(f"host_bytes_{s}", low=0)
         if previous is not None:
             change.append((previous, 1.0))
