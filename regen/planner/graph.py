@@ -318,6 +318,10 @@ def _set_windows(graph: PlanningGraph, c: Candidate) -> None:
         s += 1
     if not out_window:
         return
+    out_ends = _release_ends(graph, c, out_window)
+    if not out_ends:
+        return
+    out_window = [s for s in range(out_window[0], out_ends[-1] + 1)]
     # copy-in: within the gap, after the first possible copy-out step, ending at b-1
     first_in = max(c.last_forward + 1, out_window[0] + 1)
     in_window, covered = [], 0.0
@@ -343,8 +347,22 @@ def _set_windows(graph: PlanningGraph, c: Candidate) -> None:
             in_starts = [earlier]
         in_window = [s for s in in_window if s >= in_starts[0]]  # nothing flows before the copy starts
     c.out_window, c.in_window = out_window, in_window
-    c.out_breaks = _breaks(out_window)
+    c.out_breaks = _breaks(out_ends)
     c.in_breaks = _breaks(in_starts)
+
+
+def _release_ends(graph: PlanningGraph, c: Candidate, out_window: list[int]) -> list[int]:
+    """The steps of the copy-out window by whose end the copy-out may be done: those right before a step
+    where the runtime can release the storage (PlanningGraph.next_release_step), so the memory the MILP
+    frees after the copy-out is freed there. When none is inside the window, the window reaches on to the
+    first one (while it leaves a step for the copy-in before b); [] when there is none."""
+    if not graph.pack_steps and not graph.unpack_steps:
+        return list(out_window)
+    ends = [s for s in out_window if graph.next_release_step(c, s + 1) == s + 1]
+    if ends:
+        return ends
+    first = graph.next_release_step(c, out_window[-1] + 1)
+    return [first - 1] if first - 1 <= c.first_backward - 2 else []
 
 
 def _breaks(window: list[int]) -> list[int]:
