@@ -11,7 +11,9 @@
   CPU, `emulate_link=True`) and swap.py's synchronous one;
 * recompute.py: capture of recipe ops in forward and their replay in backward;
 * regions.py: capture of a region's module call in forward and its replay (the module's forward) in backward;
-* plan_index.py: the plan's lookup tables; stats.py: the handle's counters.
+* plan_index.py: the plan's lookup tables; stats.py: the handle's counters;
+* dynamic/: dynamic mode, `regen.apply(model, memory_cap=...)` without a plan: saved tensors dropped at
+  run time under the cap and rebuilt from recipes recorded as forward ran (DTR-style).
 """
 
 from regen.runtime.apply import RegenHandle, apply
