@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from regen.errors import RegenError
 from regen.opinfo import is_counted
+from regen.runtime.apply import _unwrap  # the module a plan would describe: DDP and DataParallel unwrapped
 from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.policy import POLICIES
 from regen.runtime.dynamic.step import DynamicStep, OverCapWarning
@@ -36,6 +37,7 @@ class DynamicStats:
     steps: int = 0  # steps started (training forwards with grad)
     evictions: int = 0  # held nodes dropped to stay under the cap
     rebuilds: int = 0  # recipes replayed (a dropped node needed again, or an input of one)
+    input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
     over_cap_steps: int = 0  # steps that passed the cap with nothing left to drop (OverCapWarning)
     peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (memory.py)
 
@@ -83,8 +85,6 @@ class DynamicHandle:
     """The object `regen.apply(model, memory_cap=...)` returns: a context manager, or call `.remove()`."""
 
     def __init__(self, model: nn.Module, memory_cap: int | str, policy: str = "graph"):
-        from regen.runtime.apply import _unwrap
-
         if not isinstance(model, nn.Module):
             raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
         if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -208,4 +208,4 @@ def cap_bytes(memory_cap: int | str) -> int:
             raise RegenError(f"regen.apply: memory_cap must be positive, got {memory_cap}")
         return memory_cap
     return parse_memory_cap(memory_cap, 0, flag="memory_cap",
-                            percent_of="the unplanned peak, which dynamic mode does not know")
+                            percent_of="the unplanned peak (dynamic mode has no profile)")

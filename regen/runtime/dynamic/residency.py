@@ -10,7 +10,9 @@ progress. When nothing is left to drop, the step goes on over the cap and its ha
 `materialize(node)` returns a tensor over the node's storage with its value: resident (held, or still
 held by the program), or rebuilt by replaying its recipe (`recompute.replay_recipe`) whose inputs are
 materialized first, recursively. A rebuilt node that autograd still awaits stays held (and may be
-evicted again); intermediates rebuilt only as inputs are let go when the top-level rebuild returns.
+evicted again); an intermediate rebuilt only as an input is let go as soon as the op reading it ran (it
+is rebuilt again if another recipe of the same rebuild reads it), so a chain of dropped inputs is
+rebuilt with about two of its tensors resident at a time.
 """
 
 from __future__ import annotations
@@ -119,6 +121,13 @@ class Residency:
         result, _ = replay_recipe(node.key, list(node.chain), self.captures, anchor, node.shape, node.dtype)
         self.memory.track(result)
         self.hold(node, result)
+        for key in node.inputs:  # read: intermediates rebuilt only for this go at once (rebuilt again if needed)
+            pins.discard(key)
+            m = self.nodes[key]
+            if m.live == 0 and m in temps:
+                self.drop(m)
+        if temps:
+            self.stats.input_rebuilds += 1  # rebuilt to rebuild another (the first rebuilt is the top one)
         temps.append(node)
         self.stats.rebuilds += 1
         return result
