@@ -17,6 +17,9 @@ variant sees the same weights and its gradients are compared bit for bit with it
 per-step peak the allocator saw (regen.measure), in a second, measured pass. Figures on a shared,
 loaded machine are only comparable side by side, within one run.
 
+With `--min-len` equal to `--max-len` every step has the plan's shape: `pad-plan` is then the MILP plan
+itself, next to dynamic mode's overhead at the same cap.
+
     .venv/bin/python bench/dynamic.py [--steps 4] [--max-len 256] [--min-len 32] [--device cpu]
 """
 
@@ -143,8 +146,10 @@ def main():
     plan, increase = solve_padded_plan(model, args.batch_size, args.max_len, vocab, args.cap_fraction, args.device)
     model.zero_grad(set_to_none=True)
     dyn_cap = sum(model_storages(model).values()) + int(args.cap_fraction * increase)
-    print(f"cap: the model + {args.cap_fraction:.0%} of the unplanned increase at {args.max_len} "
-          f"({increase / 2**20:.2f} MiB): dynamic {dyn_cap / 2**20:.2f} MiB, plan {plan.memory_cap_bytes / 2**20:.2f} MiB")
+    print(f"cap: the step's start + {args.cap_fraction:.0%} of the unplanned increase at length {args.max_len} "
+          f"({increase / 2**20:.2f} MiB): dynamic mode {dyn_cap / 2**20:.2f} MiB over the model's memory, the plan "
+          f"{plan.memory_cap_bytes / 2**20:.2f} MiB over the profile's start (which also counts the batch and "
+          f"the profiler's optimizer); peaks below are the model's memory + the measured increase")
     variants = [
         ("none", False, _Nothing, None),
         ("none-padded", True, _Nothing, None),

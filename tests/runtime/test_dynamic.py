@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import regen
-from common import Boom, assert_same, make, run_and_grads, step
+from common import Boom, accumulate_grads, assert_same, make, run_and_grads, step
 from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic import OverCapWarning
@@ -82,6 +82,32 @@ def test_several_steps_and_a_text_cap():
     _assert_nothing_left(handle, w.model)
 
 
+def test_gradient_accumulation_and_retain_graph():
+    w = make("gpt")
+    cap = _start_bytes(w) + 6 * 2**20  # two steps' activations (interleaved) pass it
+    for interleaved in (False, True):  # forward/backward pairs; two forwards, then one backward
+        reference = accumulate_grads(w, interleaved)
+        with regen.apply(w.model, memory_cap=cap) as handle:
+            got = accumulate_grads(w, interleaved)
+        assert all(torch.equal(reference[k], got[k]) for k in reference)
+        assert handle.stats.evictions > 0
+        _assert_nothing_left(handle, w.model)
+
+    def twice():  # a second backward over the retained graph rebuilds what was dropped again
+        w.model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in w.model.named_parameters()}
+
+    reference = twice()
+    with regen.apply(w.model, memory_cap=cap) as handle:
+        got = twice()
+    assert all(torch.equal(reference[k], got[k]) for k in reference)
+    _assert_nothing_left(handle, w.model)
+
+
 class _SinChain(nn.Module):
     """x -> sin(x W) -> sin -> sin ...: every sin saves its input, the output of the op before it."""
 
@@ -112,6 +138,42 @@ def test_recursive_rebuild_of_a_dropped_input():
         assert torch.equal(model.w.grad, reference), policy
         assert handle.stats.input_rebuilds > 0, policy  # a dropped tensor rebuilt to rebuild another
         model.zero_grad(set_to_none=True)
+
+
+class _WritesABuffer(nn.Module):
+    """Writes activations into its own buffer in place, twice, reading it after each write (a cache): the
+    buffer's first value is gone after the second write and was never the step's to rebuild, so it and
+    what reads it are never dropped."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.register_buffer("cache", torch.zeros(width, width))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.cache.copy_(torch.sin(x @ self.w))
+        y = torch.sin(self.cache + x)  # sin saves cache + x, whose rebuild would read the cache's first value
+        with torch.no_grad():
+            self.cache.copy_(torch.cos(x @ self.w))
+        z = torch.sin(self.cache + x)
+        h = torch.sin(torch.sin(x @ self.w.t()))
+        return (y * z * h).sum()
+
+
+def test_in_place_write_to_a_buffer_is_kept_and_exact():
+    torch.manual_seed(0)
+    model = _WritesABuffer(128)
+    x = torch.randn(128, 128)
+    model(x).backward()
+    reference = (model.w.grad.clone(), model.cache.clone())
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverCapWarning)
+        with regen.apply(model, memory_cap=sum(model_storages(model).values()) + 2 * 128 * 128 * 4) as handle:
+            model(x).backward()
+    assert torch.equal(model.w.grad, reference[0]) and torch.equal(model.cache, reference[1])
+    assert handle.stats.evictions > 0  # the rest of the graph was dropped and rebuilt
 
 
 @pytest.mark.parametrize("where", ["forward", "between", "backward"])

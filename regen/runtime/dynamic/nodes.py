@@ -9,7 +9,8 @@ not resident: DTR's recursion); `dependents` is the inverse. A node whose storag
 place by a later op is `clobbered`: its value lives on only through its recipe.
 
 A node is never evicted (`evictable` false) when its chain starts with an in-place write to a storage
-the step did not create (a buffer, the batch, a cache): that value cannot be rebuilt.
+the step did not create (a buffer, the batch, a cache): that value cannot be rebuilt; nor is a node
+that reads such a node (the step sets that as it adds the node).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class Residency:
         pins: set = set()
         temps: list[TensorNode] = []
         try:
-            tensor = self._materialize(node, pins, temps)
+            tensor = self._materialize(node, pins, temps, 0)
             self.make_room(0, pins)
             return tensor
         finally:
@@ -103,7 +103,7 @@ class Residency:
                 if t.live == 0:
                     self.drop(t)
 
-    def _materialize(self, node: TensorNode, pins: set, temps: list) -> torch.Tensor:
+    def _materialize(self, node: TensorNode, pins: set, temps: list, depth: int) -> torch.Tensor:
         node.last_access = self.clock
         tensor = node.resident()
         if tensor is not None:
@@ -116,7 +116,7 @@ class Residency:
         self.make_room(node.nbytes, pins)
 
         def anchor(key):
-            return self._materialize(self.nodes[key], pins, temps)
+            return self._materialize(self.nodes[key], pins, temps, depth + 1)
 
         result, _ = replay_recipe(node.key, list(node.chain), self.captures, anchor, node.shape, node.dtype)
         self.memory.track(result)
@@ -126,8 +126,8 @@ class Residency:
             m = self.nodes[key]
             if m.live == 0 and m in temps:
                 self.drop(m)
-        if temps:
-            self.stats.input_rebuilds += 1  # rebuilt to rebuild another (the first rebuilt is the top one)
+        if depth:
+            self.stats.input_rebuilds += 1  # rebuilt to rebuild another
         temps.append(node)
         self.stats.rebuilds += 1
         return result

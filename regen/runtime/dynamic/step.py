@@ -112,9 +112,9 @@ class DynamicStep:
                 previous = nodes.get((w.op, w.slot)) if w is not None else None
                 node = nodes[(i, slot)] = new_node((i, slot), t, cap.refs, previous, inplace, op_time_s, clock)
                 for k in node.inputs:
-                    m = nodes.get(k)
-                    if m is not None:
-                        m.dependents.append(node.key)
+                    m = nodes[k]
+                    m.dependents.append(node.key)
+                    node.evictable = node.evictable and m.evictable  # its rebuild may need m rebuilt
                 self.writer[key] = Writer(i, slot, t.shape, t.dtype)
                 self.memory.track(t)
                 if node.nbytes > self.residency.headroom_bytes:
