@@ -147,9 +147,9 @@ def main():
     model.zero_grad(set_to_none=True)
     dyn_cap = sum(model_storages(model).values()) + int(args.cap_fraction * increase)
     print(f"cap: the step's start + {args.cap_fraction:.0%} of the unplanned increase at length {args.max_len} "
-          f"({increase / 2**20:.2f} MiB): dynamic mode {dyn_cap / 2**20:.2f} MiB over the model's memory, the plan "
-          f"{plan.memory_cap_bytes / 2**20:.2f} MiB over the profile's start (which also counts the batch and "
-          f"the profiler's optimizer); peaks below are the model's memory + the measured increase")
+          f"({increase / 2**20:.2f} MiB): dynamic mode {dyn_cap / 2**20:.2f} MiB (from the model's memory), the plan "
+          f"{plan.memory_cap_bytes / 2**20:.2f} MiB (from the profile's start, which also counts the batch and "
+          f"the profiler's optimizer state); peaks below are the model's memory + the measured increase")
     variants = [
         ("none", False, _Nothing, None),
         ("none-padded", True, _Nothing, None),
