@@ -19,8 +19,9 @@ from regen.formats import load_plan, load_profile  # noqa: E402
 __all__ = ["__version__", "apply", "load_plan", "load_profile"]
 
 
-def apply(model, plan, **kwargs):
-    """Replay `plan` on `model` (see regen.runtime.apply)."""
+def apply(model, plan=None, **kwargs):
+    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap`
+    (see regen.runtime.apply)."""
     from regen.runtime import apply as _apply
 
     return _apply(model, plan, **kwargs)

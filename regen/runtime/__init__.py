@@ -14,6 +14,8 @@
 * regions.py: capture of a region's module call in forward and its replay (the module's forward) in backward;
 * plan_index.py: the plan's lookup tables; stats.py: the handle's counters;
 * peak_check.py: the safety net comparing a planned step's measured peak (CUDA) with the cap.
+* dynamic/: dynamic mode, `regen.apply(model, memory_cap=...)` without a plan: saved tensors dropped at
+  run time under the cap and rebuilt from recipes recorded as forward ran (DTR-style).
 """
 
 from regen.runtime.apply import RegenHandle, apply

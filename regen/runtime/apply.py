@@ -349,8 +349,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply(model: nn.Module, plan: Plan | str | Path | list, on_mismatch: str = "raise",
-          emulate_link: bool = False) -> RegenHandle:
+def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mismatch: str = "raise",
+          emulate_link: bool = False, memory_cap: int | str | None = None, policy: str | None = None):
     """Replay `plan` on `model`'s training steps until the handle is removed (or the `with` ends).
 
     `plan` is a Plan or a path to a plan file, or a list of them, one per way the loop calls the model (a
@@ -358,5 +358,21 @@ def apply(model: nn.Module, plan: Plan | str | Path | list, on_mismatch: str = "
     (default) raises PlanMismatchError when the model or batch shape is not the one the plan was made for;
     `"keep"` warns and runs that step unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps
     over an emulated host link at the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
+
+    Without a plan, `memory_cap` (bytes, or text such as "6GiB") runs dynamic mode: saved tensors are
+    dropped at run time to stay under the cap and rebuilt when backward needs them, chosen by the
+    eviction score `policy` ("graph", the default, or "dtr"): regen.runtime.dynamic.
     """
+    if plan is None:
+        if memory_cap is None:
+            raise RegenError("regen.apply: give a plan, or a memory_cap (e.g. memory_cap='6GiB') for dynamic mode")
+        if emulate_link:
+            raise RegenError("regen.apply: dynamic mode (no plan) recomputes only; emulate_link is for plans "
+                             "that swap")
+        from regen.runtime.dynamic import DynamicHandle
+
+        return DynamicHandle(model, memory_cap, policy or "graph")
+    if memory_cap is not None or policy is not None:
+        raise RegenError("regen.apply: memory_cap and policy are for dynamic mode (no plan); a plan was solved "
+                         "for its own cap")
     return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link)

@@ -1,0 +1,172 @@
+"""Dynamic mode next to a plan on the built-in GPT trained with sequence lengths drawn per step.
+
+The variants of issue 14's benchmark that exist so far, each over the same seeded batches (lengths
+uniform in [--min-len, --max-len], the dropout seed fixed per step):
+
+* `none`: no cap (the reference time and peak), unpadded;
+* `none-padded`: no cap, every batch padded to --max-len (the reference for `pad-plan`'s gradients);
+* `pad-plan`: padded to --max-len, one recompute plan solved for --max-len at the cap;
+* `dynamic-graph`, `dynamic-dtr`: dynamic mode at the cap, unpadded, with the extended and the plain
+  DTR score.
+
+The cap is 50% (--cap-fraction) of the unplanned step's peak increase at --max-len (from the profile)
+above the step's start (the plan: the profile's memory at start; dynamic mode: the model's parameters and
+buffers, its own start figure on CPU). Steps are forward and backward only (no optimizer step), so every
+variant sees the same weights and its gradients are compared bit for bit with its reference's
+(`exact`). Tokens/s counts real tokens (padding excluded) over the timed steps; the peak is the highest
+per-step peak the allocator saw (regen.measure), in a second, measured pass. Figures on a shared,
+loaded machine are only comparable side by side, within one run.
+
+With `--min-len` equal to `--max-len` every step has the plan's shape: `pad-plan` is then the MILP plan
+itself, next to dynamic mode's overhead at the same cap.
+
+    .venv/bin/python bench/dynamic.py [--steps 4] [--max-len 256] [--min-len 32] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import regen
+from regen.errors import InfeasibleCapError
+from regen.measure import measure_memory
+from regen.models import gpt
+from regen.runtime.dynamic.memory import model_storages
+from regen.workloads import Workload
+
+IGNORE = -100
+
+
+def batches(steps, batch_size, vocab, min_len, max_len, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        tokens = torch.randint(0, vocab, (batch_size, length + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def padded(idx, targets, max_len):
+    pad = max_len - idx.size(1)
+    return F.pad(idx, (0, pad)), F.pad(targets, (0, pad), value=IGNORE)
+
+
+def one_step(model, idx, targets, seed):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    logits = model(idx)
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device):
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    idx = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+    targets = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+
+    def loss_fn(logits, batch):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+
+    w = Workload(name="gpt-padded", model=model, batch=(idx,), loss_fn=loss_fn)
+    profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None)
+    increase = profile.peak_bytes - profile.memory_at_start_bytes
+    cap = profile.memory_at_start_bytes + int(fraction * increase)
+    try:
+        plan = solve(profile, memory_cap_bytes=cap, strategy="recompute", time_limit_s=30)
+    except InfeasibleCapError as exc:
+        if exc.smallest_feasible_cap_bytes is None:
+            raise
+        print(f"  the padded plan cannot reach {fraction:.0%}; solved at its smallest cap "
+              f"{exc.smallest_feasible_cap_bytes} B")
+        plan = solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy="recompute",
+                     time_limit_s=30)
+    return plan, increase
+
+
+def run_variant(model, data, max_len, pad, context, device):
+    """(tokens/s, highest per-step absolute peak, gradients per step)."""
+    grads, seconds, tokens, peak = [], 0.0, 0, 0
+    cuda = device.startswith("cuda")
+    model.zero_grad(set_to_none=True)
+    start = sum(model_storages(model).values())
+    with context() as handle:
+        for k, (idx, targets) in enumerate(data):
+            real = idx.numel()
+            if pad:
+                idx, targets = padded(idx, targets, max_len)
+            idx, targets = idx.to(device), targets.to(device)
+            t0 = time.perf_counter()
+            grads.append(one_step(model, idx, targets, seed=k))
+            if cuda:
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - t0
+            tokens += real
+            m = measure_memory(lambda: one_step(model, idx, targets, seed=k), device)
+            peak = max(peak, m.peak_bytes if cuda else start + m.peak_increase_bytes)
+    return tokens / seconds, peak, grads, handle
+
+
+def same(a, b):
+    return all(torch.equal(x[n], y[n]) for x, y in zip(a, b) for n in x)
+
+
+class _Nothing:
+    stats = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--min-len", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--cap-fraction", type=float, default=0.5)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    vocab = 512
+    model, _, _ = gpt(batch_size=args.batch_size, vocab_size=vocab, context=args.max_len)
+    model.to(args.device)
+    data = batches(args.steps, args.batch_size, vocab, args.min_len, args.max_len)
+    print(f"GPT (d_model 128, 2 layers), batch {args.batch_size}, lengths {[d[0].size(1) for d in data]}, "
+          f"device {args.device}")
+    plan, increase = solve_padded_plan(model, args.batch_size, args.max_len, vocab, args.cap_fraction, args.device)
+    model.zero_grad(set_to_none=True)
+    dyn_cap = sum(model_storages(model).values()) + int(args.cap_fraction * increase)
+    print(f"cap: the step's start + {args.cap_fraction:.0%} of the unplanned increase at length {args.max_len} "
+          f"({increase / 2**20:.2f} MiB): dynamic mode {dyn_cap / 2**20:.2f} MiB (from the model's memory), the plan "
+          f"{plan.memory_cap_bytes / 2**20:.2f} MiB (from the profile's start, which also counts the batch and "
+          f"the profiler's optimizer state); peaks below are the model's memory + the measured increase")
+    variants = [
+        ("none", False, _Nothing, None),
+        ("none-padded", True, _Nothing, None),
+        ("pad-plan", True, lambda: regen.apply(model, plan), "none-padded"),
+        ("dynamic-graph", False, lambda: regen.apply(model, memory_cap=dyn_cap, policy="graph"), "none"),
+        ("dynamic-dtr", False, lambda: regen.apply(model, memory_cap=dyn_cap, policy="dtr"), "none"),
+    ]
+    results = {}
+    print(f"{'variant':14s} {'tokens/s':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
+    for name, pad, context, reference in variants:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rate, peak, grads, handle = run_variant(model, data, args.max_len, pad, context, args.device)
+        results[name] = grads
+        exact = "-" if reference is None else ("yes" if same(grads, results[reference]) else "NO")
+        print(f"{name:14s} {rate:10.0f} {peak / 2**20:9.2f} {exact:>6s}  {handle.stats or ''}")
+
+
+if __name__ == "__main__":
+    main()

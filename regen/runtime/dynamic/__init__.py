@@ -1,0 +1,13 @@
+"""Dynamic mode: `regen.apply(model, memory_cap=...)` without a plan (DTR-style eviction at run time).
+
+* handle.py: the handle (context manager / `.remove()`): step boundaries, hooks, the dispatch mode;
+* step.py: one step: every forward op captured as a one-op recipe, the pack and unpack hooks;
+* nodes.py: the step's tensor graph: one `TensorNode` per storage an op of the step wrote;
+* residency.py: what is resident, eviction under the cap, and rebuilding dropped nodes (recursively);
+* policy.py: the eviction scores (`policy="dtr"`: DTR's plain score; `"graph"`: extended with the graph);
+* memory.py: the memory in use that the cap is checked against (CUDA: the allocator; CPU: tracked).
+"""
+
+from regen.runtime.dynamic.handle import DynamicHandle, DynamicStats, OverCapWarning
+
+__all__ = ["DynamicHandle", "DynamicStats", "OverCapWarning"]

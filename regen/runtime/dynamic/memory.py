@@ -1,0 +1,84 @@
+"""The memory in use that dynamic mode checks its cap against.
+
+* CUDA: `torch.cuda.memory_allocated(device)`, everything PyTorch allocated on the device (the cap counts
+  what a plan's cap counts: docs/concepts.md "What the cap counts").
+* CPU, which has no allocator statistics: the memory at the step's start, counted as the bytes of the
+  model's parameters, their gradients and its buffers (the batch and optimizer state are not seen), plus
+  the bytes of every storage that an op of a step created (forward, backward and rebuilds; each storage
+  once, tracked with a weak reference) while it is alive. Temporaries inside a single op are not seen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from regen.opinfo import storage_key
+
+
+def model_storages(model: nn.Module) -> dict[int, int]:
+    """storage key -> bytes of the model's parameters, their gradients and its buffers."""
+    storages: dict[int, int] = {}
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += list(model.buffers())
+    for t in tensors:
+        storages[storage_key(t)] = t.untyped_storage().nbytes()
+    return storages
+
+
+class TrackedMemory:
+    """CPU: live storages that the steps' ops created (weak references), plus a start figure."""
+
+    def __init__(self):
+        self.start_bytes = 0
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
+
+    def begin_step(self, model: nn.Module) -> None:
+        """A step starts: its start figure is the model's memory (storages tracked already, such as
+        gradients made by an earlier backward, are counted there once)."""
+        storages = model_storages(model)
+        for key in storages:
+            self._live.pop(key, None)
+        self.start_bytes = sum(storages.values())
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage while it lives (once, however many tensors view it)."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        if nbytes == 0 or key == 0:
+            return
+        entry = self._live.get(key)
+        if entry is not None and not entry[0].expired():
+            return
+        self._live[key] = (StorageWeakRef(storage), nbytes)
+
+    def in_use_bytes(self) -> int:
+        total = 0
+        dead = []
+        for key, (ref, nbytes) in self._live.items():
+            if ref.expired():
+                dead.append(key)
+            else:
+                total += nbytes
+        for key in dead:
+            del self._live[key]
+        return self.start_bytes + total
+
+
+class DeviceMemory:
+    """CUDA: the allocator's figure."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start_bytes = 0
+
+    def begin_step(self, model: nn.Module) -> None:
+        self.start_bytes = torch.cuda.memory_allocated(self.device)
+
+    def track(self, t: torch.Tensor) -> None:
+        pass
+
+    def in_use_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)

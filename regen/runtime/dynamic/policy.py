@@ -1,0 +1,68 @@
+"""Eviction scores of dynamic mode: the resident node with the lowest score is dropped first.
+
+Both are of the DTR family, `cost / (bytes x staleness)`, where staleness is the step's clock (forward
+ops, then unpacks) since the node was last read, and costs are the forward op times measured with
+`time.perf_counter` around each op (on CUDA that is the launch time, a proxy for the kernel's):
+
+* `"dtr"`: DTR's plain score: the cost of the node's own recipe.
+* `"graph"` (default): the cost sees the tensor graph. Rebuilding the node also rebuilds the dropped
+  nodes its recipe reads, transitively (their recipe costs are added), and every dropped saved node
+  whose recipe reads it, directly or through other dropped nodes, pays that rebuild again: the cost is
+  multiplied by one plus their number. A node that many dropped recipes depend on is expensive to drop.
+
+The graph walks stop after `WALK_LIMIT` nodes, so a score costs a bounded time on any graph.
+"""
+
+from __future__ import annotations
+
+from regen.runtime.dynamic.nodes import TensorNode
+
+POLICIES = ("graph", "dtr")
+WALK_LIMIT = 256
+_MIN_COST_S = 1e-9  # an op too fast for the timer still costs something
+
+
+def score(policy: str, node: TensorNode, nodes: dict, clock: int) -> float:
+    staleness = max(1, clock - node.last_access)
+    cost_s = node.cost_s + _MIN_COST_S
+    if policy == "graph":
+        cost_s = (1 + dropped_dependents(node, nodes)) * (cost_s + dropped_upstream_cost_s(node, nodes))
+    return cost_s / (max(1, node.nbytes) * staleness)
+
+
+def dropped_upstream_cost_s(node: TensorNode, nodes: dict) -> float:
+    """Recipe cost of the non-resident nodes that rebuilding `node` would rebuild first (transitively)."""
+    total = 0.0
+    seen = set()
+    todo = list(node.inputs)
+    while todo and len(seen) < WALK_LIMIT:
+        key = todo.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        m = nodes.get(key)
+        if m is None or m.resident() is not None:
+            continue
+        total += m.cost_s
+        todo.extend(m.inputs)
+    return total
+
+
+def dropped_dependents(node: TensorNode, nodes: dict) -> int:
+    """Dropped saved nodes (autograd still awaits them) whose rebuild reads `node`, directly or through
+    other non-resident nodes."""
+    count = 0
+    seen = set()
+    todo = list(node.dependents)
+    while todo and len(seen) < WALK_LIMIT:
+        key = todo.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        m = nodes.get(key)
+        if m is None or m.resident() is not None:
+            continue
+        if m.live > 0:
+            count += 1
+        todo.extend(m.dependents)
+    return count

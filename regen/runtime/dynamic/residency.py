@@ -1,0 +1,133 @@
+"""What a dynamic step holds, eviction under the cap, and rebuilding dropped nodes (DTR's recursion).
+
+`Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild): while
+the memory in use (memory.py) plus `need_bytes` plus a headroom (the largest storage an op of the step
+made so far: checks run after an op allocated, so room is kept for the next one) passes the cap, the held node with the lowest score
+(policy.py) is dropped. Only nodes whose storage nothing but the runtime holds are candidates (dropping
+another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
+progress. When nothing is left to drop, the step goes on over the cap and its handle warns once.
+
+`materialize(node)` returns a tensor over the node's storage with its value: resident (held, or still
+held by the program), or rebuilt by replaying its recipe (`recompute.replay_recipe`) whose inputs are
+materialized first, recursively. A rebuilt node that autograd still awaits stays held (and may be
+evicted again); an intermediate rebuilt only as an input is let go as soon as the op reading it ran (it
+is rebuilt again if another recipe of the same rebuild reads it), so a chain of dropped inputs is
+rebuilt with about two of its tensors resident at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from regen.errors import RegenError
+from regen.runtime.dynamic.nodes import TensorNode
+from regen.runtime.dynamic.policy import score
+from regen.runtime.recompute import replay_recipe
+
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def only_held_by_us(t: torch.Tensor) -> bool:
+    """Nothing but `t` holds its storage (the temporary storage object counts one)."""
+    return _storage_use_count(t.untyped_storage()._cdata) <= 2
+
+
+class Residency:
+    """The nodes a step holds, and the eviction and rebuild of them under the cap."""
+
+    def __init__(self, nodes: dict, captures: dict, memory, cap_bytes: int, policy: str, stats,
+                 over_cap: Callable[[int], None]):
+        self.nodes = nodes
+        self.captures = captures
+        self.memory = memory
+        self.cap_bytes = cap_bytes
+        self.policy = policy
+        self.stats = stats
+        self.over_cap = over_cap  # (bytes in use): nothing left to evict
+        self.held: dict[tuple[int, int], TensorNode] = {}
+        self.clock = 0
+        # kept free at every check: the largest storage an op of the step made so far, an estimate of the
+        # next allocation (a check runs at a pack, after the op allocated, or before a rebuild)
+        self.headroom_bytes = 0
+
+    def hold(self, node: TensorNode, tensor: torch.Tensor) -> None:
+        node.tensor = tensor
+        self.held[node.key] = node
+
+    def drop(self, node: TensorNode) -> None:
+        node.tensor = None
+        self.held.pop(node.key, None)
+
+    def drop_all(self) -> None:
+        for node in list(self.held.values()):
+            self.drop(node)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def make_room(self, need_bytes: int, pins=frozenset()) -> None:
+        used = self.memory.in_use_bytes()
+        if used > self.stats.peak_in_use_bytes:
+            self.stats.peak_in_use_bytes = used
+        while used + need_bytes + self.headroom_bytes > self.cap_bytes:
+            victim = self._victim(pins)
+            if victim is None:
+                if used + need_bytes > self.cap_bytes:
+                    self.over_cap(used + need_bytes)
+                return
+            self.drop(victim)
+            self.stats.evictions += 1
+            used -= victim.nbytes
+
+    def _victim(self, pins) -> TensorNode | None:
+        best, best_score = None, None
+        for node in self.held.values():
+            if not node.evictable or node.key in pins or not only_held_by_us(node.tensor):
+                continue
+            s = score(self.policy, node, self.nodes, self.clock)
+            if best_score is None or s < best_score:
+                best, best_score = node, s
+        return best
+
+    # ---- rebuild ----------------------------------------------------------------------------------
+    def materialize(self, node: TensorNode) -> torch.Tensor:
+        """A tensor over `node`'s storage with its forward value, rebuilt if it was dropped."""
+        pins: set = set()
+        temps: list[TensorNode] = []
+        try:
+            tensor = self._materialize(node, pins, temps, 0)
+            self.make_room(0, pins)
+            return tensor
+        finally:
+            for t in temps:
+                if t.live == 0:
+                    self.drop(t)
+
+    def _materialize(self, node: TensorNode, pins: set, temps: list, depth: int) -> torch.Tensor:
+        node.last_access = self.clock
+        tensor = node.resident()
+        if tensor is not None:
+            pins.add(node.key)
+            return tensor
+        if not node.evictable:
+            raise RegenError(f"regen.apply (dynamic): op {node.key[0]}'s output is needed again but is gone, and "
+                             f"it cannot be rebuilt (its op wrote in place a tensor the step did not make)")
+        pins.add(node.key)
+        self.make_room(node.nbytes, pins)
+
+        def anchor(key):
+            return self._materialize(self.nodes[key], pins, temps, depth + 1)
+
+        result, _ = replay_recipe(node.key, list(node.chain), self.captures, anchor, node.shape, node.dtype)
+        self.memory.track(result)
+        self.hold(node, result)
+        for key in node.inputs:  # read: intermediates rebuilt only for this go at once (rebuilt again if needed)
+            pins.discard(key)
+            m = self.nodes[key]
+            if m.live == 0 and m in temps:
+                self.drop(m)
+        if depth:
+            self.stats.input_rebuilds += 1  # rebuilt to rebuild another
+        temps.append(node)
+        self.stats.rebuilds += 1
+        return result

@@ -1,0 +1,200 @@
+"""One step of dynamic mode: every forward op captured as a recipe, packs held or dropped under the cap.
+
+A step begins at a training forward (the handle's root pre-hook) and stays in forward, the loss
+included, until backward begins. Its dispatch mode (handle.py) hands it every counted op:
+
+* forward: the op is captured (`recompute.capture_op`: arguments the step produced become `Ref`s, written
+  buffers `Scratch` copies, random ops keep their RNG state), timed with `time.perf_counter`, and each
+  storage it wrote gets a node (nodes.py) in the step's writer map;
+* backward (CPU only): the op's outputs are counted as memory in use (memory.py).
+
+Pack: a tensor whose storage an op of the step wrote is held by its node and autograd gets a `Held`
+handle; then the step makes room under the cap (residency.py), which may drop held nodes. Anything else
+(parameters, the batch, tensors packed in backward) is kept as is. Unpack: the node is materialized
+(rebuilt if dropped, recursively) and the entry viewed over it. A node is let go when autograd frees its
+last handle; the step is released (nodes, captures) once backward began and no handle is left, once a
+later step started and no handle is left, or at once when aborted.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from regen.errors import RegenError
+from regen.opinfo import is_inplace, is_random, storage_key, tensor_outputs, written_outputs
+from regen.runtime.dynamic.nodes import TensorNode, new_node
+from regen.runtime.dynamic.residency import Residency
+from regen.runtime.forward_ops import Writer
+from regen.runtime.recompute import capture_op
+from regen.runtime.swap import Geometry, view_of
+from regen.runtime.tracker import regen_ops
+from regen.units import format_bytes
+
+
+class OverCapWarning(UserWarning):
+    """A dynamic step's memory passed its cap with nothing left to evict (the result stays exact)."""
+
+
+class _Untracked:
+    """A tensor packed in backward (double backward, checkpoint): kept, not a node."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class Held:
+    """What autograd stores for a saved entry of a node: the node and the entry's view geometry."""
+
+    __slots__ = ("step", "node", "geometry")
+
+    def __init__(self, step: "DynamicStep", node: TensorNode, geometry: Geometry):
+        self.step = step
+        self.node = node
+        self.geometry = geometry
+
+    def __del__(self):
+        try:
+            self.step.handle_died(self.node)
+        except Exception:  # interpreter shutdown; never raise from a finaliser
+            pass
+
+
+class DynamicStep:
+    """One training step in dynamic mode; `pack` and `unpack` are its saved-tensor hooks."""
+
+    def __init__(self, memory, cap_bytes: int, policy: str, stats, pause: Callable, released: Callable):
+        self.memory = memory
+        self.cap_bytes = cap_bytes
+        self.stats = stats
+        self.pause = pause  # () -> a context manager during which the dispatch mode passes ops through
+        self._released_cb = released
+        self.nodes: dict[tuple[int, int], TensorNode] = {}
+        self.captures: dict = {}
+        self.writer: dict[int, Writer] = {}
+        self.count = 0  # forward ops
+        self.in_backward = False
+        self.closed = False  # a later step started
+        self.aborted = False
+        self.released = False
+        self.live = 0  # handles autograd holds
+        self.warned = False
+        self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap)
+
+    # ---- ops (the handle's dispatch mode) ---------------------------------------------------------
+    def forward_op(self, func, args, kwargs):
+        i = self.count
+        self.count = i + 1
+        cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
+        self.captures[i] = cap
+        clock = self.residency.clock = self.residency.clock + 1
+        self.residency.make_room(0)  # before the op allocates its outputs
+        nodes = self.nodes
+        for key in cap.refs:
+            node = nodes.get(key)
+            if node is not None:
+                node.last_access = clock
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        op_time_s = time.perf_counter() - start
+        outs = tensor_outputs(out)
+        written = written_outputs(func, args, kwargs, outs)
+        if written:
+            inplace = is_inplace(func)
+            for slot, key in written:
+                t = outs[slot]
+                w = self.writer.get(key)
+                previous = nodes.get((w.op, w.slot)) if w is not None else None
+                node = nodes[(i, slot)] = new_node((i, slot), t, cap.refs, previous, inplace, op_time_s, clock)
+                for k in node.inputs:
+                    m = nodes[k]
+                    m.dependents.append(node.key)
+                    node.evictable = node.evictable and m.evictable  # its rebuild may need m rebuilt
+                self.writer[key] = Writer(i, slot, t.shape, t.dtype)
+                self.memory.track(t)
+                if node.nbytes > self.residency.headroom_bytes:
+                    self.residency.headroom_bytes = node.nbytes
+        return out
+
+    def backward_op(self, func, args, kwargs):
+        self.in_backward = True
+        if not self.released:
+            self.residency.make_room(0)  # before the op allocates its outputs
+        out = func(*args, **kwargs)
+        for t in tensor_outputs(out):
+            if t is not None:
+                self.memory.track(t)
+        return out
+
+    # ---- saved-tensor hooks -----------------------------------------------------------------------
+    def pack(self, x: torch.Tensor):
+        with regen_ops():  # regen's own ops (detach) are never captured
+            return self._pack(x)
+
+    def _pack(self, x: torch.Tensor):
+        if self.in_backward or torch._C._current_graph_task_id() != -1 or self.released:
+            return _Untracked(x.detach())
+        w = self.writer.get(storage_key(x))
+        if w is None:  # a parameter, a buffer, the batch: not an activation of this step
+            return x.detach()
+        node = self.nodes[(w.op, w.slot)]
+        if node.tensor is None:
+            self.residency.hold(node, x.detach())
+        node.live += 1
+        self.live += 1
+        node.last_access = self.residency.clock
+        self.residency.make_room(0, {node.key})
+        return Held(self, node, Geometry.of(x))
+
+    def unpack(self, obj):
+        if isinstance(obj, _Untracked):
+            return obj.tensor
+        if not isinstance(obj, Held):
+            return obj
+        if self.aborted or self.released:
+            raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
+        self.in_backward = True
+        self.residency.clock += 1
+        with self.pause():
+            base = self.residency.materialize(obj.node)
+        with regen_ops():
+            return view_of(base, obj.geometry)
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    def _over_cap(self, in_use_bytes: int) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        self.stats.over_cap_steps += 1
+        warnings.warn(f"regen.apply (dynamic): {format_bytes(in_use_bytes)} in use passes the cap "
+                      f"{format_bytes(self.cap_bytes)} and nothing more can be dropped (parameters, gradients, "
+                      f"what the program holds and tensors that cannot be rebuilt stay); this step runs over the "
+                      f"cap, its results exact. Raise the cap or lower the batch size",
+                      OverCapWarning, stacklevel=2)
+
+    def handle_died(self, node: TensorNode) -> None:
+        """Autograd freed a `Held` of this node."""
+        node.live -= 1
+        self.live -= 1
+        if node.live == 0:
+            self.residency.drop(node)
+        self.maybe_release()
+
+    def maybe_release(self) -> None:
+        if self.live <= 0 and (self.in_backward or self.closed) and not self.released:
+            self.release()
+
+    def release(self, aborted: bool = False) -> None:
+        """Let go of everything the step holds: nodes, captures."""
+        self.aborted = self.aborted or aborted
+        self.released = True
+        self.residency.drop_all()
+        self.nodes.clear()
+        self.captures.clear()
+        self.writer.clear()
+        self._released_cb(self)

@@ -1,0 +1,252 @@
+"""Dynamic mode (`regen.apply(model, memory_cap=...)` without a plan): exact results under a cap.
+
+For the built-in `gpt` (dropout: random recipes), `cnn` (BatchNorm: buffers written by replayed ops;
+in-place ReLU) and Hugging Face GPT-2, one step under a cap below the unplanned peak gives the unplanned
+loss, gradients and buffers bit for bit, and its peak as the allocator saw it (regen.measure) is within
+the cap + 5%. On CPU the allocator timeline sees only allocations made during the step, so the
+absolute peak is the model's memory at the step's start (parameters and buffers: the runtime's own
+start figure, memory.py) plus the measured increase.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import regen
+from common import Boom, accumulate_grads, assert_same, make, run_and_grads, step
+from regen.errors import RegenError
+from regen.measure import measure_memory
+from regen.runtime.dynamic import OverCapWarning
+from regen.runtime.dynamic.memory import model_storages
+
+CAP_TOLERANCE = 0.05
+# the cap, as the model's memory plus this fraction of the unplanned step's measured increase: low enough
+# that the unplanned step passes it by more than the tolerance, high enough for what no eviction frees
+# (gradients, the logits the program holds, an op's own temporaries)
+CAP_FRACTIONS = {"gpt": 0.75, "cnn": 0.8, "hf-gpt2": 0.8}
+
+
+def _start_bytes(w) -> int:
+    w.model.zero_grad(set_to_none=True)
+    return sum(model_storages(w.model).values())
+
+
+def _capped(name):
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    w = make(name)
+    run_and_grads(w)  # lazy initialisations out of the way
+    reference = run_and_grads(w)
+    unplanned = measure_memory(lambda: run_and_grads(w))
+    start = _start_bytes(w)
+    cap = int(start + CAP_FRACTIONS[name] * unplanned.peak_increase_bytes)
+    assert start + unplanned.peak_increase_bytes > (1 + CAP_TOLERANCE) * cap  # the cap binds
+    return w, reference, cap, start
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn", "hf-gpt2"])
+def test_dynamic_mode_exact_and_under_cap(name):
+    w, reference, cap, start = _capped(name)
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverCapWarning)
+        with regen.apply(w.model, memory_cap=cap) as handle:
+            measured = measure_memory(lambda: got.append(run_and_grads(w)))
+    assert_same(reference, got[0])
+    assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
+    assert handle.stats.evictions > 0 and handle.stats.rebuilds > 0
+    assert handle.stats.peak_in_use_bytes > 0
+    _assert_nothing_left(handle, w.model)
+
+
+def test_dtr_policy_exact_and_under_cap():
+    w, reference, cap, start = _capped("gpt")
+    got = []
+    with regen.apply(w.model, memory_cap=cap, policy="dtr") as handle:
+        measured = measure_memory(lambda: got.append(run_and_grads(w)))
+    assert_same(reference, got[0])
+    assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
+    assert handle.stats.evictions > 0
+
+
+def test_several_steps_and_a_text_cap():
+    w = make("gpt")
+    reference = run_and_grads(w)
+    cap_text = f"{(_start_bytes(w) + 4 * 2**20) / 2**20:.2f}MiB"
+    with regen.apply(w.model, memory_cap=cap_text) as handle:
+        for _ in range(3):
+            assert_same(reference, run_and_grads(w))
+    assert handle.stats.steps == 3 and handle.stats.evictions > 0
+    _assert_nothing_left(handle, w.model)
+
+
+def test_gradient_accumulation_and_retain_graph():
+    w = make("gpt")
+    cap = _start_bytes(w) + 6 * 2**20  # two steps' activations (interleaved) pass it
+    for interleaved in (False, True):  # forward/backward pairs; two forwards, then one backward
+        reference = accumulate_grads(w, interleaved)
+        with regen.apply(w.model, memory_cap=cap) as handle:
+            got = accumulate_grads(w, interleaved)
+        assert all(torch.equal(reference[k], got[k]) for k in reference)
+        assert handle.stats.evictions > 0
+        _assert_nothing_left(handle, w.model)
+
+    def twice():  # a second backward over the retained graph rebuilds what was dropped again
+        w.model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in w.model.named_parameters()}
+
+    reference = twice()
+    with regen.apply(w.model, memory_cap=cap) as handle:
+        got = twice()
+    assert all(torch.equal(reference[k], got[k]) for k in reference)
+    _assert_nothing_left(handle, w.model)
+
+
+class _SinChain(nn.Module):
+    """x -> sin(x W) -> sin -> sin ...: every sin saves its input, the output of the op before it."""
+
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.depth = depth
+
+    def forward(self, x):
+        y = x @ self.w
+        for _ in range(self.depth):
+            y = torch.sin(y)
+        return y.sum()
+
+
+def test_recursive_rebuild_of_a_dropped_input():
+    torch.manual_seed(0)
+    model = _SinChain(depth=8, width=128)
+    x = torch.randn(128, 128)
+    model(x).backward()
+    reference = model.w.grad.clone()
+    model.zero_grad(set_to_none=True)
+    tensor_bytes = 128 * 128 * 4
+    cap = sum(model_storages(model).values()) + 5 * tensor_bytes  # room for a few of the chain's 9 tensors
+    for policy in ("graph", "dtr"):
+        with regen.apply(model, memory_cap=cap, policy=policy) as handle:
+            model(x).backward()
+        assert torch.equal(model.w.grad, reference), policy
+        assert handle.stats.input_rebuilds > 0, policy  # a dropped tensor rebuilt to rebuild another
+        model.zero_grad(set_to_none=True)
+
+
+class _WritesABuffer(nn.Module):
+    """Writes activations into its own buffer in place, twice, reading it after each write (a cache): the
+    buffer's first value is gone after the second write and was never the step's to rebuild, so it and
+    what reads it are never dropped."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.register_buffer("cache", torch.zeros(width, width))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.cache.copy_(torch.sin(x @ self.w))
+        y = torch.sin(self.cache + x)  # sin saves cache + x, whose rebuild would read the cache's first value
+        with torch.no_grad():
+            self.cache.copy_(torch.cos(x @ self.w))
+        z = torch.sin(self.cache + x)
+        h = torch.sin(torch.sin(x @ self.w.t()))
+        return (y * z * h).sum()
+
+
+def test_in_place_write_to_a_buffer_is_kept_and_exact():
+    torch.manual_seed(0)
+    model = _WritesABuffer(128)
+    x = torch.randn(128, 128)
+    model(x).backward()
+    reference = (model.w.grad.clone(), model.cache.clone())
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverCapWarning)
+        with regen.apply(model, memory_cap=sum(model_storages(model).values()) + 2 * 128 * 128 * 4) as handle:
+            model(x).backward()
+    assert torch.equal(model.w.grad, reference[0]) and torch.equal(model.cache, reference[1])
+    assert handle.stats.evictions > 0  # the rest of the graph was dropped and rebuilt
+
+
+@pytest.mark.parametrize("where", ["forward", "between", "backward"])
+def test_exception_inside_a_dynamic_step_leaves_nothing_behind(where):
+    w = make("gpt")
+    reference = run_and_grads(w)
+    cap = _start_bytes(w) + 4 * 2**20
+
+    def explode(*_):
+        raise Boom("user code failed")
+
+    with pytest.raises(Boom):
+        with regen.apply(w.model, memory_cap=cap) as handle:
+            if where == "forward":
+                h = w.model.blocks[1].register_forward_hook(explode)
+                try:
+                    step(w)
+                finally:
+                    h.remove()
+            else:
+                out = w.model(*w.batch)
+                loss = w.loss_fn(out, w.batch)
+                if where == "backward":
+                    out.register_hook(explode)
+                    loss.backward()
+                raise Boom("after forward")
+    _assert_nothing_left(handle, w.model)
+    with regen.apply(w.model, memory_cap=cap) as handle:
+        assert_same(reference, run_and_grads(w))
+    _assert_nothing_left(handle, w.model)
+
+
+def test_cap_too_small_warns_and_stays_exact():
+    w = make("cnn")
+    reference = run_and_grads(w)
+    with pytest.warns(OverCapWarning, match="passes the cap"):
+        with regen.apply(w.model, memory_cap=1024) as handle:
+            got = run_and_grads(w)
+    assert_same(reference, got)
+    assert handle.stats.over_cap_steps == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "give a plan, or a memory_cap"),
+    ({"memory_cap": "60%"}, "is unknown here"),
+    ({"memory_cap": "6 parsecs"}, "unknown unit"),
+    ({"memory_cap": 0}, "must be positive"),
+    ({"memory_cap": 1.5}, "must be bytes"),
+    ({"memory_cap": "1GiB", "policy": "lru"}, "policy must be one of graph, dtr"),
+    ({"memory_cap": "1GiB", "emulate_link": True}, "recomputes only"),
+])
+def test_bad_dynamic_arguments_are_one_line_errors(kwargs, message):
+    w = make("mlp")
+    with pytest.raises(RegenError, match=message) as exc:
+        regen.apply(w.model, **kwargs)
+    assert "\n" not in str(exc.value)
+    assert not w.model._forward_pre_hooks
+
+
+def test_a_plan_with_a_memory_cap_is_refused(tmp_path):
+    from handmade import PLANS
+    from common import traced
+
+    w, trace = traced("gpt")
+    with pytest.raises(RegenError, match="for dynamic mode"):
+        regen.apply(w.model, PLANS["hybrid"](trace), memory_cap="1GiB")
+
+
+def _assert_nothing_left(handle, model):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not handle.hooks_installed
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert handle.mode not in _get_current_dispatch_mode_stack()
+    assert handle.active_steps == 0
