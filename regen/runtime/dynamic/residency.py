@@ -1,8 +1,9 @@
 """What a dynamic step holds, eviction under the cap, and rebuilding dropped nodes (DTR's recursion).
 
 `Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild): while
-the memory in use (memory.py) plus `need_bytes` plus a headroom (the largest storage an op of the step
-made so far: checks run after an op allocated, so room is kept for the next one) passes the cap, the held node with the lowest score
+the memory in use (memory.py) plus `need_bytes` plus a headroom (twice the largest storage an op of the
+step made so far: checks run after an op allocated, so room is kept for the next one's output and a
+temporary as large, such as a CPU convolution's buffers, which memory.py does not see) passes the cap, the held node with the lowest score
 (policy.py) is dropped. Only nodes whose storage nothing but the runtime holds are candidates (dropping
 another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
 progress. When nothing is left to drop, the step goes on over the cap and its handle warns once.
@@ -26,6 +27,10 @@ from regen.runtime.dynamic.nodes import TensorNode
 from regen.runtime.dynamic.policy import score
 from regen.runtime.recompute import replay_recipe
 
+# the headroom kept free at each check, in multiples of the largest storage an op of the step made: its
+# output and a temporary as large (a CPU convolution's buffers, which the runtime does not track)
+HEADROOM_PER_OUTPUT = 2
+
 _storage_use_count = torch._C._storage_Use_Count
 
 
@@ -48,8 +53,8 @@ class Residency:
         self.over_cap = over_cap  # (bytes in use): nothing left to evict
         self.held: dict[tuple[int, int], TensorNode] = {}
         self.clock = 0
-        # kept free at every check: the largest storage an op of the step made so far, an estimate of the
-        # next allocation (a check runs at a pack, after the op allocated, or before a rebuild)
+        # kept free at every check: HEADROOM_PER_OUTPUT x the largest storage an op of the step made so far, an
+        # estimate of the next op's allocations (a check runs at a pack, after the op allocated, or before a rebuild)
         self.headroom_bytes = 0
 
     def hold(self, node: TensorNode, tensor: torch.Tensor) -> None:

@@ -25,10 +25,11 @@ from typing import Callable
 import torch
 
 from regen.errors import RegenError
-from regen.opinfo import is_inplace, is_random, storage_key, tensor_outputs, written_outputs
+from regen.opinfo import is_inplace, is_random, op_outputs, storage_key, tensor_outputs, written_outputs
 from regen.runtime.dynamic.nodes import TensorNode, new_node
 from regen.runtime.dynamic.residency import Residency
-from regen.runtime.forward_ops import Writer
+from regen.runtime.dynamic.residency import HEADROOM_PER_OUTPUT
+from regen.runtime.writers import Writer, live_writer
 from regen.runtime.recompute import capture_op
 from regen.runtime.swap import Geometry, view_of
 from regen.runtime.tracker import regen_ops
@@ -102,23 +103,25 @@ class DynamicStep:
         start = time.perf_counter()
         out = func(*args, **kwargs)
         op_time_s = time.perf_counter() - start
-        outs = tensor_outputs(out)
+        outs = op_outputs(func, args, kwargs, out)
         written = written_outputs(func, args, kwargs, outs)
         if written:
             inplace = is_inplace(func)
+            returned = len(tensor_outputs(out))
             for slot, key in written:
                 t = outs[slot]
-                w = self.writer.get(key)
+                w = live_writer(self.writer, key)
+                if slot >= returned and w is None:  # an argument it writes that the step did not make (a buffer)
+                    continue
                 previous = nodes.get((w.op, w.slot)) if w is not None else None
                 node = nodes[(i, slot)] = new_node((i, slot), t, cap.refs, previous, inplace, op_time_s, clock)
                 for k in node.inputs:
                     m = nodes[k]
                     m.dependents.append(node.key)
                     node.evictable = node.evictable and m.evictable  # its rebuild may need m rebuilt
-                self.writer[key] = Writer(i, slot, t.shape, t.dtype)
+                self.writer[key] = Writer.of(i, slot, t)
                 self.memory.track(t)
-                if node.nbytes > self.residency.headroom_bytes:
-                    self.residency.headroom_bytes = node.nbytes
+                self.residency.headroom_bytes = max(self.residency.headroom_bytes, HEADROOM_PER_OUTPUT * node.nbytes)
         return out
 
     def backward_op(self, func, args, kwargs):
@@ -139,7 +142,7 @@ class DynamicStep:
     def _pack(self, x: torch.Tensor):
         if self.in_backward or torch._C._current_graph_task_id() != -1 or self.released:
             return _Untracked(x.detach())
-        w = self.writer.get(storage_key(x))
+        w = live_writer(self.writer, storage_key(x))
         if w is None:  # a parameter, a buffer, the batch: not an activation of this step
             return x.detach()
         node = self.nodes[(w.op, w.slot)]
