@@ -12,7 +12,9 @@ regions.py) and rebuilds each entry over its restored or recomputed storage. The
 plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
-and keeps every later tensor of the step. The step is released (host ranges, device copies, captures)
+and keeps every later tensor of the step. With torch.distributed initialized, a mismatch found before
+backward is acted on at the first unpack, after the ranks agreed on it (ranks.py), so all ranks raise or
+all go on. The step is released (host ranges, device copies, captures)
 once its forward has ended and autograd has freed every handle, or at once when aborted.
 """
 
@@ -30,6 +32,7 @@ from regen.runtime.candidates import CandidateTable, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch
 from regen.runtime.plan_index import PlanIndex
+from regen.runtime.ranks import mismatch_agreement
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine, view_of
@@ -116,6 +119,9 @@ class Step:
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
         self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
+        self.any_rank = mismatch_agreement()  # None without torch.distributed
+        self.ranks_agreed = False
+        self.deferred_mismatch: str | None = None  # found before the ranks agreed (any_rank set)
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
@@ -171,6 +177,14 @@ class Step:
             self.regions.returned(module)
 
     def mismatch(self, message: str):
+        if self.any_rank is not None and not self.ranks_agreed:  # the ranks decide together at the first unpack
+            if self.deferred_mismatch is None:
+                self.deferred_mismatch = message
+                self.planned = False
+            return
+        self._act_on_mismatch(message)
+
+    def _act_on_mismatch(self, message: str):
         if self.ctx.on_mismatch == "raise":
             self.failed = True
             self.planned = False
@@ -290,6 +304,23 @@ class Step:
         if expected is not None and self.forward_packs_seen != expected and self.planned:
             self.mismatch(f"the forward saved {self.forward_packs_seen} tensors for backward, the plan's saved "
                           f"{expected} (parameters frozen or unfrozen since it was profiled, or another model)")
+        if self.any_rank is not None:
+            self._agree_across_ranks()
+
+    def _agree_across_ranks(self):
+        """Every rank takes the on_mismatch action if any rank's step did not match the plan."""
+        self.ranks_agreed = True
+        with regen_ops():
+            anywhere = self.any_rank(self.deferred_mismatch is not None)
+        if not anywhere:
+            return
+        message = self.deferred_mismatch
+        if message is None and self.ctx.on_mismatch == "keep":
+            warnings.warn("regen.apply: another rank's step did not match the plan and ran unplanned there; "
+                          "this rank's step followed the plan", PlanMismatchWarning, stacklevel=3)
+            return
+        self.planned = True  # the deferred mismatch is acted on (and counted) now
+        self._act_on_mismatch(message or "another rank's step did not match the plan")
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _maybe_release(self):
