@@ -72,10 +72,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     device, build = _workload_builder(args, spec, wargs, batch_size, say)
     profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
                                progress=None if args.quiet else _print_progress, park=args.park)
+    if not _is_rank_0():  # profiled on every rank of a process group (FSDP's collectives); rank 0 writes it
+        return 0
     save_profile(profile, args.output)
     say(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
         f"unplanned peak {format_bytes(profile.peak_bytes)}")
     return 0
+
+
+def _is_rank_0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _workload_options(args: argparse.Namespace) -> tuple[str, dict, int | None]:

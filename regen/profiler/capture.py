@@ -126,12 +126,16 @@ class Capture:
 
 
 def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int] | None:
-    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...)."""
+    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...); a
+    DTensor's (FSDP2's sharded parameters) is its local shard's."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
     try:
         st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return st.data_ptr(), st.nbytes()
 
 
 class StepRecorder:
@@ -259,6 +263,8 @@ class StepRecorder:
                 info = self._new_storage(0, 0 if kb is None else kb[1], KIND_ACTIVATION, None)
             else:
                 info = self._live_storage(kb[0])
+                if info is not None and info.ref.cdata != t.untyped_storage()._cdata:
+                    info = None  # the storage known there was resized to nothing (FSDP2's reshard): a new one
                 if info is None:
                     info = self._new_storage(kb[0], kb[1], KIND_ACTIVATION, t.untyped_storage())
                     new_storages.append(info)

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from regen.errors import DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
+from regen.ranks import rank_agreement
 from regen.profiler.capture import (
     Capture,
     CaptureMode,
@@ -96,19 +97,9 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer), park=timer.park)
     gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
     optimizer.zero_grad(set_to_none=True)
-    op_times_s = timer.op_times(capture.op_names)
     notes = list(capture.notes)
-    for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
-        problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
-        if problem is None:
-            break
-        if attempt == MAX_TIMING_ATTEMPTS:
-            say(f"warning: {problem}; kept as measured (is another process using the machine?)")
-            notes.append(f"timing: {problem} after {attempt} measurements (a busy machine?)")
-            break
-        say(f"warning: {problem} (another process?); measuring again")
-        step_times_s, optimizer_times_s = timer.plain_steps()
-        op_times_s = timer.op_times(capture.op_names)
+    step_times_s, optimizer_times_s, op_times_s = _times_that_agree(timer, capture, step_times_s, optimizer_times_s,
+                                                                    notes)
     for op, time_s in zip(capture.ops, op_times_s):
         op.time_s = time_s
 
@@ -137,6 +128,29 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         ops=capture.ops, tensors=capture.tensors, saved_entries=capture.saved_entries,
         saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
     )
+
+
+def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[float],
+                      optimizer_times_s: list[float], notes: list[str]) -> tuple[list[float], list[float], list[float]]:
+    """Op times, and plain step and op times measured again while they disagree (at most MAX_TIMING_ATTEMPTS
+    in all). Under torch.distributed every rank measures again when any rank's disagree, so all ranks run
+    the same steps (FSDP's collectives)."""
+    any_rank = rank_agreement()
+    op_times_s = timer.op_times(capture.op_names)
+    for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
+        problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
+        if any_rank is not None and any_rank(problem is not None) and problem is None:
+            problem = "another rank's step time and op times disagree"
+        if problem is None:
+            break
+        if attempt == MAX_TIMING_ATTEMPTS:
+            timer.say(f"warning: {problem}; kept as measured (is another process using the machine?)")
+            notes.append(f"timing: {problem} after {attempt} measurements (a busy machine?)")
+            break
+        timer.say(f"warning: {problem} (another process?); measuring again")
+        step_times_s, optimizer_times_s = timer.plain_steps()
+        op_times_s = timer.op_times(capture.op_names)
+    return step_times_s, optimizer_times_s, op_times_s
 
 
 def _warm_up(timer: "_StepTimer", warmup_steps: int) -> None:

@@ -111,7 +111,9 @@ class RegenHandle:
             engine_for=self.engine_for, pool=self.pool, forward_ended=self._forward_ended,
             tracking_done=self._pop_tracker_for, released=self._step_released)
         self._hooks = [
-            self.root.register_forward_pre_hook(self._pre_hook),
+            # first of the root's pre-hooks: the step's ops begin where the profiler's do, before those of
+            # other pre-hooks (FSDP2's all-gather of the root's parameters)
+            self.root.register_forward_pre_hook(self._pre_hook, prepend=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ] + self._region_hooks()
 

@@ -13,7 +13,7 @@ plan's region modules report their calls (`region_called`, `region_returned`).
 
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
 and keeps every later tensor of the step. With torch.distributed initialized, a mismatch found before
-backward is acted on at the first unpack, after the ranks agreed on it (ranks.py), so all ranks raise or
+backward is acted on at the first unpack, after the ranks agreed on it (regen/ranks.py), so all ranks raise or
 all go on. The step is released (host ranges, device copies, captures)
 once its forward has ended and autograd has freed every handle, or at once when aborted.
 """
@@ -32,7 +32,7 @@ from regen.runtime.candidates import CandidateTable, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch
 from regen.runtime.plan_index import PlanIndex
-from regen.runtime.ranks import mismatch_agreement
+from regen.ranks import rank_agreement
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine, view_of
@@ -119,7 +119,7 @@ class Step:
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
         self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
-        self.any_rank = mismatch_agreement()  # None without torch.distributed
+        self.any_rank = rank_agreement()  # None without torch.distributed
         self.ranks_agreed = False
         self.deferred_mismatch: str | None = None  # found before the ranks agreed (any_rank set)
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack

@@ -5,11 +5,10 @@ import dataclasses
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from regen.cli import main
 from regen.formats import load_profile
+from regen.measure import measure_memory
 from regen.profiler.record import record_step
 from regen.workloads import training_step
 from tests.profiler.conftest import build_small
@@ -56,22 +55,6 @@ def test_a_parked_recording_equals_a_normal_one(name):
     assert abs(_peak(parked) - _peak(normal)) <= PEAK_TOLERANCE * _peak(normal)
 
 
-def _allocator_peak_increase_bytes(step) -> int:
-    """The CPU allocator's highest total during `step()` above its total when it began (torch.profiler's
-    allocation events carry the allocator's running total)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.typed[1].device.type == "cpu":
-            events.append((event.start_time_ns, event.typed[1].total_allocated, event.typed[1].alloc_size))
-    events.sort()
-    start = events[0][1] - events[0][2]
-    return max(total for _, total, _ in events) - start
-
-
 @pytest.mark.parametrize("name", ["gpt", "hf-gpt2"])
 def test_a_parked_recording_holds_the_start_plus_the_transients(name):
     measured, captures = {}, {}
@@ -80,8 +63,8 @@ def test_a_parked_recording_holds_the_start_plus_the_transients(name):
         training_step(workload)
         for p in workload.model.parameters():
             p.grad = None
-        measured[park] = _allocator_peak_increase_bytes(
-            lambda: captures.setdefault(park, record_step(workload, torch.device("cpu"), park=park)))
+        measured[park] = measure_memory(
+            lambda: captures.setdefault(park, record_step(workload, torch.device("cpu"), park=park))).peak_increase_bytes
     normal = captures[False]
     saved_bytes = sum(s.bytes for s in normal.saved_tensors)
     # The parked step's own timeline, from the bookkeeping: the unplanned level less the saved tensors that
