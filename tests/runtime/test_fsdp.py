@@ -117,3 +117,22 @@ def test_fsdp2_plans_on_two_ranks(tmp_path):
                   f"unplanned {unplanned_increase} B")
             assert increase <= CAP_TOLERANCE * cap_increase, (rank, strategy)
             assert increase < unplanned_increase
+
+
+def test_a_recipe_never_reads_a_resharded_parameter():
+    """A recipe that would read a parameter whose storage FSDP freed (resized to nothing after the forward,
+    as reshard_after_forward does) is refused in one line, not replayed over freed memory."""
+    from common import make
+    from handmade import PLANS as HANDMADE, trace_workload
+    from regen.errors import PlanMismatchError
+
+    w = make("mlp")
+    plan = HANDMADE["recompute"](trace_workload(w))
+    assert any(d.action == "recompute" and d.recipe for d in plan.decisions)
+    weights = [p for name, p in w.model.named_parameters() if name.endswith("weight")]
+    with regen.apply(w.model, plan):
+        loss = w.loss_fn(w.model(*w.batch), w.batch) if w.loss_fn else w.model(*w.batch)
+        for p in weights:
+            p.untyped_storage().resize_(0)  # what FSDP2 does to an unsharded parameter after the forward
+        with pytest.raises(PlanMismatchError, match="FSDP resharded"):
+            loss.backward()
