@@ -20,7 +20,9 @@ COLLECTIVE_TIMEOUT_S = 120  # rank 1 waits for rank 0's solves in the broadcast
 
 
 def build_fsdp(batch_size: int = 256):
-    """Three sharded MLP blocks and a sharded root; each rank its own batch."""
+    """Three sharded MLP blocks and a sharded root; each rank its own batch. The blocks keep their gathered
+    parameters until backward (reshard_after_forward=False): a recipe may read a block's parameters before
+    FSDP would gather them again for that block's backward (refused, see the test below)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -28,7 +30,7 @@ def build_fsdp(batch_size: int = 256):
               for _ in range(3)]
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(32, 4))
     for block in blocks:
-        fully_shard(block)
+        fully_shard(block, reshard_after_forward=False)
     fully_shard(model)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     x = torch.randn(batch_size, 32, generator=g)
