@@ -72,11 +72,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     say = _progress(args.quiet)
     device, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
     profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
-                               progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs)
+                               progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs,
+                               park=args.park)
+    if not _is_rank_0():  # profiled on every rank of a process group (FSDP's collectives); rank 0 writes it
+        return 0
     save_profile(profile, args.output)
     say(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
         f"unplanned peak {format_bytes(profile.peak_bytes)}")
     return 0
+
+
+def _is_rank_0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _workload_options(args: argparse.Namespace) -> tuple[str, dict, int | None, str | None]:
@@ -244,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed steps; step and op times are their medians (default {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS,
                    help=f"unrecorded warm-up steps (default {DEFAULT_WARMUP_STEPS})")
+    p.add_argument("--park", action="store_true",
+                   help="park saved tensors in host memory while profiling, for a step that does not fit on the "
+                        "device (the profile is the same; on CUDA an out-of-memory warm-up step does this by itself)")
     p.add_argument("-o", "--output", required=True, help="where to write the profile (YAML)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     p.set_defaults(func=cmd_profile)

@@ -3,7 +3,8 @@
 * CUDA: `torch.cuda.reset_peak_memory_stats()` then `torch.cuda.max_memory_allocated()`.
 * CPU: torch.profiler's allocator timeline (`profile_memory=True`), the same data behind
   `export_memory_timeline`: every allocation and free the CPU allocator made while the step ran,
-  categorised, summed over time.
+  categorised, summed over time. When its data-flow analysis refuses a step (a storage set under a
+  tensor, as swaps and parked profiles do), the allocator's own running total from the same events.
 
 Tests and benchmarks use this to check profiles and plans; the profiler and runtime never use it
 for their own decisions. On CPU the timeline only knows tensors that appear during the measured
@@ -56,8 +57,29 @@ def _measure_cpu(step: Callable[[], object]) -> MemoryMeasurement:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                      with_stack=True) as prof:
             step()
-        timeline = MemoryProfileTimeline(prof._memory_profile())
-        _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
-    totals = [int(sum(row)) for row in sizes] or [0]
+        try:
+            timeline = MemoryProfileTimeline(prof._memory_profile())
+            _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
+            totals = [int(sum(row)) for row in sizes] or [0]
+        except AssertionError:  # its data-flow analysis refuses some steps (storages swapped under a tensor)
+            totals = _allocator_totals(prof)
     return MemoryMeasurement(peak_bytes=max(totals), start_bytes=totals[0], end_bytes=totals[-1],
                              timeline_bytes=totals)
+
+
+def _allocator_totals(prof) -> list[int]:
+    """The CPU allocator's running total at each allocation event during the step, from the start's total
+    (what the allocation events themselves report)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            events.append((event.start_time_ns, event.typed[1].total_allocated, event.typed[1].alloc_size))
+    if not events:
+        return [0]
+    events.sort()
+    start = events[0][1] - events[0][2]
+    return [0] + [total - start for _, total, _ in events]

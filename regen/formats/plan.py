@@ -211,9 +211,32 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     dump_document(plan.to_dict(), path)
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read a plan file; malformed files and unknown versions raise FormatError."""
-    return plan_from_document(load_document(path, "plan", PLAN_VERSIONS), str(path))
+def load_plan(path: str | Path, broadcast_from: int | None = None) -> Plan:
+    """Read a plan file; malformed files and unknown versions raise FormatError.
+
+    `broadcast_from=R` with torch.distributed initialized: only rank R reads the file, and every rank gets
+    its plan (torch.distributed.broadcast_object_list), or the same FormatError when R could not read it.
+    Without torch.distributed it reads the file as usual."""
+    if broadcast_from is None:
+        return plan_from_document(load_document(path, "plan", PLAN_VERSIONS), str(path))
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return load_plan(path)
+    box: list[Any] = [None]
+    failure = None
+    if dist.get_rank() == broadcast_from:
+        try:
+            box[0] = load_plan(path)
+        except Exception as exc:  # the other ranks must not wait for a plan that never comes
+            failure = exc
+            box[0] = FormatError(f"rank {broadcast_from} could not read the plan: {exc}")
+    dist.broadcast_object_list(box, src=broadcast_from)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], FormatError):
+        raise box[0]
+    return box[0]
 
 
 def plan_from_document(doc: dict[str, Any], where: str) -> Plan:

@@ -1,11 +1,13 @@
 """regen.profiler: record one real training step of a workload and write what the planner needs.
 
-* `profile_workload(workload, device, repeats, warmup_steps, progress, runtime_probe)` -> `Profile` (regen.profiler.record)
+* `profile_workload(workload, device, repeats, warmup_steps, progress, runtime_probe=None, park=False)` ->
+  `Profile` (regen.profiler.record)
 
 Modules: capture (dispatch mode + saved-tensor hooks, following docs/internals.md), modules (each op's
 module path, each submodule call's extent), memory (per-op memory: CUDA allocator counters, or live
-storages on CPU), bandwidth (host<->device probe), environment (device, versions, static memory),
-record (the phases of a profile). `regen show` is regen.show.
+storages on CPU), park (saved tensors held in host memory while a step that does not fit is recorded),
+bandwidth (host<->device probe), environment (device, versions, static memory), record (the phases of a
+profile). `regen show` is regen.show.
 """
 
 from regen.profiler.record import profile_workload, record_step

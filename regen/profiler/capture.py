@@ -18,6 +18,10 @@ Storages are identified per lifetime: a data pointer is reused once its storage 
 is handed out whenever a pointer is seen whose previous storage has expired (`StorageWeakRef`).
 Nothing here keeps a tensor alive except the pack handles, which hold exactly what autograd would hold.
 
+With a `ParkStore` (regen.profiler.park), activation storages are parked in host memory as they are packed
+and brought back at unpack; a storage brought back keeps its StorageInfo (its id, so reads of it in
+backward are reads of the saved storage) and its tensor id, so the records equal an unparked step's.
+
 `OpRecord.outputs` lists an op's tensor outputs; undefined (None) outputs, which only backward ops return
 here, are left out, so `TensorRecord.output_slot` (the position in the op's return value) is what names a
 slot, and the fingerprint is fed the defined outputs, as the runtime does.
@@ -49,6 +53,7 @@ from regen.formats.profile import (
     TensorRecord,
 )
 from regen.profiler.memory import MemoryTracker
+from regen.profiler.park import ParkHandle, ParkStore
 
 NO_OP = -1  # pack_after_op of a pack that happened before any op of the step
 DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_graph=True; what it saves for the "
@@ -124,20 +129,25 @@ class Capture:
 
 
 def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int] | None:
-    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...)."""
+    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...); a
+    DTensor's (FSDP2's sharded parameters) is its local shard's."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
     try:
         st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return st.data_ptr(), st.nbytes()
 
 
 class StepRecorder:
     """Bookkeeping of one recorded step; see the module docstring."""
 
     def __init__(self, tracker: MemoryTracker, parameters: list[torch.Tensor], buffers: list[torch.Tensor],
-                 known_inputs: list[torch.Tensor], held: list[torch.Tensor] = ()):
+                 known_inputs: list[torch.Tensor], held: list[torch.Tensor] = (), park: ParkStore | None = None):
         self.tracker = tracker
+        self.park = park
         self.phase = PHASE_FORWARD
         self._ids = WeakTensorKeyDictionary()
         self.tensors: list[TensorRecord] = []
@@ -257,6 +267,8 @@ class StepRecorder:
                 info = self._new_storage(0, 0 if kb is None else kb[1], KIND_ACTIVATION, None)
             else:
                 info = self._live_storage(kb[0])
+                if info is not None and info.ref.cdata != t.untyped_storage()._cdata:
+                    info = None  # the storage known there was resized to nothing (FSDP2's reshard): a new one
                 if info is None:
                     info = self._new_storage(kb[0], kb[1], KIND_ACTIVATION, t.untyped_storage())
                     new_storages.append(info)
@@ -301,6 +313,8 @@ class StepRecorder:
             random_contents=writer is not None and self.random_contents.get(info.key, False), shape=list(x.shape),
             stride=list(x.stride()), storage_offset=x.storage_offset(), dtype=str(x.dtype),
             pack_after_op=len(self.ops) - 1 if self.ops else NO_OP))
+        if self.park is not None and info is not None and info.kind == KIND_ACTIVATION and info.key and info.nbytes:
+            return index, self.park.park(x, tag=(info, writer))
         return index, x
 
     def unpack(self, handle: Any) -> torch.Tensor:
@@ -314,6 +328,23 @@ class StepRecorder:
             entry.unpack_order = self.unpack_count
             self._pending_unpacks.append(entry)
         self.unpack_count += 1
+        if isinstance(x, ParkHandle):
+            x = self._unpark(x, entry)
+        return x
+
+    def _unpark(self, handle: ParkHandle, entry: _RawEntry) -> torch.Tensor:
+        x, restored = self.park.unpack(handle)
+        if restored:  # a new storage standing for the saved one: same StorageInfo, same writer
+            info, writer = handle.tag
+            key = storage_key_and_bytes(x)[0]
+            if self._storage_by_key.get(info.key) is info:  # its old address may hold another storage later
+                del self._storage_by_key[info.key]
+            info.key, info.ref = key, StorageWeakRef(x.untyped_storage())
+            self._storage_by_key[key] = info
+            if writer is not None:
+                self.writer[key] = writer
+            self.tracker.restored(info)
+        self._ids[x] = entry.tensor
         return x
 
     # ---- the result -----------------------------------------------------------------------------

@@ -15,6 +15,11 @@ the start was):
   returned and the allocator's own peak above its starting level during the marker. The start is the
   bytes of the storages that existed before the step and belong to it: parameters, buffers, optimizer
   state, gradients, the batch, and any other pre-existing tensor an op reads.
+
+A parked step (regen.profiler.park) frees saved storages between pack and unpack; both trackers add
+`missing_bytes()`, the bytes the unplanned step would hold there, to every level, so the timeline they
+report is the unplanned one. A storage brought back in backward is a new storage no op returned: the
+recorder reports it (`restored`) so the CPU tracker watches it until it is freed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 from bisect import bisect_left, bisect_right
 from contextlib import contextmanager, nullcontext
 from itertools import accumulate
-from typing import ContextManager, Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -44,6 +49,9 @@ class MemoryTracker(Protocol):
     def resized(self, info, nbytes: int) -> None:
         """A known storage changed size."""
 
+    def restored(self, info) -> None:
+        """A parked storage was copied back into the new storage `info` now refers to."""
+
     def start_bytes(self) -> int:
         """Absolute bytes allocated at the start of the step."""
 
@@ -51,12 +59,19 @@ class MemoryTracker(Protocol):
 _storage_expired = torch.Storage._expired
 
 
+def no_missing_bytes() -> int:
+    return 0
+
+
 class LiveStorageTracker:
     """CPU: live bytes from the storages the recorder reports, polled for frees before every op."""
 
-    def __init__(self, allocator_events: "CpuAllocatorEvents | None" = None) -> None:
+    def __init__(self, allocator_events: "CpuAllocatorEvents | None" = None,
+                 missing_bytes: Callable[[], int] = no_missing_bytes) -> None:
         self._start = 0
         self._level = 0
+        self._missing = 0
+        self.missing_bytes = missing_bytes
         # storage id -> (StorageWeakRef, its handle, nbytes); the ref object keeps the handle valid
         self._live: dict[int, tuple[object, int, int]] = {}
         self.allocator_events = allocator_events
@@ -78,19 +93,25 @@ class LiveStorageTracker:
         dead = [sid for sid, (_, cdata, _) in self._live.items() if expired(cdata)]
         for sid in dead:
             self._level -= self._live.pop(sid)[2]
-        return self._level
+        self._missing = self.missing_bytes()
+        return self._level + self._missing
 
     def after_op(self, new_storages: list) -> int:
         for info in new_storages:
             self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
             self._level += info.nbytes
-        return self._level
+        return self._level + self._missing
 
     def resized(self, info, nbytes: int) -> None:
         if info.id in self._live:
             ref, cdata, old = self._live[info.id]
             self._level += nbytes - old
             self._live[info.id] = (ref, cdata, nbytes)
+
+    def restored(self, info) -> None:
+        # keyed apart from the original storage's entry, which may still be watched
+        self._live[-1 - info.id] = (info.ref, info.ref.cdata, info.nbytes)
+        self._level += info.nbytes
 
     def start_bytes(self) -> int:
         return self._start
@@ -99,8 +120,10 @@ class LiveStorageTracker:
 class CudaMemoryTracker:
     """CUDA: the caching allocator's allocated-bytes counters around every op."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, missing_bytes: Callable[[], int] = no_missing_bytes) -> None:
         self.device = device
+        self.missing_bytes = missing_bytes
+        self._missing = 0
         torch.cuda.synchronize(device)
         self._start = torch.cuda.memory_allocated(device)
 
@@ -111,15 +134,19 @@ class CudaMemoryTracker:
         return nullcontext()
 
     def before_op(self) -> int:
-        level = torch.cuda.memory_allocated(self.device) - self._start
+        self._missing = self.missing_bytes()
+        level = torch.cuda.memory_allocated(self.device) - self._start + self._missing
         torch.cuda.reset_peak_memory_stats(self.device)
         return level
 
     def after_op(self, new_storages: list) -> int:
-        return torch.cuda.max_memory_allocated(self.device) - self._start
+        return torch.cuda.max_memory_allocated(self.device) - self._start + self._missing
 
     def resized(self, info, nbytes: int) -> None:
         pass
+
+    def restored(self, info) -> None:
+        pass  # the allocator counts it
 
     def start_bytes(self) -> int:
         return self._start

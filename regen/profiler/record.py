@@ -22,6 +22,12 @@ Phases, in order (each announced through `progress`):
 The profile also records how the step called the model (`Profile.call`, regen.call_signature): a batch
 tensor that requires grad (a GAN's discriminator in the generator's step) makes autograd save more.
 
+With `park=True` (`regen profile --park`) every step runs with its saved activations parked in host
+memory (regen.profiler.park), so a step that does not fit on the device is profiled: the recorded
+timeline is still the unplanned one (the trackers add back what is parked), op times leave the copies
+out, and plain step times subtract the time spent copying. On CUDA, a warm-up step that runs out of
+memory switches the rest of the profile to parked steps, and says so.
+
 The optimizer is `torch.optim.AdamW` with lr=0: the same kernels, time and state memory as a real step,
 without changing the model's weights (weight decay multiplies by 1 - lr*wd = 1, the update is scaled by 0).
 Gradients are set to None between steps, as `zero_grad()` does by default, and so are those of batch
@@ -43,6 +49,7 @@ from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import measure_bandwidth
+from regen.ranks import rank_agreement
 from regen.profiler.capture import (
     DOUBLE_BACKWARD_NOTE,
     Capture,
@@ -60,8 +67,9 @@ from regen.profiler.environment import (
     unique_storage_bytes,
 )
 from regen.profiler.liveness import held_until_ops
-from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker
+from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes
 from regen.profiler.modules import ModuleRecorder
+from regen.profiler.park import ParkingHooks, ParkStore
 from regen.workloads import Workload, call_arguments, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
@@ -76,11 +84,12 @@ Progress = Callable[[str], None]
 
 def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps: int,
                      progress: Progress | None,
-                     runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None) -> Profile:
+                     runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None, park: bool = False) -> Profile:
     """Profile one training step of `workload` on `device` (see the module docstring for the phases).
 
     `runtime_probe` measures what regen's runtime adds per event on this device (`regen profile` passes
-    regen.runtime.costs.measure_runtime_costs); without it the profile has no `runtime_costs`."""
+    regen.runtime.costs.measure_runtime_costs); without it the profile has no `runtime_costs`. `park`
+    records the step with its saved tensors parked in host memory (a step that does not fit)."""
     say = progress or (lambda message: None)
     dev = resolve_device(device)
     if repeats < 1:
@@ -93,15 +102,14 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     if not trainable:
         raise WorkloadError(f"workload '{workload.name}': the model has no trainable parameters")
     optimizer = torch.optim.AdamW(trainable, lr=OPTIMIZER_LR)
-    timer = _StepTimer(workload, optimizer, dev, repeats, say)
-    for k in range(warmup_steps):
-        say(f"warm-up step {k + 1}/{warmup_steps}")
-        timer.plain_step()
+    timer = _StepTimer(workload, optimizer, dev, repeats, say, park)
+    _warm_up(timer, warmup_steps)
     step_times_s, optimizer_times_s = timer.plain_steps()
     optimizer_state_bytes = unique_storage_bytes(optimizer_state_tensors(optimizer))
 
-    say("recording one step: ops, saved tensors, memory")
-    capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer))
+    say("recording one step: ops, saved tensors, memory" + (" (saved tensors parked in host memory)"
+                                                             if timer.park else ""))
+    capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer), park=timer.park)
     if DOUBLE_BACKWARD_NOTE in capture.notes:
         say(f"warning: {DOUBLE_BACKWARD_NOTE}")
     gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
@@ -109,18 +117,8 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     say("probing until when saved tensors are held outside autograd")
     notes = list(capture.notes) + record_held_until(workload, dev, capture)
     _zero_grad(optimizer, workload)
-    op_times_s = timer.op_times(capture.op_names)
-    for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
-        problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
-        if problem is None:
-            break
-        if attempt == MAX_TIMING_ATTEMPTS:
-            say(f"warning: {problem}; kept as measured (is another process using the machine?)")
-            notes.append(f"timing: {problem} after {attempt} measurements (a busy machine?)")
-            break
-        say(f"warning: {problem} (another process?); measuring again")
-        step_times_s, optimizer_times_s = timer.plain_steps()
-        op_times_s = timer.op_times(capture.op_names)
+    step_times_s, optimizer_times_s, op_times_s = _times_that_agree(timer, capture, step_times_s, optimizer_times_s,
+                                                                    notes)
     for op, time_s in zip(capture.ops, op_times_s):
         op.time_s = time_s
 
@@ -129,6 +127,9 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     runtime_costs = runtime_probe(dev) if runtime_probe is not None else None
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
     notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)")
+    if timer.park:
+        notes.append("recorded parked: saved tensors were held in host memory during the profile; the memory "
+                     "timeline is the unplanned step's, computed from the bookkeeping")
     if dev.type != "cuda":
         notes.append("memory on CPU: live storages tracked by the profiler, kernel temporaries from the allocator's "
                      "profiler events")
@@ -171,6 +172,48 @@ def record_held_until(workload: Workload, device: torch.device, capture: Capture
             f"are kept"]
 
 
+def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[float],
+                      optimizer_times_s: list[float], notes: list[str]) -> tuple[list[float], list[float], list[float]]:
+    """Op times, and plain step and op times measured again while they disagree (at most MAX_TIMING_ATTEMPTS
+    in all). Under torch.distributed every rank measures again when any rank's disagree, so all ranks run
+    the same steps (FSDP's collectives)."""
+    any_rank = rank_agreement()
+    op_times_s = timer.op_times(capture.op_names)
+    for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
+        problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
+        if any_rank is not None and any_rank(problem is not None) and problem is None:
+            problem = "another rank's step time and op times disagree"
+        if problem is None:
+            break
+        if attempt == MAX_TIMING_ATTEMPTS:
+            timer.say(f"warning: {problem}; kept as measured (is another process using the machine?)")
+            notes.append(f"timing: {problem} after {attempt} measurements (a busy machine?)")
+            break
+        timer.say(f"warning: {problem} (another process?); measuring again")
+        step_times_s, optimizer_times_s = timer.plain_steps()
+        op_times_s = timer.op_times(capture.op_names)
+    return step_times_s, optimizer_times_s, op_times_s
+
+
+def _warm_up(timer: "_StepTimer", warmup_steps: int) -> None:
+    """The warm-up steps; on CUDA, one that runs out of memory is retried parked (and the profile stays so)."""
+    for k in range(warmup_steps):
+        timer.say(f"warm-up step {k + 1}/{warmup_steps}")
+        try:
+            timer.plain_step()
+        except (torch.OutOfMemoryError, WorkloadError) as exc:
+            out_of_memory = isinstance(exc, torch.OutOfMemoryError) or isinstance(exc.__cause__,
+                                                                                   torch.OutOfMemoryError)
+            if timer.park or not timer.cuda or not out_of_memory:
+                raise
+            timer.say("the unplanned step ran out of device memory: profiling parked (saved tensors held in "
+                      "host memory while recording, as with --park)")
+            timer.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            timer.park = True
+            timer.plain_step()
+
+
 def _timing_disagreement(step_time_s: float, op_sum_s: float) -> str | None:
     """Why the plain step time and the summed op times cannot both be true measurements, or None.
 
@@ -188,26 +231,38 @@ def _timing_disagreement(step_time_s: float, op_sum_s: float) -> str | None:
 class _StepTimer:
     """The timed phases of a profile: plain steps (with their optimizer step) and op-by-op timing."""
 
-    def __init__(self, workload: Workload, optimizer, device: torch.device, repeats: int, say: Progress):
+    def __init__(self, workload: Workload, optimizer, device: torch.device, repeats: int, say: Progress,
+                 park: bool):
         self.workload, self.optimizer, self.device, self.repeats, self.say = workload, optimizer, device, repeats, say
         self.cuda = device.type == "cuda"
+        self.park = park
+
+    def parking_hooks(self) -> ParkingHooks:
+        """Hooks parking this step's saved activations (parameters, buffers and the batch stay)."""
+        model = self.workload.model
+        batch = [t for t in tree_flatten(self.workload.batch)[0] if isinstance(t, torch.Tensor)]
+        return ParkingHooks(ParkStore(self.device), list(model.parameters()) + list(model.buffers()) + batch)
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
     def plain_step(self) -> tuple[float, float]:
-        """One forward+backward and one optimizer step: (step time, optimizer time)."""
+        """One forward+backward and one optimizer step: (step time, optimizer time); a parked step's time
+        leaves its copies out."""
+        parking = self.parking_hooks() if self.park else None
         self.sync()
         t0 = time.perf_counter()
-        training_step(self.workload)
+        with parking.hooks() if parking is not None else nullcontext():
+            training_step(self.workload)
         self.sync()
         t1 = time.perf_counter()
         self.optimizer.step()
         self.sync()
         t2 = time.perf_counter()
         _zero_grad(self.optimizer, self.workload)
-        return t1 - t0, t2 - t1
+        copy_time_s = parking.store.copy_time_s if parking is not None else 0.0
+        return t1 - t0 - copy_time_s, t2 - t1
 
     def plain_steps(self) -> tuple[list[float], list[float]]:
         step_times_s, optimizer_times_s = [], []
@@ -223,7 +278,7 @@ class _StepTimer:
         per_step_times = []
         for k in range(self.repeats):
             self.say(f"timing ops: step {k + 1}/{self.repeats}")
-            names, times = _timed_step(self.workload, self.device)
+            names, times = _timed_step(self.workload, self.device, self.parking_hooks() if self.park else None)
             _zero_grad(self.optimizer, self.workload)
             _check_same_sequence(self.workload.name, recorded_names, names)
             per_step_times.append(times)
@@ -238,19 +293,24 @@ def _zero_grad(optimizer, workload: Workload) -> None:
             t.grad = None
 
 
-def record_step(workload: Workload, device: torch.device, extra_inputs: list[torch.Tensor] = ()) -> Capture:
+def record_step(workload: Workload, device: torch.device, extra_inputs: list[torch.Tensor] = (),
+                park: bool = False) -> Capture:
     """One forward+backward under the capture mode and saved-tensor hooks (gradients left in place).
 
     `extra_inputs` are other tensors held for the whole step that belong to it (optimizer state): on CPU
-    their bytes count in the memory at start.
+    their bytes count in the memory at start. `park`: saved activations are parked in host memory while
+    the step runs (regen.profiler.park); the records are the same.
     """
     model = workload.model
+    store = ParkStore(device) if park else None
+    missing = store.missing_bytes if store is not None else no_missing_bytes
     allocator_events = None if device.type == "cuda" else CpuAllocatorEvents()
-    tracker = CudaMemoryTracker(device) if allocator_events is None else LiveStorageTracker(allocator_events)
+    tracker = (CudaMemoryTracker(device, missing) if allocator_events is None
+               else LiveStorageTracker(allocator_events, missing))
     batch_tensors = [t for t in tree_flatten(workload.batch)[0] if isinstance(t, torch.Tensor)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     recorder = StepRecorder(tracker, parameters=list(model.parameters()), buffers=list(model.buffers()),
-                            known_inputs=batch_tensors, held=list(extra_inputs) + grads)
+                            known_inputs=batch_tensors, held=list(extra_inputs) + grads, park=store)
     modules = ModuleRecorder(model, recorder)
     recorder.current_module = modules.current
     with allocator_events if allocator_events is not None else nullcontext(), modules:
@@ -282,9 +342,10 @@ def _backward(workload: Workload, loss: torch.Tensor) -> None:
         raise WorkloadError(f"workload '{workload.name}': the backward raised {type(exc).__name__}: {exc}") from exc
 
 
-def _timed_step(workload: Workload, device: torch.device) -> tuple[list[str], list[float]]:
+def _timed_step(workload: Workload, device: torch.device, parking: ParkingHooks | None) -> tuple[list[str], list[float]]:
     mode = TimingMode(device)
-    with torch.autograd.graph.saved_tensors_hooks(pass_through_pack, pass_through_unpack):
+    with parking.hooks() if parking is not None else torch.autograd.graph.saved_tensors_hooks(
+            pass_through_pack, pass_through_unpack):
         with mode:
             loss, output = forward_with_output(workload)
             _backward(workload, loss)

@@ -119,7 +119,8 @@ class RegenHandle:
                 engine_for=self.engine_for, pool=self.pool, forward_ended=functools.partial(self._forward_ended, state),
                 tracking_done=self._pop_tracker_for, released=self._step_released)
         self._hooks = [
-            # before the user's pre-hooks, whose ops the profiler counted in the forward (docs/internals.md)
+            # first of the root's pre-hooks: the step's ops begin where the profiler's do, before those of the
+            # user's pre-hooks (whose ops the profiler counted in the forward) and of FSDP2's all-gather
             self.root.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ] + self._region_hooks()

@@ -228,6 +228,11 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                 base = anchor(key)
             return view_of(base, a.geometry)
         if isinstance(a, External):
+            if a.tensor.numel() and not a.tensor.untyped_storage().nbytes():
+                raise PlanMismatchError(
+                    f"a tensor read by the recipe of op {candidate[0]} has no storage now (shape "
+                    f"{tuple(a.tensor.shape)}): a parameter FSDP resharded, which the plan reads before FSDP "
+                    f"gathers it again; solve with that recompute refused or reshard_after_forward=False")
             if a.tensor._version != a.version:
                 raise PlanMismatchError(
                     f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "

@@ -17,8 +17,10 @@ handle's hooks on the plan's region modules report their calls (`region_called`,
 A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
 and keeps every later tensor of the step. A backward with create_graph=True (an unpack with grad mode on:
 the engine runs such a backward with it) is a mismatch: what it saves for a second backward is not
-planned. The step is released (host ranges, device copies, captures) once its forward has ended and
-autograd has freed every handle, or at once when aborted.
+planned. With torch.distributed initialized, a mismatch found before backward is acted on at the first
+unpack, after the ranks agreed on it (regen/ranks.py), so all ranks raise or all go on. The step is
+released (host ranges, device copies, captures) once its forward has ended and autograd has freed every
+handle, or at once when aborted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from regen.runtime.candidates import CandidateTable, Kept, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
 from regen.runtime.plan_index import PlanIndex
+from regen.ranks import rank_agreement
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine, view_of
@@ -126,6 +129,9 @@ class Step:
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
         self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
+        self.any_rank = rank_agreement()  # None without torch.distributed
+        self.ranks_agreed = False
+        self.deferred_mismatch: str | None = None  # found before the ranks agreed (any_rank set)
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
@@ -185,6 +191,14 @@ class Step:
             difference = self.call_difference()
             if difference is not None:
                 message = f"{message}; {difference}"
+        if self.any_rank is not None and not self.ranks_agreed:  # the ranks decide together at the first unpack
+            if self.deferred_mismatch is None:
+                self.deferred_mismatch = message
+                self.planned = False
+            return
+        self._act_on_mismatch(message)
+
+    def _act_on_mismatch(self, message: str):
         if self.ctx.on_mismatch == "raise":
             self.failed = True
             self.planned = False
@@ -317,6 +331,23 @@ class Step:
         if expected is not None and self.forward_packs_seen != expected and self.planned:
             self.mismatch(f"the forward saved {self.forward_packs_seen} tensors for backward, the plan's saved "
                           f"{expected} (parameters frozen or unfrozen since it was profiled, or another model)")
+        if self.any_rank is not None:
+            self._agree_across_ranks()
+
+    def _agree_across_ranks(self):
+        """Every rank takes the on_mismatch action if any rank's step did not match the plan."""
+        self.ranks_agreed = True
+        with regen_ops():
+            anywhere = self.any_rank(self.deferred_mismatch is not None)
+        if not anywhere:
+            return
+        message = self.deferred_mismatch
+        if message is None and self.ctx.on_mismatch == "keep":
+            warnings.warn("regen.apply: another rank's step did not match the plan and ran unplanned there; "
+                          "this rank's step followed the plan", PlanMismatchWarning, stacklevel=3)
+            return
+        self.planned = True  # the deferred mismatch is acted on (and counted) now
+        self._act_on_mismatch(message or "another rank's step did not match the plan")
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _maybe_release(self):
