@@ -12,14 +12,15 @@ def profile(workload):
     return profile_workload(workload, device="cpu", repeats=1, warmup_steps=0, progress=None)
 
 
-def solve_halfway(prof, strategy: str, link_ratio: float | None = None):
-    """A plan at a cap halfway between the lowest peak recompute can reach and the unplanned peak: on
-    tiny models the parameters dominate, so a fraction of the unplanned peak may be infeasible."""
+def solve_halfway(prof, strategy: str, link_ratio: float | None = None, fraction: float = 0.5):
+    """A plan at a cap `fraction` of the way from the lowest peak recompute can reach to the unplanned peak
+    (halfway by default): on tiny models the parameters dominate, so a fraction of the unplanned peak may be
+    infeasible."""
     from regen.planner import solve
     from regen.planner.graph import build_graph
     from regen.planner.residency import lower_bound_peak
 
     lower = lower_bound_peak(build_graph(prof), allow_swap=False, allow_recompute=True)
-    cap = (lower + prof.peak_bytes) // 2
+    cap = int(lower + fraction * (prof.peak_bytes - lower))
     link = {"link_ratio": link_ratio} if link_ratio is not None else {}
     return solve(prof, memory_cap_bytes=cap, strategy=strategy, time_limit_s=30, **link)

@@ -48,7 +48,9 @@ def _plan(strategy):
     _, prof = _bf16_gpt()
     if strategy == "checkpoint-blocks":  # region decisions: each block's call replayed in backward
         return solve(prof, memory_cap_bytes=prof.peak_bytes, strategy=strategy)
-    return solve_halfway(prof, strategy, link_ratio=0.5 if strategy == "hybrid" else None)
+    if strategy == "hybrid":  # a cap low enough that the plan needs recompute besides the link's swaps
+        return solve_halfway(prof, strategy, link_ratio=0.5, fraction=0.25)
+    return solve_halfway(prof, strategy)
 
 
 def _weight_copies(prof):
