@@ -15,6 +15,8 @@ The graph walks stop after `WALK_LIMIT` nodes, so a score costs a bounded time o
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from regen.runtime.dynamic.nodes import TensorNode
 
 POLICIES = ("graph", "dtr")
@@ -32,28 +34,20 @@ def score(policy: str, node: TensorNode, nodes: dict, clock: int) -> float:
 
 def dropped_upstream_cost_s(node: TensorNode, nodes: dict) -> float:
     """Recipe cost of the non-resident nodes that rebuilding `node` would rebuild first (transitively)."""
-    total = 0.0
-    seen = set()
-    todo = list(node.inputs)
-    while todo and len(seen) < WALK_LIMIT:
-        key = todo.pop()
-        if key in seen:
-            continue
-        seen.add(key)
-        m = nodes.get(key)
-        if m is None or m.resident() is not None:
-            continue
-        total += m.cost_s
-        todo.extend(m.inputs)
-    return total
+    return sum(m.cost_s for m in _non_resident_reach(node.inputs, nodes, lambda m: m.inputs))
 
 
 def dropped_dependents(node: TensorNode, nodes: dict) -> int:
     """Dropped saved nodes (autograd still awaits them) whose rebuild reads `node`, directly or through
     other non-resident nodes."""
-    count = 0
+    return sum(1 for m in _non_resident_reach(node.dependents, nodes, lambda m: m.dependents) if m.live > 0)
+
+
+def _non_resident_reach(keys, nodes: dict, edges: Callable[[TensorNode], list]) -> Iterator[TensorNode]:
+    """The non-resident nodes reached from `keys` along `edges` through non-resident nodes only (at most
+    WALK_LIMIT nodes visited)."""
     seen = set()
-    todo = list(node.dependents)
+    todo = list(keys)
     while todo and len(seen) < WALK_LIMIT:
         key = todo.pop()
         if key in seen:
@@ -62,7 +56,5 @@ def dropped_dependents(node: TensorNode, nodes: dict) -> int:
         m = nodes.get(key)
         if m is None or m.resident() is not None:
             continue
-        if m.live > 0:
-            count += 1
-        todo.extend(m.dependents)
-    return count
+        yield m
+        todo.extend(edges(m))
