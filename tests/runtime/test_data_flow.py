@@ -52,7 +52,7 @@ def _plan(w):
     return plan
 
 
-ATTEMPTS = 8  # the allocator reuses the freed address most of the time, not always
+ATTEMPTS = 32  # the allocator reuses the freed address most of the time, not always (less after many tests)
 
 
 def test_another_branch_on_a_fast_step_raises_even_at_a_reused_address():
@@ -71,7 +71,8 @@ def test_another_branch_on_a_fast_step_raises_even_at_a_reused_address():
         (address, reused), = w.model.addresses
         if address == reused:
             return
-    pytest.fail(f"the allocator never reused the freed address in {ATTEMPTS} attempts")
+    # every attempt raised, but none at a reused address: the case this test is for did not occur in this process
+    pytest.skip(f"the allocator never reused the freed address in {ATTEMPTS} attempts")
 
 
 def test_another_branch_with_keep_runs_unplanned_and_exact():
