@@ -54,7 +54,7 @@ def test_accelerate_bf16_loop_under_a_plan_equals_unplanned(accelerator):
     model, _, batch, loss_fn = _prepared(accelerator)
     prof = profile(Workload(name="accelerate-gpt", model=model, batch=batch, loss_fn=loss_fn))
     assert any(t.dtype == "torch.bfloat16" for t in prof.tensors)  # Accelerate's autocast was recorded
-    plan = solve_halfway(prof, "hybrid", link_ratio=0.5)
+    plan = solve_halfway(prof, "hybrid", link_ratio=0.5, fraction=0.25)  # low enough to need recompute too
     counts = plan.action_counts()
     assert counts["swap"] > 0 and counts["recompute"] > 0
     losses, weights = _train(accelerator)
