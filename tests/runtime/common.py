@@ -160,10 +160,11 @@ class Boom(RuntimeError):
     """The user's code failing inside a planned step."""
 
 
-def fail_inside_a_step(w, plan, where: str, after_forward=lambda handle: None):
-    """Run one planned step of `w` that raises Boom in the forward (a hook of the second block), between
-    forward and backward, or in backward; return the handle. `after_forward(handle)` runs once the
-    forward is over, in the last two cases."""
+def fail_inside_a_step(w, plan, where: str, after_forward=lambda handle: None, **apply_kwargs):
+    """Run one step of `w` under `regen.apply(w.model, plan, **apply_kwargs)` (plan None and a memory_cap:
+    dynamic mode) that raises Boom in the forward (a hook of the second block), between forward and
+    backward, or in backward; return the handle. `after_forward(handle)` runs once the forward is over,
+    in the last two cases."""
     import pytest
 
     import regen
@@ -172,7 +173,7 @@ def fail_inside_a_step(w, plan, where: str, after_forward=lambda handle: None):
         raise Boom("user code failed")
 
     with pytest.raises(Boom):
-        with regen.apply(w.model, plan) as handle:
+        with regen.apply(w.model, plan, **apply_kwargs) as handle:
             if where == "forward":
                 h = w.model.blocks[1].register_forward_hook(explode)
                 try:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import regen
-from common import Boom, accumulate_grads, assert_same, make, run_and_grads, step
+from common import accumulate_grads, assert_same, fail_inside_a_step, make, run_and_grads, step
 from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic import OverCapWarning
@@ -181,25 +181,7 @@ def test_exception_inside_a_dynamic_step_leaves_nothing_behind(where):
     w = make("gpt")
     reference = run_and_grads(w)
     cap = _start_bytes(w) + 4 * 2**20
-
-    def explode(*_):
-        raise Boom("user code failed")
-
-    with pytest.raises(Boom):
-        with regen.apply(w.model, memory_cap=cap) as handle:
-            if where == "forward":
-                h = w.model.blocks[1].register_forward_hook(explode)
-                try:
-                    step(w)
-                finally:
-                    h.remove()
-            else:
-                out = w.model(*w.batch)
-                loss = w.loss_fn(out, w.batch)
-                if where == "backward":
-                    out.register_hook(explode)
-                    loss.backward()
-                raise Boom("after forward")
+    handle = fail_inside_a_step(w, None, where, memory_cap=cap)
     _assert_nothing_left(handle, w.model)
     with regen.apply(w.model, memory_cap=cap) as handle:
         assert_same(reference, run_and_grads(w))
