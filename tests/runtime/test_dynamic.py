@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import regen
-from common import accumulate_grads, assert_same, fail_inside_a_step, make, run_and_grads, step
+from common import accumulate_grads, assert_same, fail_inside_a_step, make, run_and_grads
 from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic import OverCapWarning
