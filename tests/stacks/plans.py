@@ -24,3 +24,10 @@ def solve_halfway(prof, strategy: str, link_ratio: float | None = None, fraction
     cap = int(lower + fraction * (prof.peak_bytes - lower))
     link = {"link_ratio": link_ratio} if link_ratio is not None else {}
     return solve(prof, memory_cap_bytes=cap, strategy=strategy, time_limit_s=30, **link)
+
+
+def weights_and_buffers(model) -> dict:
+    """Copies of a model's parameters and buffers by name, for comparing two training runs."""
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out.update({f"buffer {n}": b.detach().clone() for n, b in model.named_buffers()})
+    return out

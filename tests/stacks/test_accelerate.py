@@ -11,7 +11,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import regen  # noqa: E402
-from plans import TINY_GPT, profile, solve_halfway  # noqa: E402
+from plans import TINY_GPT, profile, solve_halfway, weights_and_buffers  # noqa: E402
 from regen.models import gpt  # noqa: E402
 from regen.workloads import Workload  # noqa: E402
 
@@ -47,7 +47,7 @@ def _train(accelerator, plan=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, weights_and_buffers(model)
 
 
 def test_accelerate_bf16_loop_under_a_plan_equals_unplanned(accelerator):

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import regen  # noqa: E402
-from plans import profile, solve_halfway  # noqa: E402
+from plans import profile, solve_halfway, weights_and_buffers  # noqa: E402
 from regen.integrations.hf import regen_callback  # noqa: E402
 from regen.models import hf_gpt2  # noqa: E402
 from regen.workloads import Workload  # noqa: E402
@@ -50,7 +50,7 @@ def _train(tmp_path, callbacks):
     trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks)
     torch.manual_seed(0)  # the sampler's order and dropout: the same in both runs
     trainer.train()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model
+    return losses, weights_and_buffers(model), model
 
 
 def test_trainer_steps_under_a_plan_equal_unplanned(tmp_path):
