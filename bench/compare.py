@@ -340,11 +340,13 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
     time_round_robin(variants, timed_steps, label, progress)
     results = []
     for v in variants:
+        steps = WARMUP_STEPS + 1 + timed_steps
         waited = v.handle.stats.link_wait_s if v.handle is not None else 0.0
+        copy_cpu = v.handle.stats.link_copy_cpu_s if v.handle is not None else 0.0
         if v.handle is not None:
             v.handle.remove()
-        note = v.note + (f"; waited on the link {waited * 1e3 / (WARMUP_STEPS + 1 + timed_steps):.1f} ms/step"
-                         if waited else "")
+        note = v.note + (f"; waited on the link {waited * 1e3 / steps:.1f} ms/step" if waited else "")
+        note += (f"; copy threads' CPU {copy_cpu * 1e3 / steps:.1f} ms/step (emulation only)" if copy_cpu else "")
         results.append(Result(name, v.name, v.cap_bytes, start + v.increase_bytes, statistics.median(v.times_s),
                               note, predicted_step_time_s=v.predicted_step_time_s, link_ratio=link_ratio))
     return results + failed
@@ -393,7 +395,10 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int) -
         "and counted apart, as a GPU's pinned host memory is. Step time is the median of "
         f"{timed_steps} forward+backward steps after {WARMUP_STEPS} warm-up steps, round-robin over all variants. "
         "The predicted step time is the plan's simulated one (the profile's for no plan). regen's plans are "
-        f"solved at {LINK_CAP_FRACTION:.0%} of the unplanned peak and at each peer's measured peak.",
+        f"solved at {LINK_CAP_FRACTION:.0%} of the unplanned peak and at each peer's measured peak. The copy "
+        "threads move the bytes with the CPU (the note's \"copy threads' CPU\"), taking it from the same 2 cores "
+        "compute runs on, where a GPU's copy engines take nothing from compute: on a CPU device, that is part "
+        "of every swap row's measured time and none of its prediction.",
         "",
         body,
     ])

@@ -9,7 +9,9 @@ reads stale bytes. Times are kept on the link's own clock (a copy starts when it
 before it was due to end and its dependencies were due to land), so a copy thread that wakes up late
 (the GIL, a loaded machine) delays the copy it is doing, never the ones after it. Its `LinkEvent` is set once the bytes have landed; the compute thread waits on these
 events (a copy-in's consumer, the release of a copy-out's source), and those waits are real stalls
-(`RuntimeStats.link_wait_s`). A copy-in's buffer is allocated by the compute thread when the copy-in is
+(`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
+engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
+benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is allocated by the compute thread when the copy-in is
 issued, so its memory counts from then, and filled with POISON_BYTE so that a read before the copy
 landed cannot pass for the right bytes. A host range given back to the pool is written by the next
 copy-out only after the copy-in that last read it has landed (`HostPool.pending_read_events`).
@@ -83,10 +85,11 @@ class _Copy:
 class CopyThread:
     """One direction of the link: copies one at a time, in issue order, each nbytes / bytes_per_s long."""
 
-    def __init__(self, name: str, bytes_per_s: float):
+    def __init__(self, name: str, bytes_per_s: float, on_copied=None):
         if not bytes_per_s > 0:
             raise RegenError(f"regen.apply: the emulated link needs a positive bandwidth (got {bytes_per_s} B/s)")
         self.bytes_per_s = float(bytes_per_s)
+        self._on_copied = on_copied  # called with each copy's CPU seconds (thread time of moving its bytes)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._hurry = False  # closing: queued copies land at once
         self._free_at = 0.0  # when the link finishes the copy before (its due time, not the thread's)
@@ -122,7 +125,10 @@ class CopyThread:
             self._free_at = task.done.landed_at = due
             while not self._hurry and (left := due - time.perf_counter()) > 0:
                 time.sleep(left)
+            cpu_start_s = time.thread_time()
             _copy_bytes(task.src, task.dst)
+            if self._on_copied is not None:
+                self._on_copied(time.thread_time() - cpu_start_s)
         except BaseException as exc:  # raised to whoever waits on the copy
             error = exc
         task.src = task.dst = None  # the compute thread frees the tensors
@@ -149,8 +155,14 @@ class EmulatedEngine(SwapEngine):
                  stats: RuntimeStats | None = None):
         super().__init__(device, pool)
         self.stats = stats
-        self.d2h = CopyThread("regen-link-d2h", d2h_bytes_per_s)
-        self.h2d = CopyThread("regen-link-h2d", h2d_bytes_per_s)
+        self._stats_lock = threading.Lock()  # both copy threads add to stats.link_copy_cpu_s
+        self.d2h = CopyThread("regen-link-d2h", d2h_bytes_per_s, self._count_copy_cpu)
+        self.h2d = CopyThread("regen-link-h2d", h2d_bytes_per_s, self._count_copy_cpu)
+
+    def _count_copy_cpu(self, cpu_s: float) -> None:
+        if self.stats is not None:
+            with self._stats_lock:
+                self.stats.link_copy_cpu_s += cpu_s
 
     def _wait(self, event: LinkEvent) -> None:
         if event.query():

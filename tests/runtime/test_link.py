@@ -77,6 +77,7 @@ def test_slow_link_gives_exact_gradients_and_buffers(name, strategy):
     handle = planned[3]
     assert handle.stats.planned_steps == 1 and handle.stats.swapped_tensors == plan.action_counts()["swap"]
     assert handle.stats.link_wait_s > 0  # the link was slow enough to stall compute
+    assert handle.stats.link_copy_cpu_s > 0  # the copy threads' byte moving is counted
     assert_nothing_left(handle, w.model)
     assert not _link_threads()
 
