@@ -15,8 +15,11 @@ alive (`SavedTensor.held_until_op`); a storage alive at the end of the step is h
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen import opinfo
@@ -95,17 +98,32 @@ def held_until_ops(workload: Workload, device: torch.device, candidate_entries: 
     than the recorded one (its op indices would not be the profile's)."""
     probe = _Probe(device, candidate_entries)
     mode = _ProbeMode(probe)
-    with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
+    with _gradients_set_aside(workload), torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
         with mode:
             loss, output = forward_with_output(workload)
             loss.backward()
             del loss, output
         probe.poll(len(mode.names))
-    for p in workload.model.parameters():
-        p.grad = None
     if mode.names != recorded_names:
         return None
     last = len(recorded_names) - 1
     held = {i: op - 1 for i, op in probe.freed_before.items()}
     held.update({i: last for i in probe.watched})  # still alive after the step: held throughout
     return held
+
+
+@contextmanager
+def _gradients_set_aside(workload: Workload):
+    """The probe step starts with no gradients (so that it dispatches the recorded step's ops, which
+    allocate gradients rather than accumulate into them) and leaves the model's and the batch's gradients
+    as it found them."""
+    leaves = list(workload.model.parameters()) + [t for t in tree_flatten(workload.batch)[0]
+                                                   if isinstance(t, torch.Tensor) and t.requires_grad]
+    found = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, grad in zip(leaves, found):
+            t.grad = grad

@@ -116,7 +116,6 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     _zero_grad(optimizer, workload)
     say("probing until when saved tensors are held outside autograd")
     notes = list(capture.notes) + record_held_until(workload, dev, capture)
-    _zero_grad(optimizer, workload)
     step_times_s, optimizer_times_s, op_times_s = _times_that_agree(timer, capture, step_times_s, optimizer_times_s,
                                                                     notes)
     for op, time_s in zip(capture.ops, op_times_s):
