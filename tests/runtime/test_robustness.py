@@ -1,4 +1,5 @@
-"""Exception safety, the handle API, gradient accumulation, no growth over 50 steps, and DDP."""
+"""Exception safety, the handle API, gradient accumulation, no growth over 50 steps, and DDP (hybrid and
+region plans)."""
 
 import os
 import socket
@@ -118,6 +119,7 @@ def _ddp_worker(rank, world, port, plan, result_path):
                     loss = w.loss_fn(ddp(*batch), batch)
                     loss.backward()
                 assert handle.stats.planned_steps == 1
+                assert handle.stats.region_replays == len(plan.regions)  # each region ran again in backward
             else:
                 loss = w.loss_fn(ddp(*batch), batch)
                 loss.backward()
@@ -128,11 +130,19 @@ def _ddp_worker(rank, world, port, plan, result_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_gloo(tmp_path):
+@pytest.mark.parametrize("kind", ["hybrid", "regions"])
+def test_ddp_two_processes_gloo(tmp_path, kind):
+    """A hand-made hybrid plan, and a plan of regions (per-block checkpointing from a real profile: each
+    block's forward runs again inside DDP's backward), give DDP's gradients on both ranks."""
     import torch.multiprocessing as mp
 
-    _, trace = traced("gpt")
-    plan = PLANS["hybrid"](trace)
+    if kind == "hybrid":
+        plan = PLANS["hybrid"](traced("gpt")[1])
+    else:
+        from test_regions import _region_plan
+
+        plan = _region_plan("gpt", "blocks")[2]
+        assert plan.regions and not any(d.action == "recompute" and d.recipe for d in plan.decisions)
     result = str(tmp_path / "grads")
     mp.spawn(_ddp_worker, args=(2, _free_port(), plan, result), nprocs=2, join=True)
     per_rank = [torch.load(f"{result}.{r}") for r in range(2)]
