@@ -16,6 +16,11 @@ the start was):
   bytes of the storages that existed before the step and belong to it: parameters, buffers, optimizer
   state, gradients, the batch, and any other pre-existing tensor an op reads.
 
+FSDP2 allocates a unit's unsharded parameters (resizing their storages) just before it gathers them and
+frees them (resized to nothing) after the unit's forward and again after its backward: the recorder
+reports each storage a gathering op writes (`gathered`), whose bytes then count from that op on, not in
+the start, and reports its reshard as a resize to nothing.
+
 A parked step (regen.profiler.park) frees saved storages between pack and unpack; both trackers add
 `missing_bytes()`, the bytes the unplanned step would hold there, to every level, so the timeline they
 report is the unplanned one. A storage brought back in backward is a new storage no op returned: the
@@ -52,6 +57,9 @@ class MemoryTracker(Protocol):
     def restored(self, info) -> None:
         """A parked storage was copied back into the new storage `info` now refers to."""
 
+    def gathered(self, info) -> None:
+        """FSDP gathered parameters into the storage `info` (allocated for it): live from now, not at start."""
+
     def start_bytes(self) -> int:
         """Absolute bytes allocated at the start of the step."""
 
@@ -82,6 +90,7 @@ class LiveStorageTracker:
     def add_external(self, info) -> None:
         if info.ref is None:
             return
+        info.at_start = True
         self._start += info.nbytes
         if not info.permanent:  # the batch and the like can be dropped mid-step: watch them
             self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
@@ -107,6 +116,15 @@ class LiveStorageTracker:
             ref, cdata, old = self._live[info.id]
             self._level += nbytes - old
             self._live[info.id] = (ref, cdata, nbytes)
+
+    def gathered(self, info) -> None:
+        if info.ref is None:
+            return
+        if info.at_start:  # first met as a tensor from outside the step: allocated by FSDP's unshard
+            info.at_start = False
+            self._start -= info.nbytes
+            self._level += info.nbytes
+        self._live.setdefault(info.id, (info.ref, info.ref.cdata, info.nbytes))
 
     def restored(self, info) -> None:
         # keyed apart from the original storage's entry, which may still be watched
@@ -146,6 +164,9 @@ class CudaMemoryTracker:
         pass
 
     def restored(self, info) -> None:
+        pass  # the allocator counts it
+
+    def gathered(self, info) -> None:
         pass  # the allocator counts it
 
     def start_bytes(self) -> int:
