@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -382,14 +383,17 @@ class StepRecorder:
         level = self.tracker.before_op()
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
-        start = self.tracker.start_bytes()
+        late = self.tracker.mid_step_allocations()  # (first op, bytes): counted at start, allocated later
+        start = self.tracker.start_bytes() - sum(nbytes for _, nbytes in late)
+        late_bytes = list(accumulate(sum(nbytes for first, nbytes in late if first == i) for i in range(len(self.ops))))
         in_op_peaks = in_op_peaks or {}
         ops = []
         for i, raw in enumerate(self.ops):
-            after = start + raw.memory_after_rel_bytes
-            peak = start + raw.memory_peak_rel_bytes
+            base = start + late_bytes[i]
+            after = base + raw.memory_after_rel_bytes
+            peak = base + raw.memory_peak_rel_bytes
             if i in in_op_peaks:
-                peak = max(peak, start + raw.memory_before_rel_bytes + max(raw.new_bytes, in_op_peaks[i]))
+                peak = max(peak, base + raw.memory_before_rel_bytes + max(raw.new_bytes, in_op_peaks[i]))
             peak = max(peak, after)
             ops.append(OpRecord(index=i, name=raw.name, phase=raw.phase, time_s=0.0, inputs=raw.inputs,
                                 outputs=raw.outputs, memory_after_bytes=after, memory_peak_bytes=peak,
