@@ -15,7 +15,9 @@ dispatches an extra `aten.detach`), so every instrumented step of the profiler r
 runtime's planned steps do.
 
 Storages are identified per lifetime: a data pointer is reused once its storage is freed, so a storage id
-is handed out whenever a pointer is seen whose previous storage has expired (`StorageWeakRef`).
+is handed out whenever a pointer is seen whose previous storage has expired (`StorageWeakRef`), or that
+FSDP has resized to nothing (regen.profiler.gathered: the storages its gathering ops write, counted from
+the gather to the reshard).
 Nothing here keeps a tensor alive except the pack handles, which hold exactly what autograd would hold.
 
 With a `ParkStore` (regen.profiler.park), activation storages are parked in host memory as they are packed
@@ -53,6 +55,7 @@ from regen.formats.profile import (
     SavedTensor,
     TensorRecord,
 )
+from regen.profiler.gathered import GatheredStorages
 from regen.profiler.memory import MemoryTracker
 from regen.profiler.park import ParkHandle, ParkStore
 
@@ -169,7 +172,7 @@ class StepRecorder:
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
         self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
         self.current_module: Callable[[], str | None] = lambda: None  # the op's module path (profiler/modules.py)
-        self._gathered: dict[int, StorageInfo] = {}  # storages FSDP gathered parameters into, not resharded yet
+        self.gathered = GatheredStorages(tracker)
         # Storages that exist before the step: their bytes are the memory at start (CPU bookkeeping).
         for kind, tensors, permanent in ((KIND_PARAMETER, parameters, True), (KIND_BUFFER, buffers, True),
                                          (KIND_INPUT, held, True), (KIND_INPUT, known_inputs, False)):
@@ -242,7 +245,9 @@ class StepRecorder:
         for entry in self._pending_unpacks:
             entry.unpack_before_op = index
         self._pending_unpacks.clear()
-        self._note_reshards()
+        for info in self.gathered.resharded():  # its address is free: a storage allocated there is a new one
+            if self._storage_by_key.get(info.key) is info:
+                del self._storage_by_key[info.key]
         level = self.tracker.before_op()
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
@@ -286,7 +291,11 @@ class StepRecorder:
                 self.writer[key] = (index, slot)
                 self.random_contents[key] = random or (inplace and self.random_contents.get(key, False))
         if opinfo.gathers_parameters(opinfo.op_name(func)):
-            self._note_gathered(outputs)
+            for t in outputs:
+                kb = storage_key_and_bytes(t) if t is not None else None
+                info = self._live_storage(kb[0]) if kb is not None and kb[0] else None
+                if info is not None:
+                    self.gathered.gathered(info)
         peak = self.tracker.after_op(new_storages)
         self.ops.append(_RawOp(
             name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
@@ -294,26 +303,6 @@ class StepRecorder:
             new_bytes=sum(info.nbytes for info in new_storages), is_random=random, is_inplace=inplace,
             is_view=opinfo.is_view(func), module=self.current_module(),
             private_generator=random and opinfo.uses_private_generator(func, args, kwargs)))
-
-    def _note_gathered(self, outputs: list) -> None:
-        """The storages a gathering op wrote (FSDP's unsharded parameters, allocated for it): the tracker
-        counts them from now on, and their reshard (a resize to nothing, no op) is watched for."""
-        for t in outputs:
-            kb = storage_key_and_bytes(t) if t is not None else None
-            info = self._live_storage(kb[0]) if kb is not None and kb[0] else None
-            if info is not None and info.id not in self._gathered:
-                self.tracker.gathered(info)
-                self._gathered[info.id] = info
-
-    def _note_reshards(self) -> None:
-        """Gathered storages FSDP resized to nothing since the last op: freed (and their address forgotten,
-        so a storage allocated there later is a new one)."""
-        for sid, info in list(self._gathered.items()):
-            if info.ref.expired() or torch.UntypedStorage._new_with_weak_ptr(info.ref.cdata).nbytes() == 0:
-                self.tracker.resized(info, 0)
-                del self._gathered[sid]
-                if self._storage_by_key.get(info.key) is info:
-                    del self._storage_by_key[info.key]
 
     # ---- the autograd side ----------------------------------------------------------------------
     def pack(self, x: torch.Tensor) -> Any:
