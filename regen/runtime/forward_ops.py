@@ -14,8 +14,7 @@ verified one of a plan with recompute decisions (docs/internals.md "Pack-order f
 match by order, so only the `FastOps.tracked` ops (the recipe ops, the producers of what their
 captures read and of the tensors dropped for a recipe or kept as its input, taken from the verified
 step) and the gathering ops do more than count and run, and the writer map only holds the producers'
-outputs. The step
-learns what happened through callbacks: a mismatch, the last planned op (with whether the
+outputs. The step learns what happened through callbacks: a mismatch, the last planned op (with whether the
 fingerprint matched), and, on fast steps, the last tracked op.
 """
 
@@ -24,11 +23,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.formats.plan import ACTION_RECOMPUTE, Plan
 from regen.formats.profile import OpFingerprint
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from regen.opinfo import gathers_parameters, op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
