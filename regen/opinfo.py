@@ -163,6 +163,27 @@ def copies_first_arg(name: str) -> bool:
     return name in COPY_OPS
 
 
+# FSDP2 copies a unit's gathered parameters out of its all-gather buffer into the unsharded parameters
+# (out= arguments) before the unit's forward and again before its backward; it frees their storages
+# (resized to nothing) after each. What they write is a parameter, the same values at every gather,
+# never a result of the step's computation: their writes name no saved tensor (written_outputs), a recipe
+# reads a gathered parameter as it is at its replay, and only where FSDP holds it unsharded.
+PARAMETER_GATHER_OPS = frozenset({"fsdp.split_with_sizes_copy.default"})
+# Namespaces of ops that talk to other ranks or take part in FSDP's gathering: never replayed by one rank
+# alone (a recipe or a region that contains one is not recomputable).
+DISTRIBUTED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
+
+
+def gathers_parameters(name: str) -> bool:
+    """Whether the op named `name` (see op_name) writes FSDP's unsharded parameters (PARAMETER_GATHER_OPS)."""
+    return name in PARAMETER_GATHER_OPS
+
+
+def is_distributed(name: str) -> bool:
+    """Whether the op named `name` (see op_name) is a collective or part of FSDP's gathering."""
+    return name.partition(".")[0] in DISTRIBUTED_NAMESPACES
+
+
 def storage_key(t: torch.Tensor) -> int:
     """An identity for a tensor's storage, equal for a tensor and all its views while it lives."""
     return t.untyped_storage().data_ptr()
@@ -195,9 +216,10 @@ def written_outputs(func, args, kwargs, outputs: list) -> list[tuple[int, int]]:
     wrote its storage": a view op writes nothing; an in-place or out= op writes the storages of all its
     outputs (the arguments its schema writes among them, returned or not); any other op writes its
     outputs' storages unless an output aliases an input (ops such as `_unsafe_view` return an alias
-    without declaring it). Zero-byte storages are skipped.
+    without declaring it). Zero-byte storages are skipped. An op that gathers parameters
+    (gathers_parameters) writes parameters, not saved tensors: none.
     """
-    if is_view(func):
+    if is_view(func) or gathers_parameters(op_name(func)):
         return []
     inplace = is_inplace(func)
     in_keys = None if inplace else input_storage_keys(args, kwargs)

@@ -11,7 +11,9 @@ replayed only on a *recipe-internal* storage: one whose creating op is in the re
 in-place write to it that precedes a recipe read of it (its whole write history up to that read,
 replayed in forward order, so the replayed storage holds the same contents when it is read). CPU
 dropout (`empty_like`, `bernoulli_`, `div_`) is recomputable this way. In-place writes to any other
-storage (parameters, the batch, anchors) are never replayed.
+storage (parameters, the batch, anchors) are never replayed. A collective or an op of FSDP's gathering is
+never replayed (`opinfo.is_distributed`); a parameter FSDP gathered is read as a parameter, and only by a
+recipe whose replay finds it unsharded (regen.planner.gathered).
 
 "Rebuilt with": a recomputable candidate T whose producer op another candidate R's recipe replays on
 the way (before T's first backward use) may be kept from R's rebuild until its own use instead of
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from regen.formats.profile import PHASE_FORWARD, Profile
-from regen.opinfo import reads_first_arg_metadata_only
+from regen.opinfo import gathers_parameters, is_distributed, reads_first_arg_metadata_only
+from regen.planner.gathered import gathered_storages, resharded_read
 
 if TYPE_CHECKING:
     from regen.planner.graph import Candidate, PlanningGraph
@@ -57,6 +60,8 @@ class RecipeContext:
     # storage -> the op that created it: the first op with a non-view, non-in-place output over it that
     # read no tensor of that storage (absent for parameters, buffers, the batch)
     creator: dict[int, int] = field(default_factory=dict)
+    # storage -> the forward ops that gathered an FSDP parameter into it (regen.planner.gathered)
+    gathered: dict[int, list[int]] = field(default_factory=dict)
 
 
 def add_recipes(graph: PlanningGraph) -> None:
@@ -85,11 +90,12 @@ def storage_writes(profile: Profile, tensors: dict) -> tuple[dict[int, list[int]
     """(storage -> the in-place ops that wrote it, increasing; storage -> the op that created it: the
     first non-view, non-in-place op with an output over it that read no tensor of that storage). An
     in-place op writes every storage among its outputs, which list the arguments its schema writes,
-    returned or not (regen.opinfo.op_outputs: `rrelu_with_noise` writes its noise argument)."""
+    returned or not (regen.opinfo.op_outputs: `rrelu_with_noise` writes its noise argument). FSDP's
+    gathering writes parameters, not the step's values (regen.planner.gathered): not counted here."""
     inplace_writers: dict[int, list[int]] = {}
     creator: dict[int, int] = {}
     for op in profile.ops:
-        if op.is_view:
+        if op.is_view or gathers_parameters(op.name):
             continue
         out_storages = {tensors[o].storage for o in op.outputs if o in tensors and tensors[o].storage_bytes}
         if op.is_inplace:
@@ -107,7 +113,8 @@ def recipe_context(graph: PlanningGraph) -> RecipeContext:
     tensors = profile.tensor_by_id()
     cand_by_tensor = {c.saved.tensor: c for c in graph.candidates}
     inplace_writers, creator = storage_writes(profile, tensors)
-    return RecipeContext(graph, tensors, cand_by_tensor, inplace_writers, creator)
+    return RecipeContext(graph, tensors, cand_by_tensor, inplace_writers, creator,
+                         gathered_storages(profile, tensors))
 
 
 def build_recipe(ctx: RecipeContext, target: Candidate, depth: int = 0,
@@ -129,6 +136,9 @@ def build_recipe(ctx: RecipeContext, target: Candidate, depth: int = 0,
     if why:
         return None, why
     order = sorted(walk.recipe_ops)
+    why = resharded_read(ctx.graph.profile, ctx.tensors, ctx.gathered, order, target.first_backward)
+    if why:
+        return None, why
     op_times_s = float(sum(ctx.graph.time_s[q] for q in order))
     return Recipe(ops=order, anchors=sorted(walk.anchors), time_s=ctx.graph.costs.recipe_time_s(op_times_s, len(order)),
                   transient_bytes=recipe_transient_bytes(ctx.graph.profile, ctx.tensors, order,
@@ -176,6 +186,8 @@ class _RecipeWalk:
         op = self.ops[q]
         if op.phase != PHASE_FORWARD:
             return f"op {q} ({op.name}) is not a forward op"
+        if is_distributed(op.name):
+            return f"op {q} ({op.name}) is a collective or FSDP's gathering, which one rank cannot replay"
         self.recipe_ops.add(q)
         if len(self.recipe_ops) > MAX_RECIPE_OPS:
             return f"its recipe is longer than {MAX_RECIPE_OPS} ops"

@@ -17,7 +17,9 @@ A call is a region only if its replay is exact and its memory is what the planne
 * every argument that is an activation is a candidate: the runtime holds the arguments from the call to
   the replay, so a chosen region requires its argument candidates (`inputs`) kept;
 * no op in it writes in place a storage made before the call, except module buffers (BatchNorm's
-  running stats), which the runtime restores after the replay (their bytes are part of the transient).
+  running stats), which the runtime restores after the replay (their bytes are part of the transient);
+* no op in it is a collective or FSDP's gathering (one rank alone cannot replay those), and every
+  parameter FSDP gathered that it reads is unsharded at the replay (regen.planner.gathered).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
+from regen.opinfo import is_distributed
+from regen.planner.gathered import gathered_storages, resharded_read
 
 if TYPE_CHECKING:
     from regen.planner.graph import PlanningGraph
@@ -63,9 +67,11 @@ def add_regions(graph: PlanningGraph) -> None:
     for c in graph.candidates:
         cand_by_storage.setdefault(c.saved.storage, c)
     by_id = graph.by_saved_id()
+    gathered = gathered_storages(profile, tensors)
     for call in profile.module_calls:
         region = _region_of(graph, call, tensors, cand_by_storage, by_id, len(graph.regions))
-        if region is not None:
+        if region is not None and resharded_read(profile, tensors, gathered, range(call.first_op, call.last_op + 1),
+                                                 region.replay_step) is None:
             graph.regions.append(region)
             for t in region.members:
                 graph.candidates[t].regions.append(region.index)
@@ -81,6 +87,8 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     extent = range(call.first_op, call.last_op + 1)
     if any(ops[q].private_generator for q in extent):
         return None  # a replay restores the global RNG states, not a generator the forward keeps elsewhere
+    if any(is_distributed(ops[q].name) for q in extent):
+        return None  # a replay on one rank would wait for the others in a collective
     input_storages = {tensors[x].storage for x in call.inputs if x in tensors}
     inputs = []
     for st in input_storages:

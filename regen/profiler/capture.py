@@ -15,7 +15,9 @@ dispatches an extra `aten.detach`), so every instrumented step of the profiler r
 runtime's planned steps do.
 
 Storages are identified per lifetime: a data pointer is reused once its storage is freed, so a storage id
-is handed out whenever a pointer is seen whose previous storage has expired (`StorageWeakRef`).
+is handed out whenever a pointer is seen whose previous storage has expired (`StorageWeakRef`), or that
+FSDP has resized to nothing (regen.profiler.gathered: the storages its gathering ops write, counted from
+the gather to the reshard).
 Nothing here keeps a tensor alive except the pack handles, which hold exactly what autograd would hold.
 
 With a `ParkStore` (regen.profiler.park), activation storages are parked in host memory as they are packed
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -52,6 +55,7 @@ from regen.formats.profile import (
     SavedTensor,
     TensorRecord,
 )
+from regen.profiler.gathered import GatheredStorages
 from regen.profiler.memory import MemoryTracker
 from regen.profiler.park import ParkHandle, ParkStore
 
@@ -75,6 +79,7 @@ class StorageInfo:
     kind: str  # activation (a new storage allocated by an op of the step) | parameter | buffer | input
     ref: StorageWeakRef | None  # None for empty storages (nothing to track)
     permanent: bool = False  # held by the model or optimizer for the whole step (never freed during it)
+    at_start: bool = False  # its bytes are counted in the memory at start (the tracker's)
 
 
 @dataclass
@@ -167,6 +172,7 @@ class StepRecorder:
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
         self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
         self.current_module: Callable[[], str | None] = lambda: None  # the op's module path (profiler/modules.py)
+        self.gathered = GatheredStorages(tracker)
         # Storages that exist before the step: their bytes are the memory at start (CPU bookkeeping).
         for kind, tensors, permanent in ((KIND_PARAMETER, parameters, True), (KIND_BUFFER, buffers, True),
                                          (KIND_INPUT, held, True), (KIND_INPUT, known_inputs, False)):
@@ -239,6 +245,9 @@ class StepRecorder:
         for entry in self._pending_unpacks:
             entry.unpack_before_op = index
         self._pending_unpacks.clear()
+        for info in self.gathered.resharded():  # its address is free: a storage allocated there is a new one
+            if self._storage_by_key.get(info.key) is info:
+                del self._storage_by_key[info.key]
         level = self.tracker.before_op()
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
@@ -281,6 +290,12 @@ class StepRecorder:
             for slot, key in opinfo.written_outputs(func, args, kwargs, outputs):
                 self.writer[key] = (index, slot)
                 self.random_contents[key] = random or (inplace and self.random_contents.get(key, False))
+        if opinfo.gathers_parameters(opinfo.op_name(func)):
+            for t in outputs:
+                kb = storage_key_and_bytes(t) if t is not None else None
+                info = self._live_storage(kb[0]) if kb is not None and kb[0] else None
+                if info is not None:
+                    self.gathered.gathered(info)
         peak = self.tracker.after_op(new_storages)
         self.ops.append(_RawOp(
             name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
@@ -357,14 +372,17 @@ class StepRecorder:
         level = self.tracker.before_op()
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
-        start = self.tracker.start_bytes()
+        late = self.tracker.mid_step_allocations()  # (first op, bytes): counted at start, allocated later
+        start = self.tracker.start_bytes() - sum(nbytes for _, nbytes in late)
+        late_bytes = list(accumulate(sum(nbytes for first, nbytes in late if first == i) for i in range(len(self.ops))))
         in_op_peaks = in_op_peaks or {}
         ops = []
         for i, raw in enumerate(self.ops):
-            after = start + raw.memory_after_rel_bytes
-            peak = start + raw.memory_peak_rel_bytes
+            base = start + late_bytes[i]
+            after = base + raw.memory_after_rel_bytes
+            peak = base + raw.memory_peak_rel_bytes
             if i in in_op_peaks:
-                peak = max(peak, start + raw.memory_before_rel_bytes + max(raw.new_bytes, in_op_peaks[i]))
+                peak = max(peak, base + raw.memory_before_rel_bytes + max(raw.new_bytes, in_op_peaks[i]))
             peak = max(peak, after)
             ops.append(OpRecord(index=i, name=raw.name, phase=raw.phase, time_s=0.0, inputs=raw.inputs,
                                 outputs=raw.outputs, memory_after_bytes=after, memory_peak_bytes=peak,

@@ -16,6 +16,14 @@ the start was):
   bytes of the storages that existed before the step and belong to it: parameters, buffers, optimizer
   state, gradients, the batch, and any other pre-existing tensor an op reads.
 
+FSDP2 allocates a unit's unsharded parameters (resizing their storages) just before it gathers them and
+frees them (resized to nothing) after the unit's forward and again after its backward: the recorder
+reports each storage a gathering op writes (`gathered`), whose bytes then count from that op on, not in
+the start, and reports its reshard as a resize to nothing. A storage that no op returned, first met mid-step (a buffer
+a collective allocates inside itself and hands back, as gloo's reduce-scatter does), is counted in the
+start when met; when the allocator's events show it was allocated during the step, it is moved to the
+level from the op where it was met (`mid_step_allocations`).
+
 A parked step (regen.profiler.park) frees saved storages between pack and unpack; both trackers add
 `missing_bytes()`, the bytes the unplanned step would hold there, to every level, so the timeline they
 report is the unplanned one. A storage brought back in backward is a new storage no op returned: the
@@ -52,8 +60,16 @@ class MemoryTracker(Protocol):
     def restored(self, info) -> None:
         """A parked storage was copied back into the new storage `info` now refers to."""
 
+    def gathered(self, info) -> None:
+        """FSDP gathered parameters into the storage `info` (allocated for it): live from now, not at start."""
+
     def start_bytes(self) -> int:
         """Absolute bytes allocated at the start of the step."""
+
+    def mid_step_allocations(self) -> list[tuple[int, int]]:
+        """(op index, bytes) of the storages first met at that op and counted in `start_bytes()` that were in
+        fact allocated during the step, before it (the allocator says so): their bytes belong to the level
+        from that op on, not to the start."""
 
 
 _storage_expired = torch.Storage._expired
@@ -75,6 +91,10 @@ class LiveStorageTracker:
         # storage id -> (StorageWeakRef, its handle, nbytes); the ref object keeps the handle valid
         self._live: dict[int, tuple[object, int, int]] = {}
         self.allocator_events = allocator_events
+        self._ops_begun = 0
+        # storage id -> (data pointer, bytes, index of the op at which it was met) of the storages added to the
+        # start after the first op began
+        self._met_mid_step: dict[int, tuple[int, int, int]] = {}
 
     def op_scope(self, index: int) -> ContextManager:
         return self.allocator_events.op_scope(index) if self.allocator_events else nullcontext()
@@ -82,13 +102,17 @@ class LiveStorageTracker:
     def add_external(self, info) -> None:
         if info.ref is None:
             return
+        info.at_start = True
         self._start += info.nbytes
+        if self._ops_begun:
+            self._met_mid_step[info.id] = (info.key, info.nbytes, self._ops_begun - 1)
         if not info.permanent:  # the batch and the like can be dropped mid-step: watch them
             self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
 
     def before_op(self) -> int:
         # torch.Storage._expired on the weak reference's handle is what StorageWeakRef.expired() calls; calling
         # it directly halves the cost of this loop, which runs over every live storage before every op
+        self._ops_begun += 1
         expired = _storage_expired
         dead = [sid for sid, (_, cdata, _) in self._live.items() if expired(cdata)]
         for sid in dead:
@@ -108,6 +132,16 @@ class LiveStorageTracker:
             self._level += nbytes - old
             self._live[info.id] = (ref, cdata, nbytes)
 
+    def gathered(self, info) -> None:
+        if info.ref is None:
+            return
+        if info.at_start:  # first met as a tensor from outside the step: allocated by FSDP's unshard
+            info.at_start = False
+            self._met_mid_step.pop(info.id, None)
+            self._start -= info.nbytes
+            self._level += info.nbytes
+        self._live.setdefault(info.id, (info.ref, info.ref.cdata, info.nbytes))
+
     def restored(self, info) -> None:
         # keyed apart from the original storage's entry, which may still be watched
         self._live[-1 - info.id] = (info.ref, info.ref.cdata, info.nbytes)
@@ -115,6 +149,13 @@ class LiveStorageTracker:
 
     def start_bytes(self) -> int:
         return self._start
+
+    def mid_step_allocations(self) -> list[tuple[int, int]]:
+        events = self.allocator_events
+        if events is None or not self._met_mid_step:
+            return []
+        return [(op, nbytes) for key, nbytes, op in self._met_mid_step.values()
+                if events.allocated_before_op(key, op + 1)]
 
 
 class CudaMemoryTracker:
@@ -148,8 +189,14 @@ class CudaMemoryTracker:
     def restored(self, info) -> None:
         pass  # the allocator counts it
 
+    def gathered(self, info) -> None:
+        pass  # the allocator counts it
+
     def start_bytes(self) -> int:
         return self._start
+
+    def mid_step_allocations(self) -> list[tuple[int, int]]:
+        return []  # the allocator's own counters: the start is what was allocated at the start
 
 
 OP_MARKER_PREFIX = "regen-op#"
@@ -175,13 +222,14 @@ def _quiet_stderr():
 class CpuAllocatorEvents:
     """The CPU allocator's allocations and frees during the recorded step, as torch.profiler reports them.
 
-    Used only to see what kernels allocate inside themselves; the level itself comes from the live
-    storages. Unavailable (every op then gets 0 extra) when another profiler is already running.
+    Used to see what kernels allocate inside themselves and which storages first met mid-step were
+    allocated during it; the level itself comes from the live storages. Unavailable (every op then gets 0 extra) when another profiler is already running.
     """
 
     def __init__(self) -> None:
         self.available = not torch._C._autograd._profiler_enabled()
         self._prof = None
+        self._allocations: tuple[dict[int, list[int]], dict[int, int]] | None = None
 
     def __enter__(self) -> "CpuAllocatorEvents":
         if self.available:
@@ -201,6 +249,35 @@ class CpuAllocatorEvents:
         if self._prof is None:
             return nullcontext()
         return torch._C._profiler._RecordFunctionFast(f"{OP_MARKER_PREFIX}{index}")
+
+    def allocated_before_op(self, ptr: int, index: int) -> bool:
+        """Whether the allocator handed out memory at address `ptr` during the step before op `index` began
+        (any time during the step when no op `index` ran)."""
+        if self._prof is None:
+            return False
+        if self._allocations is None:
+            self._allocations = self._allocation_times()
+        begins = self._allocations[1]
+        until = begins.get(index, float("inf"))
+        return any(t < until for t in self._allocations[0].get(ptr, ()))
+
+    def _allocation_times(self) -> tuple[dict[int, list[int]], dict[int, int]]:
+        """(address -> start times of the allocations there, op index -> start time of its marker)."""
+        from torch._C._profiler import _EventType
+
+        allocations: dict[int, list[int]] = {}
+        begins: dict[int, int] = {}
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            stack.extend(event.children)
+            if event.tag == _EventType.Allocation:
+                fields = event.typed[1]
+                if fields.alloc_size > 0 and fields.device.type == "cpu":
+                    allocations.setdefault(fields.ptr, []).append(event.start_time_ns)
+            elif event.name.startswith(OP_MARKER_PREFIX):
+                begins[int(event.name[len(OP_MARKER_PREFIX):])] = event.start_time_ns
+        return allocations, begins
 
     def in_op_peaks(self) -> dict[int, int]:
         """op index -> highest bytes the allocator held during the op above its level when the op began."""

@@ -3,6 +3,8 @@
 * The writer map (docs/internals.md "Naming a saved tensor"): `storage_key -> Writer`, the op output
   that last wrote the storage, with its shape and dtype, updated with `opinfo.written_outputs`. Packs
   are matched through it (packing.py) and recipe captures reference its entries.
+* The gathered parameters: the storages FSDP's gathering ops (`opinfo.gathers_parameters`) wrote, which
+  recipe captures read as parameters FSDP gathers again before the unit's backward (`recompute.Gathered`).
 * The fingerprint of the forward ops, fed until the handle has verified a step.
 * Recipe captures: an op whose index is in `Plan.recipe_ops` has its name checked and is captured
   (`recompute.capture_op`) before it runs.
@@ -11,8 +13,8 @@
 verified one of a plan with recompute decisions (docs/internals.md "Pack-order fast path"): packs then
 match by order, so only the `FastOps.tracked` ops (the recipe ops, the producers of what their
 captures read and of the tensors dropped for a recipe or kept as its input, taken from the verified
-step) do more than count and run, and the writer map only holds the producers' outputs. The step
-learns what happened through callbacks: a mismatch, the last planned op (with whether the
+step) and the gathering ops do more than count and run, and the writer map only holds the producers'
+outputs. The step learns what happened through callbacks: a mismatch, the last planned op (with whether the
 fingerprint matched), and, on fast steps, the last tracked op.
 """
 
@@ -21,10 +23,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.formats.plan import ACTION_RECOMPUTE, Plan
 from regen.formats.profile import OpFingerprint
-from regen.opinfo import op_name, op_outputs, written_outputs
+from regen.opinfo import gathers_parameters, op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
 from regen.runtime.writers import Writer
@@ -35,15 +38,17 @@ class FastOps:
     verified step): capture the recipe ops, and note the outputs of the ops those captures read and of
     the candidates whose packs are checked against the writer map (packing.writer_mismatch)."""
 
-    __slots__ = ("tracked", "producers", "refs", "last_tracked")
+    __slots__ = ("tracked", "producers", "gathers", "refs", "last_tracked")
 
-    def __init__(self, captures: dict[int, CapturedOp], recipe_ops, checked_keys):
+    def __init__(self, captures: dict[int, CapturedOp], recipe_ops, checked_keys, gathers=frozenset()):
         """`checked_keys`: the (op, slot) of the decisions whose packs a fast step checks against the writer
-        map (dropped for a recipe, or kept as a recipe's input)."""
+        map (dropped for a recipe, or kept as a recipe's input); `gathers`: the verified step's ops that
+        gathered parameters before a recipe op."""
         self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
         self.producers = frozenset({op for refs in self.refs.values() for op, _ in refs}
                                    | {op for op, _ in checked_keys})
-        self.tracked = frozenset(recipe_ops) | self.producers  # every other op: count it and run it
+        self.gathers = frozenset(gathers)
+        self.tracked = frozenset(recipe_ops) | self.producers | self.gathers  # every other op: count and run
         # after this op the dispatch mode has nothing left to do: the next pack pops it
         self.last_tracked = max(self.tracked, default=-1)
 
@@ -51,8 +56,8 @@ class FastOps:
 class ForwardOps:
     """One step's forward ops: their count, the writer map, the fingerprint and the recipe captures."""
 
-    __slots__ = ("index", "count", "writer", "captures", "fingerprint", "fast", "_mismatch", "_last_op_ran",
-                 "_tracking_done")
+    __slots__ = ("index", "count", "writer", "gathered", "gather_ops", "captures", "fingerprint", "fast",
+                 "_mismatch", "_last_op_ran", "_tracking_done")
 
     def __init__(self, index: PlanIndex, fingerprint: bool, fast: FastOps | None,
                  mismatch: Callable[[str], None], last_op_ran: Callable[[bool], None],
@@ -63,6 +68,8 @@ class ForwardOps:
         self.index = index
         self.count = 0
         self.writer: dict[int, Writer] = {}
+        self.gathered: dict[int, StorageWeakRef] = {}  # storage_key -> a parameter storage FSDP gathered
+        self.gather_ops: set[int] = set()
         self.captures: dict[int, CapturedOp] = {}
         self.fingerprint: OpFingerprint | None = OpFingerprint() if fingerprint else None
         self.fast = fast
@@ -80,7 +87,8 @@ class ForwardOps:
             if problem:
                 self._mismatch(problem)
             else:
-                self.captures[idx] = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
+                self.captures[idx] = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx],
+                                                self.gathered)
         out = func(*args, **kwargs)
         outs = op_outputs(func, args, kwargs, out)
         self._note_writes(idx, func, args, kwargs, outs)
@@ -123,7 +131,7 @@ class ForwardOps:
             if problem:
                 self._mismatch(problem)
             else:
-                cap = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx])
+                cap = capture_op(idx, func, args, kwargs, self.writer, index.recipe_op_random[idx], self.gathered)
                 if cap.refs != fast.refs[idx]:
                     self._mismatch(f"recipe op {idx} ({expected}) reads the outputs {list(cap.refs)} (op, slot), "
                                    f"the plan's verified step read {list(fast.refs[idx])}: the forward's data "
@@ -131,7 +139,7 @@ class ForwardOps:
                 else:
                     self.captures[idx] = cap
         out = func(*args, **kwargs)
-        if idx in fast.producers:
+        if idx in fast.producers or idx in fast.gathers:
             self._note_writes(idx, func, args, kwargs, op_outputs(func, args, kwargs, out))
         return out
 
@@ -140,6 +148,11 @@ class ForwardOps:
         writer = self.writer
         for slot, key in written_outputs(func, args, kwargs, outs):
             writer[key] = Writer.of(idx, slot, outs[slot])
+        if gathers_parameters(op_name(func)):
+            self.gather_ops.add(idx)
+            for o in outs:
+                if o is not None:
+                    self.gathered[storage_key(o)] = StorageWeakRef(o.untyped_storage())
 
     @property
     def all_ran(self) -> bool:
@@ -153,12 +166,14 @@ class ForwardOps:
             return None
         index = self.index
         checked = [k for k, i in index.decisions.items() if i.action == ACTION_RECOMPUTE and i.region is None]
-        return FastOps(self.captures, index.recipe_op_names, checked + list(index.anchor_keys))
+        return FastOps(self.captures, index.recipe_op_names, checked + list(index.anchor_keys),
+                       {g for g in self.gather_ops if g < max(index.recipe_op_names, default=-1)})
 
     def end_forward(self) -> None:
         """No more forward ops to follow: drop the fingerprint and the writer map (captures stay)."""
         self.fingerprint = None
         self.writer.clear()
+        self.gathered.clear()
 
     def release(self) -> None:
         self.end_forward()

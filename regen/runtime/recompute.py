@@ -7,7 +7,10 @@ Tensors no op of the step wrote (parameters, buffers, the batch) are held by ref
 version counter so an in-place change before the replay is caught; those the op itself writes (its
 schema's `(a!)` arguments, e.g. BatchNorm's running statistics) are captured as a copy of their value
 before the op (`Scratch`), and the replay writes a fresh copy of that: a recompute never applies a
-buffer update twice. Random ops also save the RNG
+buffer update twice. A parameter FSDP gathered (forward_ops.py) is held by reference without its
+version (`Gathered`): FSDP frees it after the unit's forward and writes the same values into it again
+before the unit's backward, so the replay reads it as it is then, and refuses it while it is freed.
+Random ops also save the RNG
 state they ran with (CPU, and the CUDA device's when they ran there) and the state of every
 `torch.Generator` they were given (`torch.randn(..., generator=g)`). Every op records the grad mode it
 ran with: some kernels return other outputs without grad (`aten.mkldnn_rnn_layer`, an LSTM layer on
@@ -60,6 +63,14 @@ class External:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """A parameter FSDP gathered (opinfo.gathers_parameters), held by reference: read as it is at the
+    replay, which the planner puts where FSDP holds it unsharded."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Like:
     """The first argument of an op that reads only its metadata (empty_like...): rebuilt empty at replay."""
 
@@ -109,16 +120,22 @@ def _op_device(args, kwargs) -> torch.device:
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
-def capture_op(index: int, func, args, kwargs, writer: dict, random: bool) -> CapturedOp:
+def capture_op(index: int, func, args, kwargs, writer: dict, random: bool,
+               gathered: dict | None = None) -> CapturedOp:
     """Record an op for later replay; call it before the op runs (the RNG state is the one it will use).
-    `writer` is the step's writer map (forward_ops.py): storage_key -> Writer (op, slot, shape, dtype)."""
+    `writer` is the step's writer map (forward_ops.py): storage_key -> Writer (op, slot, shape, dtype);
+    `gathered`: storage_key -> weak reference of the parameter storages FSDP gathered in this step."""
     refs: list[tuple[int, int]] = []
 
     def template(a):
         if not isinstance(a, torch.Tensor):
             return a
-        w = live_writer(writer, storage_key(a))
+        key = storage_key(a)
+        w = live_writer(writer, key)
         if w is None:
+            g = gathered.get(key) if gathered else None
+            if g is not None and not g.expired():
+                return Gathered(a)
             return External(a, a._version)
         refs.append((w.op, w.slot))
         return Ref(w.op, w.slot, Geometry.of(a))
@@ -227,13 +244,13 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             if base is None:
                 base = anchor(key)
             return view_of(base, a.geometry)
-        if isinstance(a, External):
+        if isinstance(a, (External, Gathered)):
             if a.tensor.numel() and not a.tensor.untyped_storage().nbytes():
                 raise PlanMismatchError(
                     f"a tensor read by the recipe of op {candidate[0]} has no storage now (shape "
                     f"{tuple(a.tensor.shape)}): a parameter FSDP resharded, which the plan reads before FSDP "
                     f"gathers it again; solve with that recompute refused or reshard_after_forward=False")
-            if a.tensor._version != a.version:
+            if isinstance(a, External) and a.tensor._version != a.version:
                 raise PlanMismatchError(
                     f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
                     f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
@@ -247,7 +264,7 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
         for pos, cap in enumerate(caps):
             if written_arguments(cap.func):
                 for a in _written_args(cap):
-                    if isinstance(a, (torch.Tensor, External)) or (
+                    if isinstance(a, (torch.Tensor, External, Gathered)) or (
                             isinstance(a, Ref) and (a.op, a.slot) not in table):
                         raise PlanMismatchError(
                             f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "

@@ -39,6 +39,9 @@ def test_the_cpu_dry_run_prints_every_row_and_checks_gradients(capsys):
         if strategy == "swap":
             assert row.rstrip().endswith("bitwise")  # swaps over the emulated link: the unplanned gradients
     assert "gradients as checked: yes" in out
+    assert "memory fraction: skipped on CPU" in out
+    assert any(line.startswith("parked profile under") and ": parked," in line and "FAILED" not in line for line in lines)
+    assert "the parked profile: yes" in out
 
 
 def test_the_gradient_check_catches_a_difference():

@@ -1,10 +1,15 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) with two gloo processes on CPU: the step is profiled on
 every rank (its collectives need them all; rank 0's profile is used), rank 0 solves, every rank loads the
-plan from rank 0 and applies it. Loss and gradients equal unplanned FSDP2 and each rank's measured peak
-stays within the cap + 5%, for swap plans."""
+plan from rank 0 and applies it. For swap, recompute, hybrid and region plans, and a hybrid plan under
+bf16 autocast: loss and local gradients bitwise equal to unplanned FSDP2 in the verified step and in the
+pack-order fast path's step after it, each rank's measured peak within the cap + 5% and below unplanned.
+Recipes and regions read a unit's gathered parameters only in that unit's backward, where FSDP has them
+unsharded (regen.planner.gathered): a block's output, which the next block saves, is not recomputable."""
 
+import contextlib
 import datetime
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -12,22 +17,39 @@ import torch
 import regen
 from test_ranks import _free_port, _spawn  # noqa: F401  (the spawn-with-a-deadline helper)
 
-CAP_FRACTION = 0.6  # of the unplanned peak's increase over the memory at start
 CAP_TOLERANCE = 1.05
 LINK_RATIO = 0.02  # a fast link, so that swaps pay on this small CPU step
-# swap plans only: recompute and hybrid plans are not reliable under FSDP2 yet (docs/limitations.md "FSDP2")
-PLANS = {"swap": {"link_ratio": LINK_RATIO}}
+SLOW_LINK_RATIO = 0.5  # a link under which some tensors are cheaper to recompute than to swap
+# name -> (strategy, cap as a fraction of the unplanned peak's increase over the memory at start, solve's
+# link keywords, bf16 autocast, per-tensor recipes; without them the plan recomputes through regions only)
+CASES = {
+    "swap": ("swap", 0.6, {"link_ratio": LINK_RATIO}, False, True),
+    "recompute": ("recompute", 0.6, {}, False, True),
+    "hybrid": ("hybrid", 0.6, {"link_ratio": SLOW_LINK_RATIO}, False, True),
+    "regions": ("recompute", 0.7, {}, False, False),
+    "hybrid-bf16": ("hybrid", 0.6, {"link_ratio": SLOW_LINK_RATIO}, True, True),
+}
 OP_TIME_S = 1e-4
 COLLECTIVE_TIMEOUT_S = 120  # rank 1 waits for rank 0's solves in the broadcast
 
 
-def build_fsdp(batch_size: int = 256):
-    """Three sharded MLP blocks and a sharded root; each rank its own batch."""
+class Block(torch.nn.Module):
+    """One FSDP unit: its MLP is a submodule, whose call a region plan can replay inside the unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def build_fsdp(batch_size: int = 1024):
+    """Three sharded blocks and a sharded root; each rank its own batch."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-              for _ in range(3)]
+    blocks = [Block() for _ in range(3)]
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(32, 4))
     for block in blocks:
         fully_shard(block)
@@ -38,8 +60,9 @@ def build_fsdp(batch_size: int = 256):
     return model, (x,), lambda out, batch: torch.nn.functional.cross_entropy(out, y)
 
 
-def _step(model, batch, loss_fn):
-    loss = loss_fn(model(*batch), batch)
+def _step(model, batch, loss_fn, autocast: bool):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_fn(model(*batch), batch)
     loss.backward()
     return loss.detach()
 
@@ -48,55 +71,75 @@ def _local_grads(model):
     return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
 
 
-def _run(plan, emulate_link):
-    """(loss, local gradients, measured peak increase) of one step after a warm-up step (FSDP2's lazy
-    initialisation runs other ops in the first forward), unplanned when `plan` is None."""
+def _run(plan, emulate_link: bool, autocast: bool):
+    """[(loss, local gradients)] of two steps after a warm-up step (FSDP2's lazy initialisation runs other
+    ops in the first forward), and the measured peak increase of the second (under a plan: the pack-order
+    fast path); unplanned when `plan` is None."""
     from regen.measure import measure_memory
 
     model, batch, loss_fn = build_fsdp()
-    _step(model, batch, loss_fn)
+    _step(model, batch, loss_fn, autocast)
     model.zero_grad(set_to_none=True)
     handle = regen.apply(model, plan, emulate_link=emulate_link) if plan is not None else None
+    steps = [(_step(model, batch, loss_fn, autocast), _local_grads(model))]
+    model.zero_grad(set_to_none=True)
     box = {}
-    measured = measure_memory(lambda: box.setdefault("loss", _step(model, batch, loss_fn)))
+    measured = measure_memory(lambda: box.setdefault("loss", _step(model, batch, loss_fn, autocast)))
+    steps.append((box["loss"], _local_grads(model)))
     if handle is not None:
-        assert handle.stats.planned_steps == 1, handle.stats
+        assert handle.stats.planned_steps == 2, handle.stats
         handle.remove()
-    return box["loss"], _local_grads(model), measured.peak_increase_bytes
+    return steps, measured.peak_increase_bytes
+
+
+def _profile(autocast: bool):
+    from regen.profiler import profile_workload
+    from regen.workloads import Workload
+
+    model, batch, loss_fn = build_fsdp()
+    profile = profile_workload(Workload("fsdp2", model, batch, loss_fn, autocast="bf16" if autocast else None),
+                               "cpu", repeats=1, warmup_steps=1, progress=None)
+    for op in profile.ops:  # the same op times on any machine load, so the same plans every run
+        op.time_s = OP_TIME_S
+    return profile
+
+
+def _solve_all(profiles: dict, directory: str) -> dict:
+    """Rank 0: every case's plan, written for the broadcast; the reasons the fp32 profile's candidates are
+    not recomputable."""
+    from regen.formats import save_plan
+    from regen.planner import solve
+    from regen.planner.graph import build_graph
+
+    for name, (strategy, fraction, link, autocast, recipes) in CASES.items():
+        profile = profiles[autocast]
+        start = profile.memory_at_start_bytes
+        cap = start + int(fraction * (profile.peak_bytes - start))
+        regions_only = mock.patch("regen.planner.graph.add_recipes", lambda graph: None)
+        with contextlib.nullcontext() if recipes else regions_only:
+            plan = solve(profile, cap, strategy=strategy, time_limit_s=30, **link)
+        save_plan(plan, os.path.join(directory, f"{name}.plan.yaml"))
+    return {c.id: c.not_recomputable for c in build_graph(profiles[False]).candidates}
 
 
 def _worker(rank, port, directory):
     import torch.distributed as dist
-
-    from regen.formats import save_plan
-    from regen.planner import solve
-    from regen.profiler import profile_workload
-    from regen.workloads import Workload
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        model, batch, loss_fn = build_fsdp()
-        profile = profile_workload(Workload("fsdp2", model, batch, loss_fn), "cpu", repeats=1, warmup_steps=1,
-                                   progress=None)
-        for op in profile.ops:  # the same op times on any machine load, so the same plans every run
-            op.time_s = OP_TIME_S
-        start = profile.memory_at_start_bytes
-        cap = start + int(CAP_FRACTION * (profile.peak_bytes - start))
-        if rank == 0:
-            for strategy, link in PLANS.items():
-                save_plan(solve(profile, cap, strategy=strategy, time_limit_s=30, **link),
-                          os.path.join(directory, f"{strategy}.plan.yaml"))
-        out = {}
-        reference = _run(None, False)
-        for strategy in PLANS:
-            plan = regen.load_plan(os.path.join(directory, f"{strategy}.plan.yaml"), broadcast_from=0)
-            out[strategy] = {"actions": sorted({d.action for d in plan.decisions}),
-                             "cap_increase": plan.memory_cap_bytes - start,  # rank 0's cap over this rank's start
-                             "run": _run(plan, emulate_link=strategy != "recompute")}
-        out["reference"] = reference
+        profiles = {autocast: _profile(autocast) for autocast in (False, True)}
+        out = {"not_recomputable": _solve_all(profiles, directory) if rank == 0 else None}
+        references = {autocast: _run(None, False, autocast) for autocast in (False, True)}
+        for name, (strategy, _, _, autocast, _) in CASES.items():
+            plan = regen.load_plan(os.path.join(directory, f"{name}.plan.yaml"), broadcast_from=0)
+            out[name] = {"actions": sorted({d.action for d in plan.decisions}), "regions": len(plan.regions),
+                         # rank 0's cap over this rank's start
+                         "cap_increase": plan.memory_cap_bytes - profiles[autocast].memory_at_start_bytes,
+                         "run": _run(plan, emulate_link=strategy != "recompute", autocast=autocast),
+                         "reference": references[autocast]}
         torch.save(out, os.path.join(directory, f"out.{rank}"))
     finally:
         dist.destroy_process_group()
@@ -107,19 +150,28 @@ def test_fsdp2_plans_on_two_ranks(tmp_path):
     _spawn(_worker, str(tmp_path))
     for rank in range(2):
         out = torch.load(tmp_path / f"out.{rank}")
-        loss, grads, unplanned_increase = out["reference"]
-        assert out["swap"]["actions"] == ["keep", "swap"] or out["swap"]["actions"] == ["swap"]
-        for strategy in PLANS:
-            p_loss, p_grads, increase = out[strategy]["run"]
-            assert torch.equal(p_loss, loss), (rank, strategy)
-            assert p_grads.keys() == grads.keys()
-            for name in grads:
-                assert torch.equal(p_grads[name], grads[name]), (rank, strategy, name)
-            cap_increase = out[strategy]["cap_increase"]
-            print(f"rank {rank} {strategy}: peak increase {increase} B, cap {cap_increase} B, "
+        assert out["swap"]["actions"] in (["keep", "swap"], ["swap"])
+        assert "recompute" in out["recompute"]["actions"] and "swap" not in out["recompute"]["actions"]
+        assert {"swap", "recompute"} <= set(out["hybrid"]["actions"])
+        assert out["regions"]["regions"] > 0
+        assert "recompute" in out["hybrid-bf16"]["actions"]
+        for name in CASES:
+            steps, increase = out[name]["run"]
+            reference, unplanned_increase = out[name]["reference"]
+            for (p_loss, p_grads), (loss, grads) in zip(steps, reference, strict=True):
+                assert torch.equal(p_loss, loss), (rank, name)
+                assert p_grads.keys() == grads.keys()
+                for param in grads:
+                    assert torch.equal(p_grads[param], grads[param]), (rank, name, param)
+            cap_increase = out[name]["cap_increase"]
+            print(f"rank {rank} {name}: peak increase {increase} B, cap {cap_increase} B, "
                   f"unplanned {unplanned_increase} B")
-            assert increase <= CAP_TOLERANCE * cap_increase, (rank, strategy)
+            assert increase <= CAP_TOLERANCE * cap_increase, (rank, name)
             assert increase < unplanned_increase
+    # each block's output is saved by the next block, whose backward runs while FSDP has the producing
+    # block's parameters resharded: not recomputable (a recipe would read freed storage)
+    reasons = [r for r in torch.load(tmp_path / "out.0")["not_recomputable"].values() if r]
+    assert sum("resharded" in r for r in reasons) >= 2, reasons
 
 
 def test_a_recipe_never_reads_a_resharded_parameter():
