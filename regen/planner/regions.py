@@ -7,9 +7,12 @@ unpack of one of its entries; the runtime issues it at that unpack, `replay_at_u
 module's forward from its arguments rebuilds every tensor the call saved at once. A candidate produced
 inside the call with an entry packed inside it and no backward use before b_R is a *member*: it may be
 rebuilt by the region (a per-candidate choice, docs/milp.md), and is then gone from after its last
-forward use until b_R and resident from b_R to its last backward use. The replay also makes a copy of
-every other candidate produced inside (`produced`), and its own intermediates (`transient_bytes`), freed
-when the replay ends.
+forward use until b_R and resident from b_R to its last backward use. The replay holds each member it
+rebuilds from the op that makes it; everything else it makes (its intermediates, the candidates produced
+inside that it does not rebuild) lives as in the forward, until its last read inside the call. So the
+replay's peak over the memory before it is `sum of the members it rebuilds + transient`, with
+`transient_bytes` the most, over the call's ops, of the intermediates alive there less the rebuilt
+members not made yet (all members rebuilt; each member it does not rebuild adds at most its own bytes).
 
 A call is a region only if its replay is exact and its memory is what the planner charges:
 * every op in it is a forward op, and every activation an op in it reads that was produced before the
@@ -44,11 +47,10 @@ class Region:
     replay_step: int  # b_R
     replay_at_unpack: int | None
     members: list[int]  # candidate indices it may rebuild
-    produced: list[int]  # candidate indices produced inside with an entry inside (members included)
     inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
     packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
     time_s: float  # the replay: the call's profiled op times and the Python between them (RuntimeCharges)
-    transient_bytes: int  # replay intermediates besides `produced`, and the buffers' snapshot
+    transient_bytes: int  # the replay's peak less its rebuilt members (see the module doc), and the buffers' snapshot
     is_random: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -136,11 +138,11 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     for e in entries:
         c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None
         packs.append(c.index if c is not None and c.index in member_set else None)
-    produced_storages = {graph.candidates[t].saved.storage for t in produced}
+    member_bytes = {graph.candidates[t].saved.storage: graph.candidates[t].bytes for t in members}
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
-                  produced=sorted(produced), inputs=sorted(inputs), packs=packs,
+                  inputs=sorted(inputs), packs=packs,
                   time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in extent)), len(extent)),
-                  transient_bytes=_replay_transient_bytes(profile, tensors, extent, produced_storages)
+                  transient_bytes=_replay_transient_bytes(profile, tensors, extent, member_bytes)
                   + int(call.buffer_bytes),
                   is_random=any(ops[q].is_random for q in extent))
 
@@ -151,10 +153,12 @@ def _can_be_member(c, replay_step: int) -> bool:
             and c.last_forward + 1 < replay_step)
 
 
-def _replay_transient_bytes(profile, tensors: dict, extent: range, produced_storages: set[int]) -> int:
-    """Peak bytes of the replay's own intermediates: each storage an op of the call creates lives until
-    its last read inside the call (to the end when a later forward op reads it: the call's output);
-    the produced candidates are charged apart."""
+def _replay_transient_bytes(profile, tensors: dict, extent: range, member_bytes: dict[int, int]) -> int:
+    """The replay's peak over the memory before it, less its rebuilt members (all of them rebuilt): each
+    storage an op of the call creates that is no member lives until its last read inside the call (to
+    the end when a later forward op reads it: the call's output); a member (`member_bytes`: storage ->
+    bytes) is held from the op that makes it, and is charged as resident from the replay on, so the
+    members not made yet at an op are subtracted there."""
     ops = profile.ops
     last = extent[-1]
     last_read: dict[int, int] = {}
@@ -165,6 +169,7 @@ def _replay_transient_bytes(profile, tensors: dict, extent: range, produced_stor
             rec = tensors.get(x)
             if rec is not None:
                 last_read[rec.storage] = min(op.index, last + 1)
+    pending = sum(member_bytes.values())  # members the replay has not made yet
     live: dict[int, int] = {}
     peak = 0
     for q in extent:
@@ -172,9 +177,13 @@ def _replay_transient_bytes(profile, tensors: dict, extent: range, produced_stor
         if not op.is_view and not op.is_inplace:
             for o in op.outputs:
                 rec = tensors.get(o)
-                if rec is not None and rec.storage not in produced_storages and rec.storage_bytes:
+                if rec is None or not rec.storage_bytes:
+                    continue
+                if rec.storage in member_bytes:
+                    pending -= member_bytes.pop(rec.storage)
+                else:
                     live[rec.storage] = rec.storage_bytes
-        peak = max(peak, sum(live.values()))
+        peak = max(peak, sum(live.values()) - pending)
         for st in [st for st in live if last_read.get(st, -1) <= q]:
             del live[st]
     return int(peak)
@@ -182,5 +191,5 @@ def _replay_transient_bytes(profile, tensors: dict, extent: range, produced_stor
 
 def region_transient_bytes(graph: PlanningGraph, region: Region, rebuilt: set[int]) -> int:
     """A replay's transient when it rebuilds the members in `rebuilt`: its intermediates and buffer
-    snapshot, and its copy of every produced candidate it does not rebuild (docs/milp.md "Regions")."""
-    return region.transient_bytes + sum(graph.candidates[u].bytes for u in region.produced if u not in rebuilt)
+    snapshot, and at most the bytes of every member it does not rebuild (docs/milp.md "Regions")."""
+    return region.transient_bytes + sum(graph.candidates[u].bytes for u in region.members if u not in rebuilt)

@@ -3,7 +3,9 @@
 A plan's own work is Python, and next to small or fast ops it is a large share of what a recompute
 costs. The probe runs the runtime's own code (the dispatch mode, `capture_op`, `replay_recipe`) on tiny
 tensors of the profiled device, each timed against the same ops run plainly, and returns
-`formats.RuntimeCosts`:
+`formats.RuntimeCosts`. Its ops are a mix of the signatures recipes replay (`PROBE_MIX`: a tensor, a size list
+and two outputs; two tensors; a bias, two matrices and scalars; keyword arguments),
+since the runtime's work per op grows with the op's arguments and outputs:
 
 * `dispatch_op_s`: one forward op's round trip through the `ForwardTracker` (paid by every forward op
   until the last tracked one, on steps of a plan with per-tensor recipes);
@@ -24,22 +26,31 @@ from typing import Callable
 import torch
 
 from regen.formats.profile import RuntimeCosts
-from regen.opinfo import op_outputs, storage_key, written_outputs
+from regen.opinfo import op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.recompute import capture_op, check_captured_name, replay_recipe
 from regen.runtime.tracker import PHASE_FORWARD, ForwardTracker
 from regen.runtime.writers import Writer
 
 PROBE_OPS = 200  # ops per timed batch
 PROBE_REPEATS = 5
-RECIPE_LENGTH = 4  # ops per recipe in the recipe_s probe
-METHOD = "probe of regen.runtime's dispatch mode, capture and replay on tiny tensors (regen.runtime.costs)"
-_OP = torch.ops.aten.add.Tensor
-_OP_NAME = "aten.add.Tensor"
+METHOD = ("probe of regen.runtime's dispatch mode, capture and replay on tiny tensors, a mix of op signatures "
+          "(regen.runtime.costs)")
+_aten = torch.ops.aten
+# (op, its arguments given the previous op's output y and a square matrix x, keyword arguments): each op's
+# first output is the next op's input
+# (layer norm or softmax would fit too, but their kernels go parallel even on tiny inputs: too noisy)
+PROBE_MIX = (
+    (_aten.var_mean.correction, lambda y, x: (y, [1]), {"correction": 1, "keepdim": True}),
+    (_aten.add.Tensor, lambda y, x: (y, x), {}),
+    (_aten.addmm.default, lambda y, x: (x[0], y, x), {"beta": 1, "alpha": 1}),
+    (_aten.gelu.default, lambda y, x: (y,), {"approximate": "tanh"}),
+)
+RECIPE_LENGTH = len(PROBE_MIX)  # ops per recipe in the recipe_s probe: the mix once
 
 
 def measure_runtime_costs(device: torch.device) -> RuntimeCosts:
     """The runtime's per-event costs on `device` (see the module doc)."""
-    x = torch.ones(4, device=device)
+    x = torch.ones(4, 4, device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     plain_s = _per_unit(lambda: _plain(x, PROBE_OPS), sync, PROBE_OPS)
     dispatch_s = _per_unit(lambda: _tracked(x), sync, PROBE_OPS) - plain_s
@@ -66,10 +77,16 @@ def _per_unit(batch: Callable[[], None], sync: Callable[[], None], units: int) -
     return statistics.median(samples)
 
 
+def _first_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _plain(x: torch.Tensor, n: int) -> None:
+    y = x
     with torch.no_grad():
-        for _ in range(n):
-            _OP(x, x)
+        for k in range(n):
+            func, args, kwargs = PROBE_MIX[k % RECIPE_LENGTH]
+            y = _first_output(func(*args(y, x), **kwargs))
 
 
 class _ProbeStep:
@@ -89,34 +106,42 @@ def _tracked(x: torch.Tensor) -> None:
     tracker = ForwardTracker()
     tracker.step = _ProbeStep()
     with torch.no_grad(), tracker:
-        for _ in range(PROBE_OPS):
-            _OP(x, x)
+        _plain(x, PROBE_OPS)
 
 
 def _captured(x: torch.Tensor) -> None:
     """What `ForwardOps._tracked_op` does around a recipe op that is also a producer."""
-    writer = {storage_key(x): Writer.of(0, 0, x)}
+    writer = {storage_key(x): Writer.of(-1, 0, x)}
+    y = x
     with torch.no_grad():
         for idx in range(PROBE_OPS):
-            if check_captured_name(idx, _OP, _OP_NAME):
+            func, make_args, kwargs = PROBE_MIX[idx % RECIPE_LENGTH]
+            args = make_args(y, x)
+            if check_captured_name(idx, func, op_name(func)):
                 raise AssertionError("the probe captured another op than it ran")
-            capture_op(idx, _OP, (x, x), {}, writer, False)
-            out = _OP(x, x)
-            outs = op_outputs(_OP, (x, x), {}, out)
-            for slot, key in written_outputs(_OP, (x, x), {}, outs):
+            capture_op(idx, func, args, kwargs, writer, False)
+            out = func(*args, **kwargs)
+            outs = op_outputs(func, args, kwargs, out)
+            for slot, key in written_outputs(func, args, kwargs, outs):
                 writer[key] = Writer.of(idx, slot, outs[slot])
+            y = outs[0]
 
 
 def _replays(x: torch.Tensor, recipes: int, length: int) -> None:
-    """Replay `recipes` chains of `length` ops, each op reading the one before it and the anchor."""
+    """Replay `recipes` recipes of `length` ops of the mix, each op reading the one before it (the first,
+    the anchor) and the anchor; recipes of one op go round the mix."""
     writer = {storage_key(x): Writer.of(-1, 0, x)}
-    captures = {}
+    captures, shapes = {}, []
     with torch.no_grad():
         y = x
-        for idx in range(length):
-            captures[idx] = capture_op(idx, _OP, (y, x), {}, writer, False)
-            y = _OP(y, x)
+        for idx in range(RECIPE_LENGTH):
+            func, make_args, kwargs = PROBE_MIX[idx]
+            args = make_args(y, x)
+            captures[idx] = capture_op(idx, func, args, kwargs, writer, False)
+            y = _first_output(func(*args, **kwargs))
             writer[storage_key(y)] = Writer.of(idx, 0, y)
-    recipe = list(range(length))
-    for _ in range(recipes):
-        replay_recipe((length - 1, 0), recipe, captures, lambda key: x, x.shape, x.dtype)
+            shapes.append(y.shape)
+    for k in range(recipes):
+        first = 0 if length == RECIPE_LENGTH else k % RECIPE_LENGTH
+        last = first + length - 1
+        replay_recipe((last, 0), list(range(first, last + 1)), captures, lambda key: x, shapes[last], x.dtype)

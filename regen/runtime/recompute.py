@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from regen.errors import PlanMismatchError
 from regen.opinfo import (argument_value, op_name, op_outputs, reads_first_arg_metadata_only, storage_key,
@@ -120,6 +120,23 @@ def _op_device(args, kwargs) -> torch.device:
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
+def _map_arguments(fn: Callable[[Any], Any], value):
+    """`fn` applied to every leaf of an op's argument `value` (a tensor, a scalar, a captured template);
+    lists and tuples, the only containers in an aten op's arguments (`Tensor[]`, `int[]`), are rebuilt.
+    A plain loop: this runs on every argument of every captured and replayed op (tree_map costs more
+    than the op)."""
+    t = type(value)
+    if t is tuple or t is list:
+        return t([_map_arguments(fn, v) for v in value])
+    return fn(value)
+
+
+def _map_call(fn: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`_map_arguments` over an op's positional and keyword arguments."""
+    return (tuple([_map_arguments(fn, a) for a in args]),
+            {name: _map_arguments(fn, v) for name, v in kwargs.items()} if kwargs else {})
+
+
 def capture_op(index: int, func, args, kwargs, writer: dict, random: bool,
                gathered: dict | None = None) -> CapturedOp:
     """Record an op for later replay; call it before the op runs (the RNG state is the one it will use).
@@ -146,8 +163,8 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool,
         captured_args[0] = Like(tuple(a.shape), tuple(a.stride()), a.dtype, a.device)
     captured_kwargs = dict(kwargs)
     _snapshot_written_externals(func, captured_args, captured_kwargs, writer)
-    cap = CapturedOp(index=index, func=func, args=tree_map(template, tuple(captured_args)),
-                     kwargs=tree_map(template, captured_kwargs), refs=tuple(refs),
+    captured_args, captured_kwargs = _map_call(template, captured_args, captured_kwargs)
+    cap = CapturedOp(index=index, func=func, args=captured_args, kwargs=captured_kwargs, refs=tuple(refs),
                      grad_enabled=torch.is_grad_enabled())
     if random:
         cap.cpu_rng_state = torch.get_rng_state()
@@ -236,6 +253,8 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
         for key in cap.refs:
             last_use[key] = pos
     table: dict[tuple[int, int], torch.Tensor] = {}
+    held = set(keep)
+    held.add(candidate)
 
     def resolve(a, detach_externals: bool):
         if isinstance(a, Ref):
@@ -260,6 +279,12 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             return a.materialize()
         return a
 
+    def resolve_detached(a):
+        return resolve(a, True)
+
+    def resolve_plain(a):
+        return resolve(a, False)
+
     with torch.no_grad(), _autocast_off():
         for pos, cap in enumerate(caps):
             if written_arguments(cap.func):
@@ -270,15 +295,14 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
                             f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "
                             f"tensor its recipe did not create; the plan does not fit this model")
             grad = cap.grad_enabled
-            args = tree_map(lambda a: resolve(a, grad), cap.args)
-            kwargs = tree_map(lambda a: resolve(a, grad), cap.kwargs)
+            args, kwargs = _map_call(resolve_detached if grad else resolve_plain, cap.args, cap.kwargs)
             with torch.set_grad_enabled(grad):  # no input requires grad: nothing is recorded
                 out = _run_with_rng(cap, args, kwargs)
             outs = op_outputs(cap.func, args, kwargs, out)
             for slot, _ in written_outputs(cap.func, args, kwargs, outs):
                 table[(cap.index, slot)] = outs[slot]
             del args, kwargs, out, outs
-            for key in [k for k in table if k != candidate and k not in keep and last_use.get(k, -1) <= pos]:
+            for key in [k for k in table if k not in held and last_use.get(k, -1) <= pos]:
                 del table[key]  # free intermediates right after their last use
     result = table.get(candidate)
     if result is None:

@@ -4,11 +4,13 @@ For every region R (regen.planner.regions) with a member that has variables:
 * `z_R` (binary): R is replayed, at its replay step b_R; its replay time is charged there (objective and
   copy-in channel, as recipes are);
 * `reg_{t,R}` (binary) for each member t: t is rebuilt by R. It is one of t's actions (at most one
-  action per candidate), `reg_{t,R} <= z_R`, and t is not resident from f_t+1 until b_R;
+  action per candidate), `reg_{t,R} <= z_R`, and t is not resident from f_t+1 until b_R; a replay
+  rebuilds something: `z_R <= sum_t reg_{t,R}` (a replay rebuilding nothing only costs, and the plan
+  would not run it);
 * R's arguments are held from the call to the replay: `z_R + (actions of a) <= 1` for each argument
   candidate a (kept while R is chosen);
 * at b_R the replay's transient: its intermediates and buffer snapshot (`z_R x transient_bytes`), and
-  a copy of every candidate produced inside that R does not rebuild (`m_u (z_R - reg_{u,R})`).
+  at most the bytes of every member that R does not rebuild (`m_u (z_R - reg_{u,R})`).
 
 regen.planner.milp.model calls these while it builds the model; `Model.regions` holds the variables.
 """
@@ -36,7 +38,7 @@ class RegionVars:
 
 def add_region_vars(model: Model) -> None:
     """`z_R` and `reg_{t,R}` for every region with a member that has variables (into model.regions and
-    each member's CandidateVars.regions), with `reg <= z`; none unless the options allow recompute."""
+    each member's CandidateVars.regions), with `reg <= z` and `z <= sum of reg`; none unless the options allow recompute."""
     if not model.options.allow_recompute:
         return
     prob = model.prob
@@ -51,6 +53,7 @@ def add_region_vars(model: Model) -> None:
             rv.members[t] = x
             model.vars[t].regions.append((r, x))
             prob += x <= rv.z, f"reg_in_{t}_{r}"
+        prob += rv.z <= pulp.lpSum(rv.members.values()), f"reg_some_{r}"
         model.regions[r] = rv
 
 
@@ -79,7 +82,7 @@ def region_transients(model: Model, transients: dict[int, list]) -> None:
     for rv in model.regions.values():
         region = rv.region
         at = transients.setdefault(region.replay_step, [])
-        total = region.transient_bytes + sum(g.candidates[u].bytes for u in region.produced)
+        total = region.transient_bytes + sum(g.candidates[u].bytes for u in region.members)
         if total:
             at.append((total / mu, rv.z))
         for t, x in rv.members.items():
