@@ -212,11 +212,14 @@ def forward_loss(workload: Workload) -> torch.Tensor:
     return forward_with_output(workload)[0]
 
 
-def training_step(workload: Workload) -> torch.Tensor:
-    """Forward and backward as regen profiles them: the model output held until backward ends.
+def training_step(workload: Workload, after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward as regen profiles them: the model output held until backward ends;
+    `after_forward()` runs between the two (the profiler's forward timing).
 
     Returns the detached loss. Exceptions from the user's code become WorkloadErrors."""
     loss, output = forward_with_output(workload)
+    if after_forward is not None:
+        after_forward()
     try:
         loss.backward()
     except WorkloadError:

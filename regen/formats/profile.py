@@ -236,6 +236,9 @@ class Profile:
     module_calls: list[ModuleCall] = field(default_factory=list)  # optional: submodule calls of the forward
     runtime_costs: RuntimeCosts | None = None  # optional: without it the planner charges none
     call: CallSignature | None = None  # optional: how the step called the model
+    # optional: the forward (model call through the loss) of the plain steps, median; it tells the time the
+    # forward spends outside ops (module code a region replay runs again) from the backward's
+    forward_time_s: float | None = None
 
     # ---- convenience -------------------------------------------------------------------------
     @property
@@ -332,6 +335,7 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             format=str(doc["format"]), notes=list(doc.get("notes") or []), module_calls=calls,
             runtime_costs=_runtime_costs(doc, where),
             call=call_signature_from_document(doc.get("call"), where),
+            forward_time_s=None if doc.get("forward_time_s") is None else float(doc["forward_time_s"]),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None

@@ -102,15 +102,14 @@ class RuntimeCharges:
     capture_op_s: float = 0.0  # a recipe op, captured in forward
     replay_op_s: float = 0.0  # a recipe op, replayed in backward, beyond its own time
     recipe_s: float = 0.0  # a replayed recipe, besides its ops
-    between_forward_ops_s: float = 0.0  # the plain step's time outside ops, per forward op
+    between_forward_ops_s: float = 0.0  # the plain forward's time outside ops, per forward op
 
     @staticmethod
     def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
-        """The charges of a profile: its probe's figures, and the plain step's time not inside any op
-        spread over the forward ops (the module code a region replay runs again)."""
-        outside_s = max(0.0, float(profile.step_time_s) - sum(op_times_s))
-        between_s = outside_s / profile.num_forward_ops if profile.num_forward_ops else 0.0
+        """The charges of a profile: its probe's figures, and the time the plain forward spends outside
+        ops, per forward op (the module code a region replay runs again)."""
         rc = profile.runtime_costs
+        between_s = _between_forward_ops_s(profile, op_times_s)
         if rc is None:
             return RuntimeCharges(between_forward_ops_s=between_s)
         return RuntimeCharges(dispatch_op_s=rc.dispatch_op_s, capture_op_s=rc.capture_op_s,
@@ -123,6 +122,17 @@ class RuntimeCharges:
     def region_time_s(self, op_times_s: float, num_ops: int) -> float:
         """A module call of `num_ops` forward ops replayed by running its forward again."""
         return op_times_s + num_ops * self.between_forward_ops_s
+
+
+def _between_forward_ops_s(profile: Profile, op_times_s: list[float]) -> float:
+    """The forward's time outside ops per forward op: from the profile's timed forward when it has one,
+    else the step's time outside ops spread over all ops (backward runs Python between ops as well)."""
+    num_forward = profile.num_forward_ops
+    if not num_forward:
+        return 0.0
+    if profile.forward_time_s is not None:
+        return max(0.0, float(profile.forward_time_s) - sum(op_times_s[:num_forward])) / num_forward
+    return max(0.0, float(profile.step_time_s) - sum(op_times_s)) / len(op_times_s)
 
 
 @dataclass

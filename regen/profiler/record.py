@@ -4,8 +4,8 @@ Phases, in order (each announced through `progress`):
 
 1. warm-up: `warmup_steps` plain steps (forward, backward, optimizer step), so caches, lazy
    initialisation and the optimizer state exist as they do in steady-state training;
-2. plain timing: `repeats` uninstrumented forward+backward steps (`step_time_s`, median) each followed by
-   a separately timed optimizer step (`optimizer_step_time_s`, median);
+2. plain timing: `repeats` uninstrumented forward+backward steps (`step_time_s`, median; their forwards
+   alone `forward_time_s`) each followed by a separately timed optimizer step (`optimizer_step_time_s`);
 3. the recorded step: one forward+backward under the capture mode and saved-tensor hooks (op sequence,
    tensors, saved tensors, memory timeline; see regen.profiler.capture), with module hooks naming each
    op's module and recording each submodule call's extent (regen.profiler.modules);
@@ -140,6 +140,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         versions=library_versions(),
         repeats=repeats,
         step_time_s=statistics.median(step_times_s),
+        forward_time_s=statistics.median(timer.forward_times_s),
         optimizer_step_time_s=statistics.median(optimizer_times_s),
         memory_at_start_bytes=capture.memory_at_start_bytes,
         peak_bytes=max((op.memory_peak_bytes for op in capture.ops), default=capture.memory_at_start_bytes),
@@ -235,6 +236,7 @@ class _StepTimer:
         self.workload, self.optimizer, self.device, self.repeats, self.say = workload, optimizer, device, repeats, say
         self.cuda = device.type == "cuda"
         self.park = park
+        self.forward_times_s: list[float] = []  # of the plain steps of the last plain_steps()
 
     def parking_hooks(self) -> ParkingHooks:
         """Hooks parking this step's saved activations (parameters, buffers and the batch stay)."""
@@ -250,21 +252,30 @@ class _StepTimer:
         """One forward+backward and one optimizer step: (step time, optimizer time); a parked step's time
         leaves its copies out."""
         parking = self.parking_hooks() if self.park else None
+
+        def copy_time_s() -> float:
+            return parking.store.copy_time_s if parking is not None else 0.0
+
+        def forward_ended() -> None:
+            self.sync()
+            self.forward_times_s.append(time.perf_counter() - t0 - copy_time_s())
+
         self.sync()
         t0 = time.perf_counter()
         with parking.hooks() if parking is not None else nullcontext():
-            training_step(self.workload)
+            training_step(self.workload, after_forward=forward_ended)
         self.sync()
         t1 = time.perf_counter()
         self.optimizer.step()
         self.sync()
         t2 = time.perf_counter()
         _zero_grad(self.optimizer, self.workload)
-        copy_time_s = parking.store.copy_time_s if parking is not None else 0.0
-        return t1 - t0 - copy_time_s, t2 - t1
+        return t1 - t0 - copy_time_s(), t2 - t1
 
     def plain_steps(self) -> tuple[list[float], list[float]]:
+        """`repeats` plain steps: (step times, optimizer times); their forward times in `forward_times_s`."""
         step_times_s, optimizer_times_s = [], []
+        self.forward_times_s = []
         for k in range(self.repeats):
             self.say(f"timing plain step {k + 1}/{self.repeats}")
             step_s, optimizer_s = self.plain_step()

@@ -43,12 +43,24 @@ def test_the_dispatch_mode_is_charged_up_to_the_last_tracked_forward_op():
     assert sim_charged.step_time_s == pytest.approx(sim_plain.step_time_s + recipe_extra + 3 * COSTS.dispatch_op_s)
 
 
-def test_time_outside_ops_is_charged_to_module_replays_per_forward_op():
+def test_the_forwards_time_outside_ops_is_charged_to_module_replays_per_forward_op():
     profile = chain_profile(5, seed=1)
+    forward_op_s = sum(op.time_s for op in profile.ops[:profile.num_forward_ops])
     op_sum_s = sum(op.time_s for op in profile.ops)
-    slow = replace(profile, step_time_s=op_sum_s + 0.5)
-    graph = build_graph(slow, BYTES_PER_S, BYTES_PER_S)
+    # the step's time outside ops is 2.0 s, of which the timed forward's is 0.5 s: only the forward's counts
+    timed = replace(profile, forward_time_s=forward_op_s + 0.5, step_time_s=op_sum_s + 2.0)
+    graph = build_graph(timed, BYTES_PER_S, BYTES_PER_S)
     assert graph.costs.between_forward_ops_s == pytest.approx(0.5 / profile.num_forward_ops)
     assert graph.costs.region_time_s(1.0, 4) == pytest.approx(1.0 + 4 * 0.5 / profile.num_forward_ops)
-    fast = replace(profile, step_time_s=op_sum_s / 2)  # op times above the step: nothing between ops
+    fast = replace(timed, forward_time_s=forward_op_s / 2)  # op times above the forward: nothing between ops
+    assert build_graph(fast, BYTES_PER_S, BYTES_PER_S).costs.between_forward_ops_s == 0.0
+
+
+def test_without_a_timed_forward_the_steps_time_outside_ops_is_spread_over_all_ops():
+    profile = replace(chain_profile(5, seed=1), forward_time_s=None)
+    op_sum_s = sum(op.time_s for op in profile.ops)
+    slow = replace(profile, step_time_s=op_sum_s + 0.5)
+    assert build_graph(slow, BYTES_PER_S, BYTES_PER_S).costs.between_forward_ops_s == \
+        pytest.approx(0.5 / len(profile.ops))
+    fast = replace(profile, step_time_s=op_sum_s / 2)
     assert build_graph(fast, BYTES_PER_S, BYTES_PER_S).costs.between_forward_ops_s == 0.0

@@ -55,3 +55,15 @@ def test_a_quiet_profile_is_measured_once():
     profile, messages = profile_busy(busy_calls=0)
     assert not any("disagree" in m for m in messages)
     assert not any(n.startswith("timing:") for n in profile.notes)
+
+
+def test_the_forward_is_timed_on_its_own(tmp_path):
+    """Time spent outside ops in the forward (here a sleep in the module's code) shows in `forward_time_s`,
+    not in the backward's share of the step; the figure survives a save and load."""
+    from regen.formats import load_profile, save_profile
+
+    profile, _ = profile_busy(busy_calls=10**6)
+    assert profile.forward_time_s >= SLEEP_S
+    assert profile.step_time_s - profile.forward_time_s < SLEEP_S / 2
+    save_profile(profile, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").forward_time_s == profile.forward_time_s
