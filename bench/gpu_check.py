@@ -7,7 +7,8 @@ below the unplanned peak (PARKED_FRACTION of it: the unplanned warm-up step runs
 retries parked, saved tensors held in host memory; its computed peak must be the first profile's within 1%),
 then trained TRAIN_STEPS steps each: no plan; per-block
 checkpointing (Hugging Face's); offload-all (every saved tensor of 1 MiB or more swapped through regen's
-runtime, as torchtune's activation offloading); regen's recompute-only, swap-only and hybrid plans at 50%
+runtime, as torchtune's activation offloading); regen's region plan of per-block checkpointing (each block's
+forward run again in backward by regen's runtime); regen's recompute-only, swap-only and hybrid plans at 50%
 of the unplanned peak and at each peer's measured peak. Each step runs as the profile ran it: the model
 output held through backward, and the peak (torch.cuda.max_memory_allocated, next to
 max_memory_reserved: fragmentation is what makes a GPU run out of memory) read right after backward,
@@ -140,9 +141,10 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def check_gradients(plan, planned: dict, reference: dict, spread: float) -> tuple[bool, str]:
-    """Without recompute: bit for bit; with recompute: within RECOMPUTE_SPREAD_FACTOR x the unplanned spread."""
+    """Without recompute (recipes or regions): bit for bit; with recompute: within RECOMPUTE_SPREAD_FACTOR x
+    the unplanned spread."""
     diff = max_difference(planned, reference)
-    if not plan.action_counts().get("recompute"):
+    if not plan.action_counts().get("recompute") and not plan.regions:
         return diff == 0.0, "bitwise" if diff == 0.0 else f"DIFFER {diff:.1e}"
     ok = diff <= RECOMPUTE_SPREAD_FACTOR * spread
     return ok, f"{diff:.1e}/{spread:.1e}" + ("" if ok else " OVER")
@@ -169,9 +171,24 @@ def planned_row(label: str, w, optimizer, plan, profile, cfg: Config, reference:
     if cfg.cuda and plan.strategy != "offload-all":
         row.ok = row.ok and allocated <= plan.memory_cap_bytes * (1 + CAP_TOLERANCE)
     print_row(row)
-    print(f"    {plan.action_counts()}, host pool {handle.pool.capacity_bytes / GIB:.3f} GiB (apart, pinned on CUDA), "
+    print(f"    {plan.action_counts()}, {len(plan.regions)} regions ({handle.stats.region_replays / steps:.0f} "
+          f"replays per step), host pool {handle.pool.capacity_bytes / GIB:.3f} GiB (apart, pinned on CUDA), "
           f"copy-ins at their consumer {handle.stats.synchronous_copy_ins}", flush=True)
     return row
+
+
+def _checkpoint_blocks_plan(profile):
+    """regen's regions at every repeated block, at the unplanned peak or the smallest cap they reach (on a
+    tiny model the block inputs kept and a block's replay can pass the unplanned peak)."""
+    from regen.errors import InfeasibleCapError
+    from regen.planner import solve
+
+    try:
+        return solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+    except InfeasibleCapError as exc:
+        if exc.smallest_feasible_cap_bytes is None:
+            raise
+        return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy="checkpoint-blocks")
 
 
 def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, t_start: float,
@@ -297,6 +314,9 @@ def run(cfg: Config) -> int:
     print(f"  the link: ratio {offload.link.link_ratio:.2f} (copying every saved tensor one way takes "
           f"{offload.link.link_ratio:.2f} x the unplanned step)", flush=True)
     rows.append(planned_row("offload-all", w, optimizer, offload, profile, cfg, reference, spread))
+    blocks_plan = _checkpoint_blocks_plan(profile)
+    rows.append(planned_row("regen checkpoint-blocks (regions)", w, optimizer, blocks_plan, profile, cfg, reference,
+                            spread))
     caps = [(f"{CAP_FRACTION:.0%}", int(profile.peak_bytes * CAP_FRACTION))]
     caps += [(r.label.split(" (")[0], r.allocated_bytes) for r in rows[1:3] if r.allocated_bytes is not None]
     rows += regen_rows(profile, caps, w, optimizer, cfg, t_start, reference, spread)

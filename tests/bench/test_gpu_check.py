@@ -33,6 +33,10 @@ def test_the_cpu_dry_run_prints_every_row_and_checks_gradients(capsys):
     labels = ("no plan", "checkpoint", "offload", "regen ")
     rows = {line.split("  ")[0]: line for line in lines if line.startswith(labels)}
     assert "no plan" in rows and any(r.startswith("checkpoint per block") for r in rows) and "offload-all" in rows
+    region_row = next(i for i, line in enumerate(lines) if line.startswith("regen checkpoint-blocks (regions)"))
+    assert "FAILED" not in lines[region_row]
+    regions = lines[region_row + 1].split(" regions (")
+    assert int(regions[0].split()[-1]) > 0 and int(regions[1].split()[0]) > 0  # regions, replayed every step
     for strategy in gpu_check.STRATEGIES:
         row = next(line for label, line in rows.items() if label.startswith(f"regen {strategy} @"))
         assert "FAILED" not in row
@@ -52,6 +56,7 @@ def test_the_gradient_check_catches_a_difference():
     class _Plan:
         def __init__(self, recompute):
             self.recompute = recompute
+            self.regions = []
 
         def action_counts(self):
             return {"keep": 1, "swap": 1, "recompute": self.recompute}
