@@ -58,6 +58,7 @@ from regen.formats.profile import (
 from regen.profiler.gathered import GatheredStorages
 from regen.profiler.memory import MemoryTracker
 from regen.profiler.park import ParkHandle, ParkStore
+from regen.profiler.saved import RawEntry, saved_records
 
 NO_OP = -1  # pack_after_op of a pack that happened before any op of the step
 DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_graph=True; what it saves for the "
@@ -80,23 +81,6 @@ class StorageInfo:
     ref: StorageWeakRef | None  # None for empty storages (nothing to track)
     permanent: bool = False  # held by the model or optimizer for the whole step (never freed during it)
     at_start: bool = False  # its bytes are counted in the memory at start (the tracker's)
-
-
-@dataclass
-class _RawEntry:
-    index: int
-    tensor: int
-    storage: int
-    kind: str
-    writer: tuple[int, int] | None
-    random_contents: bool
-    shape: list[int]
-    stride: list[int]
-    storage_offset: int
-    dtype: str
-    pack_after_op: int
-    unpack_order: int | None = None
-    unpack_before_op: int | None = None
 
 
 @dataclass
@@ -164,10 +148,10 @@ class StepRecorder:
         self.random_contents: dict[int, bool] = {}
         self.ops: list[_RawOp] = []
         self.reads: dict[int, list[int]] = {}  # storage id -> op indices that read it (ascending)
-        self.entries: list[_RawEntry] = []
+        self.entries: list[RawEntry] = []
         self.unpack_count = 0
         self.double_backward = False  # a forward entry was unpacked with grad mode on (create_graph=True)
-        self._pending_unpacks: list[_RawEntry] = []
+        self._pending_unpacks: list[RawEntry] = []
         self._level_before_op = 0
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
         self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
@@ -322,7 +306,7 @@ class StepRecorder:
         writer = None
         if info is not None and info.kind == KIND_ACTIVATION and info.key:
             writer = self.writer.get(info.key)
-        self.entries.append(_RawEntry(
+        self.entries.append(RawEntry(
             index=index, tensor=tid, storage=info.id if info is not None else -1,
             kind=info.kind if info is not None else KIND_INPUT, writer=writer,
             random_contents=writer is not None and self.random_contents.get(info.key, False), shape=list(x.shape),
@@ -347,7 +331,7 @@ class StepRecorder:
             x = self._unpark(x, entry)
         return x
 
-    def _unpark(self, handle: ParkHandle, entry: _RawEntry) -> torch.Tensor:
+    def _unpark(self, handle: ParkHandle, entry: RawEntry) -> torch.Tensor:
         x, restored = self.park.unpack(handle)
         if restored:  # a new storage standing for the saved one: same StorageInfo, same writer
             info, writer = handle.tag
@@ -388,44 +372,7 @@ class StepRecorder:
                                 outputs=raw.outputs, memory_after_bytes=after, memory_peak_bytes=peak,
                                 is_random=raw.is_random, is_inplace=raw.is_inplace, is_view=raw.is_view,
                                 module=raw.module, private_generator=raw.private_generator))
-        num_forward = sum(1 for op in ops if op.phase == PHASE_FORWARD)
-        notes = []
-        entries: list[SavedEntry] = []
-        groups: dict[int, list[_RawEntry]] = {}
-        for raw in self.entries:
-            excluded = None
-            if raw.kind != KIND_ACTIVATION:
-                excluded = raw.kind
-            elif raw.writer is None:
-                excluded = KIND_INPUT  # an activation storage no forward op wrote (made in backward)
-            else:
-                groups.setdefault(raw.storage, []).append(raw)
-            entries.append(SavedEntry(
-                index=raw.index, tensor=raw.tensor, saved_tensor=None, excluded_reason=excluded,
-                shape=raw.shape, stride=raw.stride, storage_offset=raw.storage_offset, dtype=raw.dtype,
-                pack_after_op=raw.pack_after_op, unpack_order=raw.unpack_order,
-                unpack_before_op=raw.unpack_before_op))
-        saved: list[SavedTensor] = []
-        for storage_id, group in groups.items():  # dicts keep insertion order: first pack first
-            producer, slot = group[0].writer
-            if any(e.writer != group[0].writer for e in group):
-                notes.append(f"storage {storage_id} was packed with different writers "
-                             f"{sorted({e.writer for e in group})}; named by the first")
-            # OpRecord.outputs omits undefined (None) outputs, so find the slot by the records' output_slot
-            out_tid = next(t for t in ops[producer].outputs if self.tensors[t].output_slot == slot)
-            out = self.tensors[out_tid]
-            reads = self.reads.get(storage_id, [])
-            forward_reads = [r for r in reads if r < num_forward]
-            sid = len(saved)
-            for e in group:
-                entries[e.index].saved_tensor = sid
-            saved.append(SavedTensor(
-                id=sid, tensor=out_tid, storage=storage_id, producer_op=producer, output_slot=slot,
-                bytes=out.storage_bytes, shape=list(out.shape), dtype=out.dtype,
-                last_forward_use=max([producer] + forward_reads),
-                backward_uses=[r for r in reads if r >= num_forward],
-                entries=[e.index for e in group], is_random=any(e.random_contents for e in group),
-                is_inplace=ops[producer].is_inplace))
+        entries, saved, notes = saved_records(self.entries, ops, self.tensors, self.reads)
         if self.double_backward:
             notes.append(DOUBLE_BACKWARD_NOTE)
         if self.unmatched_activation_inputs:
