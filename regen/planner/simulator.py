@@ -170,9 +170,7 @@ def _last_tracked_op(graph: PlanningGraph, choices: dict[int, Choice]) -> int:
     for ch in choices.values():
         if ch.action != ACTION_RECOMPUTE or ch.recipe is None or ch.region is not None:
             continue
-        for q in ch.recipe.ops:
-            producers = [p for p in graph.op_graph.predecessors(q) if p < graph.num_forward_ops]
-            last = max(last, q, *producers)
+        last = max([last] + [graph.tracked_through(q) for q in ch.recipe.ops])
     return last
 
 
