@@ -134,26 +134,6 @@ def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
     assert acting and {i for i, p in priority.items() if p > 0} == acting
 
 
-def test_lp_bound_without_copy_in_order_is_a_weaker_valid_bound(small_transformer):
-    """The block search's bound leaves out the rows that order each copy-in: a relaxation of the LP, so
-    at most the full LP's bound (and the optimum), and it leaves the model it was given unchanged."""
-    from regen.planner.milp.blocks import lp_bound
-    from regen.planner.milp.highs import to_highs_lp
-
-    graph = build_graph(small_transformer)
-    cap = int(small_transformer.peak_bytes * 0.5)
-    model = Model(graph, cap, MilpOptions())
-    assert model.copy_in_order_rows
-    lp = to_highs_lp(model.prob, model.prob.variables())
-    rows_before = (list(lp.row_lower_), list(lp.row_upper_), list(lp.integrality_))
-    relaxed, _ = lp_bound(model, 30, lp=lp, without_copy_in_order=True)
-    assert (list(lp.row_lower_), list(lp.row_upper_), list(lp.integrality_)) == rows_before
-    full, _ = lp_bound(model, 30, lp=lp)
-    exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
-    assert graph.compute_time_s < relaxed * model.time_unit <= full * model.time_unit * (1 + 1e-9)
-    assert full * model.time_unit <= exact.objective_s * (1 + 1e-9)
-
-
 def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transformer, monkeypatch):
     """The large-graph path (forced here on a small graph): a plan within the cap, no better than the
     exact optimum, and a gap measured against a bound that is below that optimum."""

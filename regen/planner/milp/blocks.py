@@ -53,7 +53,7 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     say(size_message(model.prob))
     lp = to_highs_lp(model.prob, model.prob.variables())
     lp_time_s = min(LP_BOUND_TIME_FRACTION * time_limit_s, deadline - time.perf_counter())  # never past the limit
-    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, lp_time_s), lp=lp, without_copy_in_order=True)
+    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, lp_time_s), lp=lp)
     bound = relaxation[0] if relaxation is not None else None
     priority = lp_disagreement(model, relaxation[1], warm) if relaxation is not None else None
     say("LP relaxation: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
@@ -83,29 +83,19 @@ def time_for_full_solve(deadline: float, time_limit_s: float) -> bool:
     return deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s
 
 
-def lp_bound(model: Model, time_limit_s: float, lp=None,
-             without_copy_in_order: bool = False) -> tuple[float, list[float]] | None:
+def lp_bound(model: Model, time_limit_s: float, lp=None) -> tuple[float, list[float]] | None:
     """The LP relaxation's optimum (a valid lower bound on the MILP's objective, in model units) and its
     solution (by column), or None when the LP does not finish in time. `lp`: the model as
-    to_highs_lp built it, when the caller has it already. `without_copy_in_order`: the rows that order
-    each copy-in (model.copy_in_order_rows) are left out, a further relaxation (so still a valid bound)
-    that solves faster and is nearly as tight (docs/milp.md)."""
+    to_highs_lp built it, when the caller has it already."""
     if time_limit_s <= 0:
         return None
-    import numpy as np
-
     highspy = require_highspy()
     lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
-    integrality, row_lower, row_upper = lp.integrality_, lp.row_lower_, lp.row_upper_
+    integrality = lp.integrality_
     lp.integrality_ = []
-    if without_copy_in_order:
-        rows = [model.prob.constraints[name].index for name in model.copy_in_order_rows]
-        lower, upper = np.array(row_lower, dtype=float), np.array(row_upper, dtype=float)
-        lower[rows], upper[rows] = -highspy.kHighsInf, highspy.kHighsInf
-        lp.row_lower_, lp.row_upper_ = lower, upper
     h = new_highs(time_limit_s=time_limit_s)
     h.passModel(lp)
-    lp.integrality_, lp.row_lower_, lp.row_upper_ = integrality, row_lower, row_upper
+    lp.integrality_ = integrality
     with solver_output_to_stderr():
         h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:

@@ -144,9 +144,6 @@ class Model:
         self.segments: list[tuple[int, int, object]] = []  # (first step, last step, S variable)
         self.regions: dict[int, RegionVars] = {}  # region index -> its variables (milp/region_vars.py)
         self.cap_var = None
-        # names of the rows that order a swap's copy-in (started monotone, after the copy-out, nothing
-        # flowing before the start): the block search's LP bound leaves them out (docs/milp.md)
-        self.copy_in_order_rows: list[str] = []
         self._build()
 
     def _build(self) -> None:
@@ -238,19 +235,15 @@ class Model:
         for k, j in enumerate(ob[:-1]):
             prob += pulp.lpSum(y for s, y in v.yout.items() if s <= j) >= v.od[j], f"od_frac_{i}_{j}"
             prob += v.od[j] <= v.od_expr(ob[k + 1]), f"od_mono_{i}_{j}"
-        order_rows = self.copy_in_order_rows
         for k, s in enumerate(ib):
             started = v.is_expr(s)
             if k + 1 < len(ib):
                 prob += v.is_[s] <= v.is_expr(ib[k + 1]), f"is_mono_{i}_{s}"
-                order_rows.append(f"is_mono_{i}_{s}")
             done = v.od_expr(s - 1)
             if done is None:
                 prob += started == 0, f"in_after_out_{i}_{s}"
-                order_rows.append(f"in_after_out_{i}_{s}")
             elif done is not started:
                 prob += started <= done, f"in_after_out_{i}_{s}"
-                order_rows.append(f"in_after_out_{i}_{s}")
         # nothing flows before the copy-in starts: the fraction copied in by the end of a segment where
         # "started" is constant is at most that indicator (aggregated over the segment, which is what
         # keeps the LP relaxation tight: a half-started copy-in cannot free memory it has not copied yet)
@@ -262,7 +255,6 @@ class Model:
             upto = [v.yin[s] for s in in_steps if s <= s1]
             if upto:
                 prob += pulp.lpSum(upto) <= v.is_expr(s0), f"in_started_{i}_{s0}"
-                order_rows.append(f"in_started_{i}_{s0}")
 
     def _anchor_constraints(self) -> None:
         g, prob = self.graph, self.prob
