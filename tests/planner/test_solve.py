@@ -232,3 +232,29 @@ def test_small_graphs_start_from_the_lp_neighbourhood_of_the_warm_plan(small_tra
     sim, warm_sim = simulate(graph, plan), simulate(graph, warm)
     assert sim.valid and sim.peak_bytes <= cap
     assert sim.step_time_s < warm_sim.step_time_s
+
+
+def test_the_lp_neighbourhood_is_solved_to_a_fraction_of_the_planners_gap(small_transformer):
+    """The neighbourhood's sub-MIP stops within NEIGHBOURHOOD_GAP_FRACTION of the planner's gap of the
+    sub-MIP's exact optimum (the same candidates fixed to the warm plan's actions)."""
+    from dataclasses import replace
+
+    from regen.planner.milp.blocks import lp_bound, lp_disagreement
+    from regen.planner.milp.model import MilpOptions, Model
+    from regen.planner.milp.neighbourhood import NEIGHBOURHOOD_GAP_FRACTION, improve_where_lp_disagrees
+    from regen.planner.milp.solution import solve_model
+    from regen.planner.result import Choice
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    warm = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 30).choices
+    rel_gap = 0.02
+    model = Model(graph, cap, MilpOptions(rel_gap=rel_gap))
+    plan, _ = improve_where_lp_disagrees(model, warm, 30, lambda _m: None)
+    _, lp_values = lp_bound(model, 30)
+    fixed = {i: warm.get(i, Choice()).action for i, p in lp_disagreement(model, lp_values, warm).items() if p <= 0}
+    exact = solve_model(Model(graph, cap, replace(model.options, fixed_actions=fixed)), 60, rel_gap=1e-6)
+    found = solve_model(Model(graph, cap, MilpOptions(fixed_actions={i: plan.get(i, Choice()).action
+                                                                     for i in model.vars})), 30, rel_gap=1e-6)
+    assert exact.objective_s * (1 - 1e-9) <= found.objective_s
+    assert found.objective_s <= exact.objective_s / (1 - NEIGHBOURHOOD_GAP_FRACTION * rel_gap)

@@ -23,7 +23,9 @@ from regen.planner.result import Choice
 from regen.units import format_duration
 
 NEIGHBOURHOOD_TIME_FRACTION = 0.2  # of the time limit, for each of the LP and the sub-MIP
-NEIGHBOURHOOD_REL_GAP = 2e-3  # the sub-MIP's stopping gap (on its own bound); the full solve then stops at rel_gap
+# the sub-MIP's stopping gap (on its own bound), as a fraction of the planner's gap: HiGHS finds the
+# neighbourhood's best plans early (its RINS heuristic at the root) and spends the rest proving the bound
+NEIGHBOURHOOD_GAP_FRACTION = 0.5
 
 
 def improve_where_lp_disagrees(model: Model, warm: dict[int, Choice], time_limit_s: float,
@@ -40,7 +42,8 @@ def improve_where_lp_disagrees(model: Model, warm: dict[int, Choice], time_limit
         return warm, None
     sub = Model(model.graph, model.cap_bytes, replace(model.options, fixed_actions=fixed))
     try:
-        result = solve_model(sub, share_s, rel_gap=NEIGHBOURHOOD_REL_GAP, warm_start=warm)
+        result = solve_model(sub, share_s, rel_gap=NEIGHBOURHOOD_GAP_FRACTION * model.options.rel_gap,
+                             warm_start=warm)
     except (SolverError, CapInfeasible):
         return warm, None
     say(f"LP neighbourhood: {len(priority) - len(fixed)} candidates free, objective "
