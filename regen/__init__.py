@@ -19,9 +19,16 @@ from regen.formats import load_plan, load_profile  # noqa: E402
 __all__ = ["__version__", "apply", "load_plan", "load_profile"]
 
 
-def apply(model, plan=None, **kwargs):
-    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap`
-    (see regen.runtime.apply)."""
+def apply(model, plan=None, learn: bool = False, **kwargs):
+    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap`; with `learn=True`,
+    learn a plan for each call no plan fits (regen.learning; see regen.runtime.apply)."""
+    from regen.errors import RegenError
     from regen.runtime import apply as _apply
 
+    if not isinstance(learn, bool):
+        raise RegenError(f"regen.apply: learn must be True or False, got {learn!r}")
+    if learn:
+        from regen.learning import Learner
+
+        kwargs["learner"] = Learner()
     return _apply(model, plan, **kwargs)
