@@ -28,9 +28,9 @@ the plan profiled with that call (`Plan.call`), and each plan keeps what its own
 
 A call no plan fits (with a single plan that records its call, `Plan.call`, any other call) runs, with
 `on_mismatch="dynamic"` (the default), as a dynamic step under the smallest cap of the set, with a notice
-the first time per call signature: the handle owns a `DynamicEngine` (dynamic/engine.py), which pushes that
-step's saved-tensor hooks and its dispatch mode in place of the tracker's, so only one set of hooks is
-ever active; the engine's mode is popped when a planned step begins. With `on_mismatch="raise"` such a
+the first time per call signature: the handle's `DynamicFallback` (fallback.py) runs it on a `DynamicEngine`
+(dynamic/engine.py), which pushes that step's saved-tensor hooks and its dispatch mode in place of the
+tracker's, so only one set of hooks is ever active; the engine's mode is popped when a planned step begins. With `on_mismatch="raise"` such a
 call raises `PlanMismatchError`; with `"keep"` it warns and runs unplanned. With a learner
 (`regen.apply(..., learn=True)`, learned.py) the first dynamic step of each call signature also yields a
 plan for it, used from the first call after it is solved.
@@ -61,7 +61,6 @@ when an exception ends the `with` block, or at interpreter exit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from typing import TYPE_CHECKING
@@ -72,10 +71,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
-from regen.call_signature import call_signature, describe
 from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan
-from regen.runtime.learned import LearnedPlans, Learner
+from regen.runtime.fallback import DynamicFallback
+from regen.runtime.learned import Learner
 from regen.runtime.peak_check import PeakCheck
 from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
 from regen.runtime.regions import module_device
@@ -83,11 +82,9 @@ from regen.runtime.stats import RuntimeStats
 from regen.runtime.step import PlanMismatchWarning, Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
-from regen.units import format_bytes
 
 if TYPE_CHECKING:
-    from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats
-    from regen.runtime.dynamic.step import DynamicStep
+    from regen.runtime.dynamic.engine import DynamicStats
 
 ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 
@@ -119,11 +116,9 @@ class RegenHandle:
         self.plan_states = states  # one per plan, each with what its steps found (plan_set.py)
         self.on_mismatch = on_mismatch
         # the steps no plan fits run under the smallest cap of the set: within every cap the user solved for
-        self.dynamic_cap_bytes = min((s.plan.memory_cap_bytes for s in states), default=cap_bytes)
-        self.policy = policy
-        self.engine: DynamicEngine | None = None  # made at the first dynamic step
-        self._noticed: set[str] = set()  # call signatures told that they run in dynamic mode
-        self.learned = LearnedPlans(learner)
+        self.fallback = DynamicFallback(self.root,
+                                        min((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
+                                        policy, learner)
         self.tracker = ForwardTracker(outside_model=lambda: self._depth == 0)
         self.tracker_pushed = False
         self.stats = RuntimeStats()
@@ -187,8 +182,7 @@ class RegenHandle:
             self._pop_hooks_of(step)
         self._pop_tracker(force=True)
         self.current = None
-        if self.engine is not None:
-            self.engine.remove(abort)
+        self.fallback.remove(abort)
         if abort:
             for s in list(self.live_steps):
                 s.release(aborted=True)
@@ -198,28 +192,26 @@ class RegenHandle:
     @property
     def active_steps(self) -> int:
         """Steps still holding resources (their graph is alive), dynamic ones included."""
-        return len(self.live_steps) + (len(self.engine.live_steps) if self.engine is not None else 0)
+        return len(self.live_steps) + self.fallback.live_steps
 
     @property
     def hooks_installed(self) -> bool:
         return (bool(self._hooks) or self.tracker_pushed or self.current in self._hooks_pushed
-                or (self.engine is not None and self.engine.hooks_installed))
+                or self.fallback.hooks_installed)
 
     @property
     def dynamic_stats(self) -> DynamicStats:
         """What the steps run in dynamic mode did (on_mismatch="dynamic")."""
-        from regen.runtime.dynamic.engine import DynamicStats  # dynamic/ imports this module
-
-        return self.engine.stats if self.engine is not None else DynamicStats()
+        return self.fallback.stats
 
     def save_learned_plans(self, directory: str | Path) -> list[Path]:
         """Write the plans learned so far (learn=True) to `directory`; `regen.apply(model, directory)` loads
         them back as a plan set. Returns the files written."""
-        return self.learned.save(directory)
+        return self.fallback.save_learned_plans(directory)
 
     def wait_for_learning(self, timeout_s: float | None = None) -> None:
-        """Wait until every plan being learned is solved (it is used from the next step with its call)."""
-        self.learned.wait(timeout_s)
+        """Wait until every plan being learned is solved (it is used from the next call with its signature)."""
+        self.fallback.learned.wait(timeout_s)
 
     # ---- step boundaries ------------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -237,18 +229,18 @@ class RegenHandle:
                 prev.end_forward()
             self._pop_hooks_of(prev)
         self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
-        if self.engine is not None:
-            self.engine.close_current()
-        self._adopt_learned()
+        for plan in self.fallback.between_steps():  # learned plans join the set (on this thread)
+            new = add_plan(self.plan_states, plan)
+            self._give_context(new)
+            self._hooks += self._region_hooks([new])
         state = self._plan_for(args, kwargs)
         if state is None:  # no plan of the set fits this call: unplanned ("keep") or dynamic
             self.current = None
             self._pop_tracker(force=False)
             if self.on_mismatch == "dynamic":
-                self._start_dynamic(args, kwargs)
+                self.fallback.run(args, kwargs)
             return
-        if self.engine is not None:
-            self.engine.pop_mode()
+        self.fallback.planned_step_begins()
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
@@ -268,7 +260,7 @@ class RegenHandle:
 
     def _plan_for(self, args: tuple, kwargs: dict) -> PlanState | None:
         """The plan of the set this call runs under; None when none fits and on_mismatch is "keep" (with a
-        warning) or "dynamic" (with a notice the first time per call signature)."""
+        warning) or "dynamic" (the fallback's step)."""
         dynamic = self.on_mismatch == "dynamic"
         state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic)
         if state is not None:
@@ -283,37 +275,12 @@ class RegenHandle:
                           PlanMismatchWarning, stacklevel=4)
             return None
         self.stats.dynamic_steps += 1
-        signature = describe(call_signature(self.root, args, kwargs))
-        if signature not in self._noticed:
-            self._noticed.add(signature)
-            learning = ", learning a plan for it" if self.learned.learning else ""
-            warnings.warn(f"regen.apply: no plan fits this call of the model ({signature}); running such steps in "
-                          f"dynamic mode under the cap {format_bytes(self.dynamic_cap_bytes)} (on_mismatch='dynamic'"
-                          f"{learning})", PlanMismatchWarning, stacklevel=4)
         return None
-
-    def _start_dynamic(self, args: tuple, kwargs: dict) -> None:
-        """Run this call as a dynamic step (its own saved-tensor hooks and dispatch mode: engine.py)."""
-        if self.engine is None:
-            from regen.runtime.dynamic.engine import DynamicEngine  # dynamic/ imports this module
-
-            self.engine = DynamicEngine(self.root, self.dynamic_cap_bytes, self.policy)
-        step = self.engine.start_step()
-        self.learned.observe(step, self.root, args, kwargs, self.dynamic_cap_bytes)
-
-    def _adopt_learned(self) -> None:
-        """Plans learned since the last step join the set (used from this call on), on the main thread."""
-        if self.learned.learning:
-            self.learned.request(self.engine.mode.pause if self.engine is not None else contextlib.nullcontext)
-        for plan in self.learned.ready():
-            state = add_plan(self.plan_states, plan)
-            self._give_context(state)
-            self._hooks += self._region_hooks([state])
 
     def _post_hook(self, module, args, output):
         self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and self.engine is not None and self.engine.current is not None:
-            self.learned.model_returned(self.engine.current, output)
+        if self._depth == 0:
+            self.fallback.model_returned(output)
         step = self.current
         if self._depth == 0 and step is not None and step.phase == PHASE_TAIL:
             step.end_forward()

@@ -101,6 +101,10 @@ class LearnedPlans:
         if key in self._seen:
             return
         self._seen.add(key)
+        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+            warnings.warn(f"regen.apply: no plan learned for {key}: the step runs under autocast, which a learned "
+                          f"profile does not record; its steps run in dynamic mode", LearningWarning, stacklevel=4)
+            return
         self._observed = _Observed(step, root, signature, tree_map(_copy, args), tree_map(_copy, kwargs), cap_bytes)
 
     def model_returned(self, step, output) -> None:
