@@ -12,9 +12,10 @@ dropout seed fixed per step):
   cap (the plans' profiles are taken before the timed steps);
 * `dynamic-graph`, `dynamic-dtr`: dynamic mode at the cap, unpadded, with the extended and the plain
   DTR score;
-* `dynamic-learn`: dynamic mode at the cap, unpadded, learning a plan per length (`learn=True`): the
-  first step of a length runs dynamic, the next one profiles it (the profile's time is in the step's
-  time) and its plan is used once solved.
+* `dynamic-learn`: padded to its bucket, no plan at first: dynamic mode at the cap, learning a plan per
+  bucket (`learn=True`): a bucket's first step runs dynamic, the model's next call profiles it (the
+  profile's time and memory are in that step's) and its plan is used once solved, so learning settles
+  after one profile per bucket (unpadded lengths would each be a new shape).
 
 The cap is 50% (--cap-fraction) of the unplanned step's peak increase at --max-len (from the profile)
 above the step's start (the plan: the profile's memory at start; dynamic mode: the model's parameters and
@@ -181,7 +182,7 @@ def main():
         ("bucket-plans", to_bucket, lambda: regen.apply(model, bucket_plans), "none-buckets"),
         ("dynamic-graph", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="graph"), "none"),
         ("dynamic-dtr", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="dtr"), "none"),
-        ("dynamic-learn", None, lambda: regen.apply(model, memory_cap=dyn_cap, learn=True), "none"),
+        ("dynamic-learn", to_bucket, lambda: regen.apply(model, memory_cap=dyn_cap, learn=True), "none-buckets"),
     ]
     results = {}
     print(f"buckets {buckets}: plans for {used}")

@@ -7,9 +7,11 @@ for that, only through regen.formats (a Profile in, a Plan out):
 1. the profile is recorded at once, on the training thread, between two steps: `profile_workload` on a
    Workload whose batch is the call's arguments (copied when the call ran) and whose loss replays the ops
    the step ran after the model returned (`LossTail`: the same aten ops on the same arguments, so the
-   profile's forward ops are the step's), with one repeat and no warm-up: four unplanned forward+backward
-   passes (plain timing, the recorded step, the liveness probe, op timing; more when the timings
-   disagree) and the bandwidth probe. The training state is put back after it: the parameters' gradients
+   profile's forward ops are the step's), with one repeat and no warm-up: four forward+backward passes
+   (plain timing, the recorded step, the liveness probe, op timing; more when the timings disagree) and
+   the bandwidth probe, unplanned; on CUDA with their saved tensors parked in host memory (the profiler's
+   `park`), so they need about the memory of the step's parameters, gradients and largest op, not of its
+   saved tensors. The training state is put back after it: the parameters' gradients
    (None during the profile), every module buffer (BatchNorm's running statistics) and the RNG states
    (CPU, each CUDA device); the profiler's AdamW step runs at lr=0 and leaves the weights as they were;
 2. the plan is solved in a background thread (strategy hybrid: on a CPU without a link it recomputes
@@ -64,7 +66,8 @@ def profile_call(request: LearnRequest) -> Profile:
     workload = Workload(name="learned", model=model, batch=request.kwargs if request.kwargs else request.args,
                         loss_fn=replay_loss(request.loss_tail))
     with _training_state_kept(model):
-        return profile_workload(workload, device=str(device or "cpu"), repeats=1, warmup_steps=0, progress=None)
+        return profile_workload(workload, device=str(device or "cpu"), repeats=1, warmup_steps=0, progress=None,
+                                park=device is not None and device.type == "cuda")
 
 
 def solve_learned(profile: Profile, cap_bytes: int) -> Plan:
