@@ -29,6 +29,12 @@ def apply(model, plan=None, learn: bool = False, **kwargs):
         raise RegenError(f"regen.apply: learn must be True or False, got {learn!r}")
     if learn:
         from regen.learning import Learner
+        from regen.ranks import rank_agreement
+
+        if rank_agreement() is not None:
+            raise RegenError("regen.apply: learn=True profiles new shapes on each rank at its own time, which "
+                             "torch.distributed ranks cannot agree on; learn in one process, save_learned_plans(dir), "
+                             "and apply the directory")
 
         kwargs["learner"] = Learner()
     return _apply(model, plan, **kwargs)

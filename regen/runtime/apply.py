@@ -75,6 +75,7 @@ from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan
 from regen.runtime.fallback import DynamicFallback
 from regen.runtime.learned import Learner
+from regen.ranks import rank_agreement
 from regen.runtime.peak_check import PeakCheck
 from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
 from regen.runtime.regions import module_device
@@ -119,6 +120,7 @@ class RegenHandle:
         self.fallback = DynamicFallback(self.root,
                                         min((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
                                         policy, learner)
+        self._any_rank = rank_agreement()  # None without torch.distributed
         self.tracker = ForwardTracker(outside_model=lambda: self._depth == 0)
         self.tracker_pushed = False
         self.stats = RuntimeStats()
@@ -263,6 +265,8 @@ class RegenHandle:
         warning) or "dynamic" (the fallback's step)."""
         dynamic = self.on_mismatch == "dynamic"
         state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic)
+        if dynamic and self._any_rank is not None and self._any_rank(state is None):
+            state = None  # every rank runs the same kind of step (a planned step's collectives need them all)
         if state is not None:
             return state
         if self.on_mismatch == "raise":
