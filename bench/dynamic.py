@@ -1,13 +1,21 @@
 """Dynamic mode next to a plan on the built-in GPT trained with sequence lengths drawn per step.
 
-The variants of issue 14's benchmark that exist so far, each over the same seeded batches (lengths
-uniform in [--min-len, --max-len], the dropout seed fixed per step):
+Issue 14's variants, each over the same seeded batches (lengths uniform in [--min-len, --max-len], the
+dropout seed fixed per step):
 
 * `none`: no cap (the reference time and peak), unpadded;
 * `none-padded`: no cap, every batch padded to --max-len (the reference for `pad-plan`'s gradients);
 * `pad-plan`: padded to --max-len, one recompute plan solved for --max-len at the cap;
+* `none-buckets`: no cap, every batch padded to its bucket (the next of --buckets, a multiple of
+  --max-len / 4 by default), the reference for `bucket-plans`;
+* `bucket-plans`: padded to its bucket, a plan set with one recompute plan per bucket, each solved at the
+  cap (the plans' profiles are taken before the timed steps);
 * `dynamic-graph`, `dynamic-dtr`: dynamic mode at the cap, unpadded, with the extended and the plain
-  DTR score.
+  DTR score;
+* `dynamic-learn`: padded to its bucket, no plan at first: dynamic mode at the cap, learning a plan per
+  bucket (`learn=True`): a bucket's first step runs dynamic, the model's next call profiles it (the
+  profile's time and memory are in that step's) and its plan is used once solved, so learning settles
+  after one profile per bucket (unpadded lengths would each be a new shape).
 
 The cap is 50% (--cap-fraction) of the unplanned step's peak increase at --max-len (from the profile)
 above the step's start (the plan: the profile's memory at start; dynamic mode: the model's parameters and
@@ -65,7 +73,9 @@ def one_step(model, idx, targets, seed):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device):
+def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device, cap_bytes=None):
+    """A recompute plan for batches padded to `max_len`, at `fraction` of its unplanned increase above the
+    profile's start (or at `cap_bytes`), or at its smallest feasible cap: (plan, the increase)."""
     from regen.planner import solve
     from regen.profiler import profile_workload
 
@@ -78,21 +88,26 @@ def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device):
     w = Workload(name="gpt-padded", model=model, batch=(idx,), loss_fn=loss_fn)
     profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None)
     increase = profile.peak_bytes - profile.memory_at_start_bytes
-    cap = profile.memory_at_start_bytes + int(fraction * increase)
+    cap = cap_bytes if cap_bytes is not None else profile.memory_at_start_bytes + int(fraction * increase)
     try:
         plan = solve(profile, memory_cap_bytes=cap, strategy="recompute", time_limit_s=30)
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
-        print(f"  the padded plan cannot reach {fraction:.0%}; solved at its smallest cap "
+        print(f"  the plan for length {max_len} cannot reach the cap; solved at its smallest cap "
               f"{exc.smallest_feasible_cap_bytes} B")
         plan = solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy="recompute",
                      time_limit_s=30)
     return plan, increase
 
 
-def run_variant(model, data, max_len, pad, context, device):
-    """(tokens/s, highest per-step absolute peak, gradients per step)."""
+def bucket_of(length, buckets):
+    return next(b for b in buckets if b >= length)
+
+
+def run_variant(model, data, pad_to, context, device):
+    """(tokens/s, highest per-step absolute peak, gradients per step); `pad_to(length)`: the padded length,
+    or None for no padding."""
     grads, seconds, tokens, peak = [], 0.0, 0, 0
     cuda = device.startswith("cuda")
     model.zero_grad(set_to_none=True)
@@ -100,8 +115,8 @@ def run_variant(model, data, max_len, pad, context, device):
     with context() as handle:
         for k, (idx, targets) in enumerate(data):
             real = idx.numel()
-            if pad:
-                idx, targets = padded(idx, targets, max_len)
+            if pad_to is not None:
+                idx, targets = padded(idx, targets, pad_to(idx.size(1)))
             idx, targets = idx.to(device), targets.to(device)
             t0 = time.perf_counter()
             grads.append(one_step(model, idx, targets, seed=k))
@@ -135,8 +150,12 @@ def main():
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--cap-fraction", type=float, default=0.5)
+    ap.add_argument("--buckets", type=int, nargs="*", help="bucket lengths (default: 4 up to --max-len)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    buckets = sorted(args.buckets or [args.max_len * k // 4 for k in range(1, 5)])
+    if buckets[-1] < args.max_len:
+        ap.error("--buckets: the largest bucket must hold --max-len")
     vocab = 512
     model, _, _ = gpt(batch_size=args.batch_size, vocab_size=vocab, context=args.max_len)
     model.to(args.device)
@@ -150,22 +169,41 @@ def main():
           f"({increase / 2**20:.2f} MiB): dynamic mode {dyn_cap / 2**20:.2f} MiB (from the model's memory), the plan "
           f"{plan.memory_cap_bytes / 2**20:.2f} MiB (from the profile's start, which also counts the batch and "
           f"the profiler's optimizer state); peaks below are the model's memory + the measured increase")
+    used = sorted({bucket_of(d[0].size(1), buckets) for d in data})
+    bucket_plans = [solve_padded_plan(model, args.batch_size, b, vocab, args.cap_fraction, args.device,
+                                      cap_bytes=plan.memory_cap_bytes)[0] for b in used]
+    model.zero_grad(set_to_none=True)
+    to_max, to_bucket = (lambda n: args.max_len), (lambda n: bucket_of(n, buckets))
     variants = [
-        ("none", False, _Nothing, None),
-        ("none-padded", True, _Nothing, None),
-        ("pad-plan", True, lambda: regen.apply(model, plan), "none-padded"),
-        ("dynamic-graph", False, lambda: regen.apply(model, memory_cap=dyn_cap, policy="graph"), "none"),
-        ("dynamic-dtr", False, lambda: regen.apply(model, memory_cap=dyn_cap, policy="dtr"), "none"),
+        ("none", None, _Nothing, None),
+        ("none-padded", to_max, _Nothing, None),
+        ("pad-plan", to_max, lambda: regen.apply(model, plan), "none-padded"),
+        ("none-buckets", to_bucket, _Nothing, None),
+        ("bucket-plans", to_bucket, lambda: regen.apply(model, bucket_plans), "none-buckets"),
+        ("dynamic-graph", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="graph"), "none"),
+        ("dynamic-dtr", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="dtr"), "none"),
+        ("dynamic-learn", to_bucket, lambda: regen.apply(model, memory_cap=dyn_cap, learn=True), "none-buckets"),
     ]
     results = {}
+    print(f"buckets {buckets}: plans for {used}")
     print(f"{'variant':14s} {'tokens/s':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
-    for name, pad, context, reference in variants:
+    for name, pad_to, context, reference in variants:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rate, peak, grads, handle = run_variant(model, data, args.max_len, pad, context, args.device)
+            rate, peak, grads, handle = run_variant(model, data, pad_to, context, args.device)
         results[name] = grads
         exact = "-" if reference is None else ("yes" if same(grads, results[reference]) else "NO")
-        print(f"{name:14s} {rate:10.0f} {peak / 2**20:9.2f} {exact:>6s}  {handle.stats or ''}")
+        print(f"{name:14s} {rate:10.0f} {peak / 2**20:9.2f} {exact:>6s}  {describe_stats(handle)}")
+
+
+def describe_stats(handle) -> str:
+    """The handle's counters: a plan handle's, with its dynamic steps' when it ran any."""
+    if handle.stats is None:
+        return ""
+    dynamic = getattr(handle, "dynamic_stats", None)
+    if dynamic is None or not dynamic.steps:
+        return str(handle.stats)
+    return f"{handle.stats} {dynamic}"
 
 
 if __name__ == "__main__":

@@ -19,9 +19,22 @@ from regen.formats import load_plan, load_profile  # noqa: E402
 __all__ = ["__version__", "apply", "load_plan", "load_profile"]
 
 
-def apply(model, plan=None, **kwargs):
-    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap`
-    (see regen.runtime.apply)."""
+def apply(model, plan=None, learn: bool = False, **kwargs):
+    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap`; with `learn=True`,
+    learn a plan for each call no plan fits (regen.learning; see regen.runtime.apply)."""
+    from regen.errors import RegenError
     from regen.runtime import apply as _apply
 
+    if not isinstance(learn, bool):
+        raise RegenError(f"regen.apply: learn must be True or False, got {learn!r}")
+    if learn:
+        from regen.learning import Learner
+        from regen.ranks import rank_agreement
+
+        if rank_agreement() is not None:
+            raise RegenError("regen.apply: learn=True profiles new shapes on each rank at its own time, which "
+                             "torch.distributed ranks cannot agree on; learn in one process, save_learned_plans(dir), "
+                             "and apply the directory")
+
+        kwargs["learner"] = Learner()
     return _apply(model, plan, **kwargs)

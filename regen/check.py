@@ -57,7 +57,7 @@ def check_plan(build: Callable[[], object], plan: Plan, timed_steps: int = DEFAU
     planned.model.load_state_dict(plain.model.state_dict())
     report = CheckReport(cap_bytes=plan.memory_cap_bytes, predicted_step_s=plan.simulated.step_time_s,
                          baseline_step_s=plan.baseline.step_time_s)
-    with apply(planned.model, plan):
+    with apply(planned.model, plan, on_mismatch="raise"):  # a check of the plan: never a dynamic step
         progress("one unplanned and one planned step from the same state and RNG seed")
         _compare_one_step(plain, planned, report)
         progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")

@@ -152,7 +152,7 @@ def _train_side_by_side(build, plan, progress) -> DemoRun:
     plain = build()
     planned = build()
     planned.model.load_state_dict(plain.model.state_dict())
-    handle = apply(planned.model, plan)
+    handle = apply(planned.model, plan, on_mismatch="raise")  # the plan itself, never a dynamic step
     try:
         loss_plain, grads_plain = _grads_after_one_step(plain, DEMO_SEED)
         loss_planned, grads_planned = _grads_after_one_step(planned, DEMO_SEED)

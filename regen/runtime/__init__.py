@@ -15,7 +15,9 @@
 * plan_index.py: the plan's lookup tables; stats.py: the handle's counters;
 * peak_check.py: the safety net comparing a planned step's measured peak (CUDA) with the cap.
 * dynamic/: dynamic mode, `regen.apply(model, memory_cap=...)` without a plan: saved tensors dropped at
-  run time under the cap and rebuilt from recipes recorded as forward ran (DTR-style).
+  run time under the cap and rebuilt from recipes recorded as forward ran (DTR-style);
+* fallback.py: a plan handle's calls that no plan fits, run in dynamic mode (`on_mismatch="dynamic"`);
+* learned.py: plans learned for such calls (`learn=True`): what a step is observed for, the learned plans.
 """
 
 from regen.runtime.apply import RegenHandle, apply

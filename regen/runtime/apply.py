@@ -26,9 +26,18 @@ A plan set (`regen.apply(model, [plan_a, plan_b])`, plan_set.py) holds one plan 
 model (a GAN's discriminator in its own step and in the generator's): the pre-hook runs each step under
 the plan profiled with that call (`Plan.call`), and each plan keeps what its own steps found.
 
+A call no plan fits (with a single plan that records its call, `Plan.call`, any other call) runs, with
+`on_mismatch="dynamic"` (the default), as a dynamic step under the smallest cap of the set, with a notice
+the first time per call signature: the handle's `DynamicFallback` (fallback.py) runs it on a `DynamicEngine`
+(dynamic/engine.py), which pushes that step's saved-tensor hooks and its dispatch mode in place of the
+tracker's, so only one set of hooks is ever active; the engine's mode is popped when a planned step begins. With `on_mismatch="raise"` such a
+call raises `PlanMismatchError`; with `"keep"` it warns and runs unplanned. With a learner
+(`regen.apply(..., learn=True)`, learned.py) the first dynamic step of each call signature also yields a
+plan for it, used from the first call after it is solved.
+
 The first planned step of a plan also hashes the forward ops and compares the result with `plan.fingerprint`.
-Any mismatch raises `PlanMismatchError`, or with `on_mismatch="keep"` warns and keeps every later
-tensor of that step.
+A mismatch found within a step raises `PlanMismatchError` (also under "dynamic": a step cannot change mode
+once it has begun), or with `on_mismatch="keep"` warns and keeps every later tensor of that step.
 
 What a step verified and recorded comes back to the handle when its forward ends (`StepFindings`) and
 shapes the later steps (docs/internals.md "Pack-order fast path"): once a step is verified, later steps
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import TYPE_CHECKING
 import weakref
 from pathlib import Path
 
@@ -63,26 +73,39 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_curren
 
 from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan
+from regen.runtime.fallback import DynamicFallback
+from regen.runtime.learned import Learner
+from regen.ranks import rank_agreement
 from regen.runtime.peak_check import PeakCheck
-from regen.runtime.plan_set import PlanState, call_difference, choose, plan_states
+from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
 from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.step import PlanMismatchWarning, Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
 
-ON_MISMATCH_CHOICES = ("raise", "keep")
+if TYPE_CHECKING:
+    from regen.runtime.dynamic.engine import DynamicStats
+
+ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 
 
 class RegenHandle:
     """The object `regen.apply` returns: a context manager, or call `.remove()` when done."""
 
-    def __init__(self, model: nn.Module, plan: Plan | str | Path | list, on_mismatch: str = "raise",
-                 emulate_link: bool = False):
+    def __init__(self, model: nn.Module, plan: Plan | str | Path | list | None, on_mismatch: str = "dynamic",
+                 emulate_link: bool = False, cap_bytes: int | None = None, policy: str = "graph",
+                 learner: Learner | None = None):
+        """`cap_bytes`: the cap of dynamic steps without a plan (`plan` None: every call is learned);
+        `learner`: what learns a plan for a call no plan fits (learned.py)."""
         if on_mismatch not in ON_MISMATCH_CHOICES:
             raise RegenError(f"regen.apply: on_mismatch must be one of {', '.join(ON_MISMATCH_CHOICES)}, "
                              f"got {on_mismatch!r}")
-        states = plan_states(plan)
+        states = plan_states(plan) if plan is not None else []
+        if learner is not None and any(s.plan.call is None for s in states):
+            raise RegenError("regen.apply: learn=True adds a plan per call to the set, and a plan given does not "
+                             "record how its step called the model (profiled by an older regen); profile and "
+                             "solve it again")
         if not isinstance(model, nn.Module):
             raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
         if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -93,6 +116,11 @@ class RegenHandle:
         self.root = _unwrap(model)
         self.plan_states = states  # one per plan, each with what its steps found (plan_set.py)
         self.on_mismatch = on_mismatch
+        # the steps no plan fits run under the smallest cap of the set: within every cap the user solved for
+        self.fallback = DynamicFallback(self.root,
+                                        min((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
+                                        policy, learner)
+        self._any_rank = rank_agreement()  # None without torch.distributed
         self.tracker = ForwardTracker(outside_model=lambda: self._depth == 0)
         self.tracker_pushed = False
         self.stats = RuntimeStats()
@@ -107,23 +135,32 @@ class RegenHandle:
         if not emulate_link and swapping and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
         # a set's steps are checked against its largest cap
-        self.peak_check = PeakCheck(max(s.plan.memory_cap_bytes for s in states), _cuda_peak_reader(device))
+        self.peak_check = PeakCheck(max((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
+                                    _cuda_peak_reader(device))
         # pinned for a model on CUDA; a model moved to the GPU later gets it again, pinned, at its first copy-out
         self.pool = HostPool(max((p.host_pool_bytes for p in swapping), default=0),
                              pin_memory=device is not None and device.type == "cuda")
         self.engines: dict[torch.device, SwapEngine] = {}
         self._finalizer = weakref.finalize(self, _close_engines, self.engines)  # also at interpreter exit
         for state in states:
-            state.context = StepContext(
-                index=state.index, on_mismatch=on_mismatch, stats=self.stats, pause_tracker=self.tracker.pause,
-                engine_for=self.engine_for, pool=self.pool, forward_ended=functools.partial(self._forward_ended, state),
-                tracking_done=self._pop_tracker_for, released=self._step_released)
+            self._give_context(state)
         self._hooks = [
             # first of the root's pre-hooks: the step's ops begin where the profiler's do, before those of the
             # user's pre-hooks (whose ops the profiler counted in the forward) and of FSDP2's all-gather
             self.root.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
-        ] + self._region_hooks()
+        ]
+        self._region_paths: set[str] = set()  # modules with region hooks
+        self._hooks += self._region_hooks(states)
+
+    def _give_context(self, state: PlanState) -> None:
+        """What the plan's steps get; a mismatch found mid-step raises under on_mismatch="dynamic" (a step
+        cannot change mode once it has begun)."""
+        state.context = StepContext(
+            index=state.index, on_mismatch="raise" if self.on_mismatch == "dynamic" else self.on_mismatch,
+            stats=self.stats, pause_tracker=self.tracker.pause, engine_for=self.engine_for, pool=self.pool,
+            forward_ended=functools.partial(self._forward_ended, state), tracking_done=self._pop_tracker_for,
+            released=self._step_released)
 
     # ---- public ---------------------------------------------------------------------------------------
     def __enter__(self) -> "RegenHandle":
@@ -147,6 +184,7 @@ class RegenHandle:
             self._pop_hooks_of(step)
         self._pop_tracker(force=True)
         self.current = None
+        self.fallback.remove(abort)
         if abort:
             for s in list(self.live_steps):
                 s.release(aborted=True)
@@ -155,12 +193,27 @@ class RegenHandle:
 
     @property
     def active_steps(self) -> int:
-        """Steps still holding resources (their graph is alive)."""
-        return len(self.live_steps)
+        """Steps still holding resources (their graph is alive), dynamic ones included."""
+        return len(self.live_steps) + self.fallback.live_steps
 
     @property
     def hooks_installed(self) -> bool:
-        return bool(self._hooks) or self.tracker_pushed or self.current in self._hooks_pushed
+        return (bool(self._hooks) or self.tracker_pushed or self.current in self._hooks_pushed
+                or self.fallback.hooks_installed)
+
+    @property
+    def dynamic_stats(self) -> DynamicStats:
+        """What the steps run in dynamic mode did (on_mismatch="dynamic")."""
+        return self.fallback.stats
+
+    def save_learned_plans(self, directory: str | Path) -> list[Path]:
+        """Write the plans learned so far (learn=True) to `directory`; `regen.apply(model, directory)` loads
+        them back as a plan set. Returns the files written."""
+        return self.fallback.save_learned_plans(directory)
+
+    def wait_for_learning(self, timeout_s: float | None = None) -> None:
+        """Wait until every plan being learned is solved (it is used from the next call with its signature)."""
+        self.fallback.learned.wait(timeout_s)
 
     # ---- step boundaries ------------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -178,11 +231,18 @@ class RegenHandle:
                 prev.end_forward()
             self._pop_hooks_of(prev)
         self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
+        for plan in self.fallback.between_steps():  # learned plans join the set (on this thread)
+            new = add_plan(self.plan_states, plan)
+            self._give_context(new)
+            self._hooks += self._region_hooks([new])
         state = self._plan_for(args, kwargs)
-        if state is None:  # no plan of the set fits this call: an unplanned step (on_mismatch="keep")
+        if state is None:  # no plan of the set fits this call: unplanned ("keep") or dynamic
             self.current = None
             self._pop_tracker(force=False)
+            if self.on_mismatch == "dynamic":
+                self.fallback.run(args, kwargs)
             return
+        self.fallback.planned_step_begins()
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
@@ -201,21 +261,30 @@ class RegenHandle:
         self._hooks_pushed.add(step)
 
     def _plan_for(self, args: tuple, kwargs: dict) -> PlanState | None:
-        """The plan of the set this call runs under; None (with a warning) when none fits and on_mismatch is
-        "keep"."""
-        state, problem = choose(self.plan_states, self.root, args, kwargs)
+        """The plan of the set this call runs under; None when none fits and on_mismatch is "keep" (with a
+        warning) or "dynamic" (the fallback's step)."""
+        dynamic = self.on_mismatch == "dynamic"
+        state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic)
+        if dynamic and self._any_rank is not None and self._any_rank(state is None):
+            state = None  # every rank runs the same kind of step (a planned step's collectives need them all)
         if state is not None:
             return state
         if self.on_mismatch == "raise":
-            raise PlanMismatchError(f"regen.apply: {problem}, or pass on_mismatch='keep' to run such steps unplanned")
+            raise PlanMismatchError(f"regen.apply: {problem}, or pass on_mismatch='dynamic' to run such steps in "
+                                    f"dynamic mode or 'keep' to run them unplanned")
         self.stats.steps += 1
-        self.stats.unplanned_steps += 1
-        warnings.warn(f"regen.apply: {problem}; running this step unplanned (on_mismatch='keep')",
-                      PlanMismatchWarning, stacklevel=4)
+        if not dynamic:
+            self.stats.unplanned_steps += 1
+            warnings.warn(f"regen.apply: {problem}; running this step unplanned (on_mismatch='keep')",
+                          PlanMismatchWarning, stacklevel=4)
+            return None
+        self.stats.dynamic_steps += 1
         return None
 
     def _post_hook(self, module, args, output):
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self.fallback.model_returned(output)
         step = self.current
         if self._depth == 0 and step is not None and step.phase == PHASE_TAIL:
             step.end_forward()
@@ -272,10 +341,14 @@ class RegenHandle:
             _close_engines(self.engines)
 
     # ---- region modules -------------------------------------------------------------------------------
-    def _region_hooks(self) -> list:
-        """A pre-hook and a hook on each module a plan region replays, reporting its calls to the step."""
+    def _region_hooks(self, states: list[PlanState]) -> list:
+        """A pre-hook and a hook on each module a region of `states` replays (once per module), reporting its
+        calls to the step."""
         hooks = []
-        for path in dict.fromkeys(r.region.module for s in self.plan_states for r in s.index.regions.values()):
+        for path in dict.fromkeys(r.region.module for s in states for r in s.index.regions.values()):
+            if path in self._region_paths:
+                continue
+            self._region_paths.add(path)
             try:
                 module = self.root.get_submodule(path)
             except AttributeError:
@@ -350,30 +423,46 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mismatch: str = "raise",
-          emulate_link: bool = False, memory_cap: int | str | None = None, policy: str | None = None):
+def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mismatch: str = "dynamic",
+          emulate_link: bool = False, memory_cap: int | str | None = None, policy: str | None = None,
+          learner: Learner | None = None):
     """Replay `plan` on `model`'s training steps until the handle is removed (or the `with` ends).
 
-    `plan` is a Plan or a path to a plan file, or a list of them, one per way the loop calls the model (a
-    plan set: each step runs under the plan profiled with its call; plan_set.py). `on_mismatch="raise"`
-    (default) raises PlanMismatchError when the model or batch shape is not the one the plan was made for;
-    `"keep"` warns and runs that step unplanned. `emulate_link=True` (CPU devices only) runs the plan's swaps
-    over an emulated host link at the plan's bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
+    `plan` is a Plan or a path to a plan file, a directory of plan files, or a list of them, one per way
+    the loop calls the model or shape it calls it with (a plan set: each step runs under the plan profiled
+    with its call; plan_set.py). A call no plan fits runs, with `on_mismatch="dynamic"` (default), in
+    dynamic mode under the smallest cap of the set (a notice the first time per call signature); with
+    `"raise"` it raises PlanMismatchError; with `"keep"` it warns and runs unplanned. A mismatch found
+    mid-step (a planned call whose ops differ from the plan's) raises, or with "keep" runs unplanned.
+    `emulate_link=True` (CPU devices only) runs the plan's swaps over an emulated host link at the plan's
+    bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
 
     Without a plan, `memory_cap` (bytes, or text such as "6GiB") runs dynamic mode: saved tensors are
     dropped at run time to stay under the cap and rebuilt when backward needs them, chosen by the
-    eviction score `policy` ("graph", the default, or "dtr"): regen.runtime.dynamic.
+    eviction score `policy` ("graph", the default, or "dtr"): regen.runtime.dynamic. `policy` also
+    chooses the score of a plan set's dynamic steps.
+
+    `learner` (regen.learning, from `regen.apply(..., learn=True)`) learns a plan for each call signature
+    no plan fits (learned.py); without a plan, the steps run in dynamic mode under `memory_cap` until then.
     """
+    from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy  # dynamic/ imports this module
+
+    if policy is not None:
+        check_policy(policy)
     if plan is None:
         if memory_cap is None:
             raise RegenError("regen.apply: give a plan, or a memory_cap (e.g. memory_cap='6GiB') for dynamic mode")
         if emulate_link:
             raise RegenError("regen.apply: dynamic mode (no plan) recomputes only; emulate_link is for plans "
                              "that swap")
-        from regen.runtime.dynamic import DynamicHandle
-
-        return DynamicHandle(model, memory_cap, policy or "graph")
-    if memory_cap is not None or policy is not None:
-        raise RegenError("regen.apply: memory_cap and policy are for dynamic mode (no plan); a plan was solved "
-                         "for its own cap")
-    return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link)
+        if learner is None:
+            return DynamicHandle(model, memory_cap, policy or "graph")
+        return RegenHandle(model, None, cap_bytes=cap_bytes(memory_cap), policy=policy or "graph", learner=learner)
+    if memory_cap is not None:
+        raise RegenError("regen.apply: memory_cap is for dynamic mode (no plan); a plan was solved for its own cap, "
+                         "and the calls no plan fits run in dynamic mode under the plans' cap")
+    if on_mismatch != "dynamic" and (policy is not None or learner is not None):
+        raise RegenError(f"regen.apply: {'learn' if learner is not None else 'policy'} is for the calls no plan "
+                         f"fits, run in dynamic mode: on_mismatch='dynamic', not {on_mismatch!r}")
+    return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link, policy=policy or "graph",
+                       learner=learner)

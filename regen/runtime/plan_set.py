@@ -27,6 +27,7 @@ from regen.runtime.plan_index import PlanIndex, index_plan
 from regen.runtime.step import StepContext
 
 TWO_USES_DOC = 'docs/recipes.md "A module used two ways"'
+PLAN_SUFFIX = ".plan.yaml"  # the plan files of a directory of plans
 
 
 @dataclass
@@ -42,8 +43,10 @@ class PlanState:
 
 
 def plan_states(plans) -> list[PlanState]:
-    """The handle's plans: a Plan, a plan file, or a list of them (a plan set), checked."""
+    """The handle's plans: a Plan, a plan file, a directory of plan files (`*.plan.yaml`, such as
+    `save_learned_plans` writes), or a list of them (a plan set), checked."""
     given = list(plans) if isinstance(plans, (list, tuple)) else [plans]
+    given = [p for plan in given for p in _plan_files(plan)]
     if not given:
         raise RegenError("regen.apply: an empty list of plans; give a plan, or one plan per use of the model")
     loaded = []
@@ -58,6 +61,25 @@ def plan_states(plans) -> list[PlanState]:
     return [PlanState(plan, index_plan(plan)) for plan in loaded]
 
 
+def add_plan(states: list[PlanState], plan: Plan) -> PlanState:
+    """A plan joins the set (a learned one): its call must be recorded and none of the set's."""
+    if plan.call is None or any(s.plan.call == plan.call for s in states):
+        raise RegenError(f"regen.apply: a learned plan's call is missing or already in the set")
+    state = PlanState(plan, index_plan(plan))
+    states.append(state)
+    return state
+
+
+def _plan_files(plan) -> list:
+    """A directory's plan files, in name order; anything else as given."""
+    if not isinstance(plan, (str, Path)) or not Path(plan).is_dir():
+        return [plan]
+    files = sorted(Path(plan).glob(f"*{PLAN_SUFFIX}"))
+    if not files:
+        raise RegenError(f"regen.apply: the directory {plan} holds no plan files (*{PLAN_SUFFIX})")
+    return files
+
+
 def _check_set(plans: list[Plan]) -> None:
     for k, plan in enumerate(plans):
         if plan.call is None:
@@ -70,20 +92,27 @@ def _check_set(plans: list[Plan]) -> None:
                                  f"({TWO_USES_DOC})")
 
 
-def choose(states: list[PlanState], root: nn.Module, args: tuple, kwargs: dict) -> tuple[PlanState | None, str]:
-    """The plan for a call of the model: (its state, "") or (None, why none fits)."""
-    if len(states) == 1:
+def choose(states: list[PlanState], root: nn.Module, args: tuple, kwargs: dict,
+           by_call: bool = False) -> tuple[PlanState | None, str]:
+    """The plan for a call of the model: (its state, "") or (None, why none fits).
+
+    A single plan takes every call, unless `by_call` (a handle that runs such calls in dynamic mode): then
+    each plan that records its call (`Plan.call`) takes only that call, its trainable parameters included."""
+    if len(states) == 1 and not (by_call and states[0].plan.call is not None):
         return states[0], ""
     inputs = call_inputs(args, kwargs)
     matching = [s for s in states if s.plan.call.inputs == inputs]
-    if len(matching) > 1:
+    if len(matching) > 1 or by_call:
         trainable = trainable_parameters(root)
         matching = [s for s in matching if s.plan.call.trainable_parameters == trainable]
     if len(matching) == 1:
         return matching[0], ""
+    call = describe(call_signature(root, args, kwargs))
+    if not states:
+        return None, f"no plan fits this call of the model ({call}) yet"
     profiled = " | ".join(f"plan {k}: {describe(s.plan.call)}" for k, s in enumerate(states))
-    return None, (f"this call of the model ({describe(call_signature(root, args, kwargs))}) is none of the plan "
-                  f"set's ({profiled}); profile and solve this use too ({TWO_USES_DOC})")
+    return None, (f"this call of the model ({call}) is none of the plan set's ({profiled}); profile and solve "
+                  f"this use too ({TWO_USES_DOC})")
 
 
 def call_difference(state: PlanState, root: nn.Module, args: tuple, kwargs: dict) -> Callable[[], str | None]:

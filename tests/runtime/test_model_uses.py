@@ -135,14 +135,14 @@ def gan():
     return g, d, plans[0], plans[1]
 
 
-def _gan_loop(g, d, plans=None, steps: int = 3):
-    """SGD steps of a GAN from copies of `g` and `d`, with `d` under `plans` (or unplanned): every loss and the
-    final parameters of both."""
+def _gan_loop(g, d, plans=None, steps: int = 3, **apply_kwargs):
+    """SGD steps of a GAN from copies of `g` and `d`, with `d` under `plans` (or unplanned; regen.apply's
+    `apply_kwargs`): every loss and the final parameters of both."""
     import copy
 
     g, d = copy.deepcopy(g), copy.deepcopy(d)
     opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
-    handle = regen.apply(d, plans) if plans is not None else None
+    handle = regen.apply(d, plans, **apply_kwargs) if plans is not None else None
     torch.manual_seed(1)
     losses = []
     try:
@@ -185,13 +185,13 @@ def test_one_plan_for_a_module_used_two_ways_says_how_to_plan_both(gan):
     g, d, plan_d, _ = gan
     with pytest.raises(PlanMismatchError, match=r"input 0 requires grad here, it did not in the profiled step.*"
                                                 r"regen\.apply\(model, \[plan_a, plan_b\]\)"):
-        _gan_loop(g, d, plan_d, steps=1)
+        _gan_loop(g, d, plan_d, steps=1, on_mismatch="raise")
 
 
 def test_a_call_no_plan_of_the_set_fits(gan):
     g, d, plan_d, plan_g = gan
     other = torch.randn(BATCH // 2, 32)
-    with regen.apply(d, [plan_d, plan_g]) as handle:
+    with regen.apply(d, [plan_d, plan_g], on_mismatch="raise") as handle:
         with pytest.raises(PlanMismatchError, match=r"none of the plan set's .*plan 0: 0: \[256, 32\] float32"):
             d(other).sum().backward()
     with regen.apply(d, [plan_d, plan_g], on_mismatch="keep") as handle:

@@ -75,6 +75,7 @@ def _mismatch_worker(rank, port, plan_path, on_mismatch, result_path):
         out["warnings"] = [str(c.message) for c in caught if "regen.apply" in str(c.message)]
         out["planned_steps"] = handle.stats.planned_steps
         out["unplanned_steps"] = handle.stats.unplanned_steps
+        out["dynamic_steps"] = handle.stats.dynamic_steps
         torch.save(out, f"{result_path}.{rank}")
     finally:
         # a DDP backward aborted by the mismatch can leave gloo threads that abort the interpreter's teardown
@@ -140,3 +141,27 @@ def test_load_plan_on_rank_0_and_broadcast(plan_path, tmp_path):
     assert good0["decisions"] == expected and good1["decisions"] == expected
     assert broken0["error"] is not None and "rank 0" not in broken0["error"]
     assert broken1["error"] is not None and "rank 0 could not read the plan" in broken1["error"]
+
+
+@pytest.fixture(scope="module")
+def plan_with_call_path(tmp_path_factory):
+    """The recompute plan, recording the call it was made for (rank 0's batch)."""
+    import dataclasses
+
+    from regen.call_signature import call_signature
+    from regen.workloads import call_arguments
+
+    w, trace = traced("gpt")
+    plan = dataclasses.replace(PLANS["recompute"](trace), call=call_signature(w.model, *call_arguments(w.batch)))
+    path = tmp_path_factory.mktemp("ranks") / "gpt-call.plan.yaml"
+    save_plan(plan, path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_call_no_plan_fits_on_one_rank_runs_dynamic_on_every_rank(plan_with_call_path, tmp_path):
+    result = str(tmp_path / "out")
+    _spawn(_mismatch_worker, plan_with_call_path, "dynamic", result)
+    out = [torch.load(f"{result}.{r}") for r in range(WORLD)]
+    assert out[0]["error"] is None and out[1]["error"] is None
+    assert [o["dynamic_steps"] for o in out] == [2, 2] and [o["planned_steps"] for o in out] == [0, 0]

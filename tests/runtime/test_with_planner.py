@@ -194,7 +194,7 @@ def test_a_plan_for_another_saved_set_is_a_mismatch():
     assert handle.stats.planned_steps == 1
     first.requires_grad_(True)
     with pytest.raises(PlanMismatchError, match="saved .* tensors for backward, the plan's saved"):
-        with regen.apply(w.model, plan):
+        with regen.apply(w.model, plan, on_mismatch="raise"):
             step(w)
     with regen.apply(w.model, plan, on_mismatch="keep") as handle:
         with pytest.warns(PlanMismatchWarning, match="frozen or unfrozen"):

@@ -85,6 +85,8 @@ class DynamicStep:
         self.released = False
         self.live = 0  # handles autograd holds
         self.warned = False
+        self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
+        self._tail_ops: list | None = None
         self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap)
 
     # ---- ops (the handle's dispatch mode) ---------------------------------------------------------
@@ -168,6 +170,17 @@ class DynamicStep:
         with regen_ops():
             return view_of(base, obj.geometry)
 
+    # ---- learning (regen.runtime.learned) ---------------------------------------------------------
+    def keep_tail_from(self, op: int) -> None:
+        """Keep the captures of ops `op`.. (the loss tail) past the step's release."""
+        self._tail_from = op
+
+    def tail_ops(self) -> list:
+        """The captured ops from `keep_tail_from`'s op to the end of the forward."""
+        if self._tail_ops is not None:
+            return self._tail_ops
+        return [self.captures[i] for i in range(self._tail_from, self.count)]
+
     # ---- lifetime ---------------------------------------------------------------------------------
     def _over_cap(self, in_use_bytes: int) -> None:
         if self.warned:
@@ -196,6 +209,8 @@ class DynamicStep:
         """Let go of everything the step holds: nodes, captures."""
         self.aborted = self.aborted or aborted
         self.released = True
+        if self._tail_from is not None and self._tail_ops is None and not self.aborted:
+            self._tail_ops = self.tail_ops()
         self.residency.drop_all()
         self.nodes.clear()
         self.captures.clear()

@@ -1,0 +1,169 @@
+"""Plans learned while training: the learner that `regen.apply(..., learn=True)` hands the runtime.
+
+The runtime (regen.runtime.learned) observes the first dynamic step of each call signature no plan fits
+and, at the model's next call, asks the learner for a plan (`LearnRequest`). Here the three stages meet
+for that, only through regen.formats (a Profile in, a Plan out):
+
+1. the profile is recorded at once, on the training thread, between two steps: `profile_workload` on a
+   Workload whose batch is the call's arguments (copied when the call ran) and whose loss replays the ops
+   the step ran after the model returned (`LossTail`: the same aten ops on the same arguments, so the
+   profile's forward ops are the step's), with one repeat and no warm-up: four forward+backward passes
+   (plain timing, the recorded step, the liveness probe, op timing; more when the timings disagree) and
+   the bandwidth probe, unplanned; on CUDA with their saved tensors parked in host memory (the profiler's
+   `park`), so they need about the memory of the step's parameters, gradients and largest op, not of its
+   saved tensors. The training state is put back after it: the parameters' gradients
+   (None during the profile), every module buffer (BatchNorm's running statistics) and the RNG states
+   (CPU, each CUDA device); the profiler's AdamW step runs at lr=0 and leaves the weights as they were;
+2. the plan is solved in a background thread (strategy hybrid: on a CPU without a link it recomputes
+   only) at the request's cap; at a cap it cannot reach, at its smallest feasible cap, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from regen.errors import InfeasibleCapError, RegenError
+from regen.formats.plan import Plan
+from regen.formats.profile import Profile
+from regen.opinfo import op_outputs, storage_key, tensor_outputs, written_outputs
+from regen.runtime.learned import LearningWarning, LearnRequest, LossTail
+from regen.runtime.recompute import External, Like, Ref, Scratch
+from regen.runtime.regions import module_device
+from regen.runtime.swap import Geometry
+from regen.units import format_bytes
+from regen.workloads import Workload
+
+SOLVE_TIME_LIMIT_S = 30.0
+SOLVE_STRATEGY = "hybrid"
+
+
+class Learner:
+    """`learner(request)`: profile the request's call now, solve its plan in a background thread."""
+
+    def __init__(self):
+        self._solver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen-learn")
+
+    def __call__(self, request: LearnRequest) -> "Future[Plan | None]":
+        profile = profile_call(request)
+        return self._solver.submit(solve_learned, profile, request.cap_bytes)
+
+
+def profile_call(request: LearnRequest) -> Profile:
+    """A profile of the request's call, recorded with the training state put back after it."""
+    from regen.profiler import profile_workload
+
+    model = request.model
+    if request.args and request.kwargs:
+        raise RegenError("the model was called with both positional and keyword tensors; regen profiles a "
+                         "call of one kind")
+    device = module_device(model)
+    workload = Workload(name="learned", model=model, batch=request.kwargs if request.kwargs else request.args,
+                        loss_fn=replay_loss(request.loss_tail))
+    with _training_state_kept(model):
+        return profile_workload(workload, device=str(device or "cpu"), repeats=1, warmup_steps=0, progress=None,
+                                park=device is not None and device.type == "cuda")
+
+
+def solve_learned(profile: Profile, cap_bytes: int) -> Plan:
+    """The plan for a learned profile at `cap_bytes`, or at its smallest feasible cap above it."""
+    from regen.planner import solve
+
+    try:
+        return solve(profile, memory_cap_bytes=cap_bytes, strategy=SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S)
+    except InfeasibleCapError as exc:
+        if exc.smallest_feasible_cap_bytes is None:
+            raise
+        smallest = exc.smallest_feasible_cap_bytes
+    warnings.warn(f"regen.apply: the plan learned for this call cannot reach the cap {format_bytes(cap_bytes)}; "
+                  f"it runs at its smallest feasible cap {format_bytes(smallest)}", LearningWarning, stacklevel=2)
+    return solve(profile, memory_cap_bytes=smallest, strategy=SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S)
+
+
+def replay_loss(tail: LossTail):
+    """A loss function that runs the tail's ops again on a new model output: each argument the step's
+    forward produced is the tensor of the same storage and view here, everything else as captured."""
+
+    def loss_fn(output, batch) -> torch.Tensor:
+        writer: dict[int, tuple[int, int]] = {}  # storage key -> (op, slot) of the step it stands for
+        tensors: dict = {}  # ((op, slot), Geometry) -> tensor
+        flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if len(flat) != len(tail.outputs):
+            raise RegenError("the model's output has another structure than in the step learned from")
+        for t, recorded in zip(flat, tail.outputs):
+            if recorded is not None:
+                writer[storage_key(t)] = recorded[0]
+                tensors[(recorded[0], Geometry.of(t))] = t
+        loss = None
+        for cap in _without_backward_seed(tail.ops):
+            args = tree_map(lambda a: _resolve(a, tensors, cap.index), cap.args)
+            kwargs = tree_map(lambda a: _resolve(a, tensors, cap.index), cap.kwargs)
+            with torch.set_grad_enabled(cap.grad_enabled):
+                out = cap.func(*args, **kwargs)
+            for slot, key in written_outputs(cap.func, args, kwargs, op_outputs(cap.func, args, kwargs, out)):
+                writer[key] = (cap.index, slot)
+            for t in tensor_outputs(out):
+                if t is None:
+                    continue
+                w = writer.get(storage_key(t))
+                if w is not None:
+                    tensors[(w, Geometry.of(t))] = t
+                if t.dim() == 0 and t.requires_grad and t.is_floating_point():
+                    loss = t
+        if loss is None:
+            raise RegenError("no scalar that requires grad came after the model's output (the loss)")
+        return loss
+
+    return loss_fn
+
+
+def _without_backward_seed(ops: list) -> list:
+    """The tail's ops without the last one when it is `loss.backward()`'s own `ones_like(loss)` (dispatched
+    before backward began): the profile's backward dispatches it again."""
+    if ops and ops[-1].func is torch.ops.aten.ones_like.default:
+        first = ops[-1].args[0] if ops[-1].args else None
+        if isinstance(first, Like) and first.size == ():
+            return ops[:-1]
+    return ops
+
+
+def _resolve(a, tensors: dict, index: int):
+    if isinstance(a, Ref):
+        t = tensors.get(((a.op, a.slot), a.geometry))
+        if t is None:
+            raise RegenError(f"op {index} after the model returned reads a tensor of the forward other than the "
+                             f"model's output (written by op {a.op}); regen learns losses computed from the output")
+        return t
+    if isinstance(a, External):
+        return a.tensor
+    if isinstance(a, (Like, Scratch)):
+        return a.materialize()
+    return a
+
+
+@contextlib.contextmanager
+def _training_state_kept(model: nn.Module):
+    """Gradients, module buffers and RNG states as they were before the block."""
+    parameters = list(model.parameters())
+    grads = [p.grad for p in parameters]
+    for p in parameters:
+        p.grad = None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for p, g in zip(parameters, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

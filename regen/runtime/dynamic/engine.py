@@ -1,0 +1,167 @@
+"""The engine that runs dynamic steps: the memory reading, the dispatch mode, the live steps.
+
+Both handles drive it from their root pre-hook: `DynamicHandle` (dynamic mode alone) for every step, and
+`RegenHandle` (apply.py) for the steps no plan of its set fits (`on_mismatch="dynamic"`). The engine
+owns no module hook, so one handle's hooks decide every step and the two sets never meet:
+
+* `start_step()`: a dynamic step begins; its saved-tensor hooks are pushed, and the engine's dispatch
+  mode (`DynamicMode`) if it is not pushed yet;
+* `close_current()`: the next step (of either kind) begins: the current step's saved-tensor hooks are
+  popped and it is let go once autograd holds none of its handles;
+* `pop_mode()`: a planned step begins: the mode is popped when it is on top of the stack (it stays
+  pushed across consecutive dynamic steps, so on CPU their backward is counted as memory in use);
+* `remove(abort)`: the handle is removed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
+
+from regen.opinfo import is_counted
+from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
+from regen.runtime.dynamic.step import DynamicStep
+from regen.runtime.regions import module_device
+
+
+@dataclass
+class DynamicStats:
+    """What a dynamic engine did so far (cumulative over steps)."""
+
+    steps: int = 0  # steps started (training forwards with grad)
+    evictions: int = 0  # held nodes dropped to stay under the cap
+    rebuilds: int = 0  # recipes replayed (a dropped node needed again, or an input of one)
+    input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
+    over_cap_steps: int = 0  # steps that passed the cap with nothing left to drop (OverCapWarning)
+    peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (memory.py)
+
+
+class DynamicMode(TorchDispatchMode):
+    """Hands every counted op to the current step: `forward_op` until backward begins, then `backward_op`."""
+
+    def __init__(self, count_backward: bool):
+        super().__init__()
+        self.step: DynamicStep | None = None
+        self.paused = 0
+        self.count_backward = count_backward  # CPU: backward's outputs are memory in use
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        step = self.step
+        if step is None or self.paused or step.released or not is_counted(func):
+            return func(*args, **kwargs)
+        if step.in_backward or torch._C._current_graph_task_id() != -1:
+            if self.count_backward:
+                return step.backward_op(func, args, kwargs)
+            step.in_backward = True
+            return func(*args, **kwargs)
+        if step.closed:  # the model's next call began (a planned step): its ops are not this step's
+            return func(*args, **kwargs)
+        return step.forward_op(func, args, kwargs)
+
+    def pause(self):
+        return _Paused(self)
+
+
+class _Paused:
+    __slots__ = ("mode",)
+
+    def __init__(self, mode: DynamicMode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.mode.paused += 1
+
+    def __exit__(self, *exc):
+        self.mode.paused -= 1
+
+
+class DynamicEngine:
+    """Runs dynamic steps of one model under `cap_bytes`, evicting by the score `policy` (policy.py)."""
+
+    def __init__(self, root: nn.Module, cap_bytes: int, policy: str):
+        self.root = root
+        self.cap_bytes = cap_bytes
+        self.policy = policy
+        device = module_device(root)
+        on_cuda = device is not None and device.type == "cuda"
+        self.memory = DeviceMemory(device) if on_cuda else TrackedMemory()
+        self.mode = DynamicMode(count_backward=not on_cuda)
+        self.mode_pushed = False
+        self.stats = DynamicStats()
+        self.current: DynamicStep | None = None
+        self.live_steps: list[DynamicStep] = []
+        self._hooks_pushed: set[DynamicStep] = set()
+
+    @property
+    def hooks_installed(self) -> bool:
+        return self.mode_pushed or bool(self._hooks_pushed)
+
+    def start_step(self) -> DynamicStep:
+        """A training forward begins as a dynamic step."""
+        self.close_current()
+        self.memory.begin_step(self.root)
+        step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released)
+        self.stats.steps += 1
+        self.current = step
+        self.live_steps.append(step)
+        self.mode.step = step
+        if not self.mode_pushed:
+            self.mode.__enter__()
+            self.mode_pushed = True
+        torch._C._autograd._push_saved_tensors_default_hooks(step.pack, step.unpack)
+        self._hooks_pushed.add(step)
+        return step
+
+    def close_current(self) -> None:
+        """The model's next call began: the current step packs no more."""
+        step = self.current
+        if step is None:
+            return
+        step.closed = True
+        self._pop_hooks_of(step)
+        self.current = None
+        step.maybe_release()
+
+    def pop_mode(self, force: bool = False) -> None:
+        """Pop the dispatch mode when it is on top of the stack (with `force`, forget it when it is not
+        on the stack at all)."""
+        if self.mode_pushed and _get_current_dispatch_mode() is self.mode:
+            self.mode.__exit__(None, None, None)
+            self.mode_pushed = False
+        elif force and self.mode_pushed and self.mode not in _get_current_dispatch_mode_stack():
+            self.mode_pushed = False
+        if not self.mode_pushed:
+            self.mode.step = None
+
+    def remove(self, abort: bool) -> None:
+        """The handle is removed: hooks and mode popped; with `abort` every live step released, otherwise a
+        step whose graph autograd still holds can finish its backward (rebuilding what it dropped)."""
+        self.close_current()
+        self.pop_mode(force=True)
+        self.mode.step = None
+        for s in list(self.live_steps):
+            if abort:
+                s.release(aborted=True)
+            else:
+                s.maybe_release()
+
+    def _pop_hooks_of(self, step: DynamicStep) -> None:
+        if step not in self._hooks_pushed:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == step.pack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._hooks_pushed.discard(step)
+        else:
+            warnings.warn("regen.apply: other saved-tensor hooks were pushed above regen's and not popped; "
+                          "leaving them in place", RuntimeWarning, stacklevel=4)
+
+    def _released(self, step: DynamicStep) -> None:
+        if step in self.live_steps:
+            self.live_steps.remove(step)

@@ -1,0 +1,92 @@
+"""The steps of a plan handle that no plan fits, run in dynamic mode (`on_mismatch="dynamic"`).
+
+`RegenHandle` (apply.py) owns one `DynamicFallback` and calls it at its step boundaries:
+
+* `between_steps()`: the model's next call begins: the last dynamic step's saved-tensor hooks are popped,
+  a step observed for learning is handed to the learner, and the plans solved since come back to join
+  the set (learned.py);
+* `run(args, kwargs)`: this call runs as a dynamic step on the fallback's `DynamicEngine` (made at the
+  first), whose saved-tensor hooks and dispatch mode stand in for the plan's tracker and hooks, with a
+  notice the first time per call signature;
+* `planned_step_begins()`: the engine's dispatch mode is popped, so a planned step runs as without it;
+* `model_returned(output)`: the model's forward returned (the loss tail of a step observed for learning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+from torch import nn
+
+from regen.call_signature import call_signature, describe
+from regen.formats.plan import Plan
+from regen.runtime.learned import LearnedPlans, Learner
+from regen.runtime.step import PlanMismatchWarning
+from regen.units import format_bytes
+
+
+class DynamicFallback:
+    """Dynamic steps of a plan handle under `cap_bytes` (eviction score `policy`), and its learning."""
+
+    def __init__(self, root: nn.Module, cap_bytes: int, policy: str, learner: Learner | None):
+        self.root = root
+        self.cap_bytes = cap_bytes
+        self.policy = policy
+        self.engine = None  # the DynamicEngine, made at the first dynamic step
+        self.learned = LearnedPlans(learner)
+        self._noticed: set[str] = set()  # call signatures told that they run in dynamic mode
+
+    @property
+    def live_steps(self) -> int:
+        return len(self.engine.live_steps) if self.engine is not None else 0
+
+    @property
+    def hooks_installed(self) -> bool:
+        return self.engine is not None and self.engine.hooks_installed
+
+    @property
+    def stats(self):
+        from regen.runtime.dynamic.engine import DynamicStats  # dynamic/ imports apply.py
+
+        return self.engine.stats if self.engine is not None else DynamicStats()
+
+    def between_steps(self) -> list[Plan]:
+        """The model's next call begins: the plans learned since the last call."""
+        if self.engine is not None:
+            self.engine.close_current()
+        if self.learned.learning:
+            self.learned.request(self.engine.mode.pause if self.engine is not None else contextlib.nullcontext)
+        return self.learned.ready()
+
+    def run(self, args: tuple, kwargs: dict) -> None:
+        """Run this call as a dynamic step."""
+        signature = describe(call_signature(self.root, args, kwargs))
+        if signature not in self._noticed:
+            self._noticed.add(signature)
+            learning = ", learning a plan for it" if self.learned.learning else ""
+            warnings.warn(f"regen.apply: no plan fits this call of the model ({signature}); running such steps in "
+                          f"dynamic mode under the cap {format_bytes(self.cap_bytes)} (on_mismatch='dynamic'"
+                          f"{learning})", PlanMismatchWarning, stacklevel=5)
+        if self.engine is None:
+            from regen.runtime.dynamic.engine import DynamicEngine  # dynamic/ imports apply.py
+
+            self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
+        step = self.engine.start_step()
+        self.learned.observe(step, self.root, args, kwargs, self.cap_bytes)
+
+    def planned_step_begins(self) -> None:
+        if self.engine is not None:
+            self.engine.pop_mode()
+
+    def model_returned(self, output) -> None:
+        if self.engine is not None and self.engine.current is not None:
+            self.learned.model_returned(self.engine.current, output)
+
+    def remove(self, abort: bool) -> None:
+        if self.engine is not None:
+            self.engine.remove(abort)
+
+    def save_learned_plans(self, directory: str | Path) -> list[Path]:
+        return self.learned.save(directory)
