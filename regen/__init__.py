@@ -36,5 +36,5 @@ def apply(model, plan=None, learn: bool = False, **kwargs):
                              "torch.distributed ranks cannot agree on; learn in one process, save_learned_plans(dir), "
                              "and apply the directory")
 
-        kwargs["learner"] = Learner()
+        kwargs["learner"] = Learner(model)
     return _apply(model, plan, **kwargs)

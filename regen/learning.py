@@ -8,12 +8,13 @@ for that, only through regen.formats (a Profile in, a Plan out):
    Workload whose batch is the call's arguments (copied when the call ran) and whose loss replays the ops
    the step ran after the model returned (`LossTail`: the same aten ops on the same arguments, so the
    profile's forward ops are the step's), with one repeat and no warm-up: four forward+backward passes
-   (plain timing, the recorded step, the liveness probe, op timing; more when the timings disagree) and
-   the bandwidth probe, unplanned; on CUDA with their saved tensors parked in host memory (the profiler's
-   `park`), so they need about the memory of the step's parameters, gradients and largest op, not of its
-   saved tensors. The training state is put back after it: the parameters' gradients
-   (None during the profile), every module buffer (BatchNorm's running statistics) and the RNG states
-   (CPU, each CUDA device); the profiler's AdamW step runs at lr=0 and leaves the weights as they were;
+   (plain timing, the recorded step, the liveness probe, op timing; more when the timings disagree),
+   unplanned, with their saved tensors parked in host memory (the profiler's `park`; on a CPU device, in
+   buffers outside torch's allocator), no optimizer step (no optimizer state) and the link's bandwidth
+   measured once when the learner was made (no probe buffers during a step), so they need about the memory
+   of the step's parameters, gradients and largest op, not of its saved tensors. The training state is put
+   back after it: the parameters' gradients (None during the profile), every module buffer (BatchNorm's
+   running statistics) and the RNG states (CPU, each CUDA device);
 2. the plan is solved in a background thread (strategy hybrid: on a CPU without a link it recomputes
    only) at the request's cap; at a cap it cannot reach, at its smallest feasible cap, with a warning.
 """
@@ -46,16 +47,20 @@ SOLVE_STRATEGY = "hybrid"
 class Learner:
     """`learner(request)`: profile the request's call now, solve its plan in a background thread."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module):
+        from regen.profiler.bandwidth import measure_bandwidth
+
         self._solver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen-learn")
+        self._bandwidth = measure_bandwidth(module_device(model) or torch.device("cpu"))
 
     def __call__(self, request: LearnRequest) -> "Future[Plan | None]":
-        profile = profile_call(request)
+        profile = profile_call(request, self._bandwidth)
         return self._solver.submit(solve_learned, profile, request.cap_bytes)
 
 
-def profile_call(request: LearnRequest) -> Profile:
-    """A profile of the request's call, recorded with the training state put back after it."""
+def profile_call(request: LearnRequest, bandwidth) -> Profile:
+    """A profile of the request's call, recorded with the training state put back after it; `bandwidth`:
+    the link's, measured before."""
     from regen.profiler import profile_workload
 
     model = request.model
@@ -67,7 +72,7 @@ def profile_call(request: LearnRequest) -> Profile:
                         loss_fn=replay_loss(request.loss_tail))
     with _training_state_kept(model):
         return profile_workload(workload, device=str(device or "cpu"), repeats=1, warmup_steps=0, progress=None,
-                                park=device is not None and device.type == "cuda")
+                                park=True, bandwidth=bandwidth, optimizer_step=False)
 
 
 def solve_learned(profile: Profile, cap_bytes: int) -> Plan:

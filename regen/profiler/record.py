@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
-from regen.profiler.bandwidth import measure_bandwidth
+from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
 from regen.ranks import rank_agreement
 from regen.profiler.capture import (
     DOUBLE_BACKWARD_NOTE,
@@ -84,12 +84,15 @@ Progress = Callable[[str], None]
 
 def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps: int,
                      progress: Progress | None,
-                     runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None, park: bool = False) -> Profile:
+                     runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None, park: bool = False,
+                     bandwidth: Bandwidth | None = None, optimizer_step: bool = True) -> Profile:
     """Profile one training step of `workload` on `device` (see the module docstring for the phases).
 
     `runtime_probe` measures what regen's runtime adds per event on this device (`regen profile` passes
     regen.runtime.costs.measure_runtime_costs); without it the profile has no `runtime_costs`. `park`
-    records the step with its saved tensors parked in host memory (a step that does not fit)."""
+    records the step with its saved tensors parked in host memory (a step that does not fit). `bandwidth`:
+    the link's, measured before (no probe buffers then); `optimizer_step=False` runs no optimizer step (no
+    optimizer state: a profile taken between a user's training steps, regen.learning)."""
     say = progress or (lambda message: None)
     dev = resolve_device(device)
     if repeats < 1:
@@ -102,7 +105,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     if not trainable:
         raise WorkloadError(f"workload '{workload.name}': the model has no trainable parameters")
     optimizer = torch.optim.AdamW(trainable, lr=OPTIMIZER_LR)
-    timer = _StepTimer(workload, optimizer, dev, repeats, say, park)
+    timer = _StepTimer(workload, optimizer if optimizer_step else None, dev, repeats, say, park)
     _warm_up(timer, warmup_steps)
     step_times_s, optimizer_times_s = timer.plain_steps()
     optimizer_state_bytes = unique_storage_bytes(optimizer_state_tensors(optimizer))
@@ -122,10 +125,11 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         op.time_s = time_s
 
     say("measuring host<->device bandwidth" + (" and the runtime's own costs" if runtime_probe else ""))
-    bandwidth = measure_bandwidth(dev)
+    bandwidth = bandwidth or measure_bandwidth(dev)
     runtime_costs = runtime_probe(dev) if runtime_probe is not None else None
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
-    notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)")
+    notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)"
+                 if optimizer_step else "optimizer: none (the step alone)")
     if timer.park:
         notes.append("recorded parked: saved tensors were held in host memory during the profile; the memory "
                      "timeline is the unplanned step's, computed from the bookkeeping")
@@ -208,7 +212,7 @@ def _warm_up(timer: "_StepTimer", warmup_steps: int) -> None:
                 raise
             timer.say("the unplanned step ran out of device memory: profiling parked (saved tensors held in "
                       "host memory while recording, as with --park)")
-            timer.optimizer.zero_grad(set_to_none=True)
+            _zero_grad(timer.optimizer, timer.workload)
             torch.cuda.empty_cache()
             timer.park = True
             timer.plain_step()
@@ -266,7 +270,8 @@ class _StepTimer:
             training_step(self.workload, after_forward=forward_ended)
         self.sync()
         t1 = time.perf_counter()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         self.sync()
         t2 = time.perf_counter()
         _zero_grad(self.optimizer, self.workload)
@@ -296,8 +301,12 @@ class _StepTimer:
 
 
 def _zero_grad(optimizer, workload: Workload) -> None:
-    """Gradients to None: the model's (the optimizer's parameters) and the batch's leaves."""
-    optimizer.zero_grad(set_to_none=True)
+    """Gradients to None: the model's (the optimizer's parameters, or all without one) and the batch's leaves."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in workload.model.parameters():
+            p.grad = None
     for t in tree_flatten(workload.batch)[0]:
         if isinstance(t, torch.Tensor) and t.grad is not None:
             t.grad = None

@@ -315,3 +315,20 @@ def test_a_double_backward_is_said_in_one_line():
     assert sum("create_graph=True" in note for note in profile.notes) == 1
     plain = run_profile(InPlace(), (torch.randn(8, 16),))
     assert not any("create_graph" in note for note in plain.notes)
+
+
+def test_a_profile_without_an_optimizer_step_and_with_a_given_bandwidth(build_small):
+    """What regen.learning asks between a user's steps: no optimizer state is made, no probe buffers, the
+    same ops and saved tensors as a full profile."""
+    from regen.profiler.bandwidth import Bandwidth
+
+    w = build_small("gpt")
+    full = profile_workload(w, "cpu", repeats=1, warmup_steps=1, progress=None)
+    given = Bandwidth(d2h_bytes_per_s=1e9, h2d_bytes_per_s=2e9, method="given")
+    w.model.zero_grad(set_to_none=True)
+    bare = profile_workload(w, "cpu", repeats=1, warmup_steps=0, progress=None, bandwidth=given, optimizer_step=False)
+    assert bare.static_memory.optimizer_state_bytes == 0 and bare.optimizer_step_time_s < 1e-3
+    assert (bare.device.d2h_bytes_per_s, bare.device.h2d_bytes_per_s) == (1e9, 2e9)
+    assert "optimizer: none (the step alone)" in bare.notes
+    assert saved_signature(bare) == saved_signature(full)
+    assert all(p.grad is None for p in w.model.parameters())
