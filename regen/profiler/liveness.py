@@ -76,7 +76,7 @@ class _Probe:
             known = self.copies.get(key)
             if known is None or known[0].expired():  # two live storages never share a data pointer
                 flat = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage, 0, (storage.nbytes(),))
-                copy = flat.cpu() if x.device.type != "cpu" else flat.clone()
+                copy = flat.cpu() if x.device.type != "cpu" else _outside_the_allocator(flat)
                 known = self.copies[key] = (StorageWeakRef(storage), copy)
             self.watched[index] = known[0]
             return index, (known[1], x.dtype, x.shape, x.stride(), x.storage_offset())
@@ -87,7 +87,7 @@ class _Probe:
             return saved
         copy, dtype, shape, stride, offset = saved
         with _regen_ops():
-            data = copy.to(self.device) if self.device.type != "cpu" else copy
+            data = copy.to(self.device) if self.device.type != "cpu" else copy  # read in place on a CPU
             return torch.empty(0, dtype=dtype, device=self.device).set_(data.untyped_storage(), offset, shape, stride)
 
 
@@ -110,6 +110,15 @@ def held_until_ops(workload: Workload, device: torch.device, candidate_entries: 
     held = {i: op - 1 for i, op in probe.freed_before.items()}
     held.update({i: last for i in probe.watched})  # still alive after the step: held throughout
     return held
+
+
+def _outside_the_allocator(flat: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `flat` in a Python buffer: on a CPU device the probe's copies, like parked bytes
+    (profiler.park), are host memory, outside torch's allocator, so the probe step needs no more of the
+    allocator than a parked step does."""
+    copy = torch.frombuffer(bytearray(flat.numel()), dtype=torch.uint8)
+    copy.copy_(flat)
+    return copy
 
 
 @contextmanager
