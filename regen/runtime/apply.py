@@ -46,7 +46,7 @@ mode at all; with recipes they keep it until their last tracked op has run, doin
 (forward_ops.py).
 
 On CUDA, every `peak_check.PEAK_CHECK_EVERY_STEPS`-th step's peak (`torch.cuda.max_memory_allocated`) is
-compared with the plan's cap (a plan set's largest), with one warning per handle when it is over by more than 5% (peak_check.py).
+compared with the cap of the plan it ran under, with one warning per handle when it is over by more than 5% (peak_check.py).
 
 Restored and recomputed storages are dropped after their last unpack; host ranges go back to the pool
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
@@ -134,7 +134,7 @@ class RegenHandle:
         self.emulated_link_bytes_per_s = _emulated_link(states, device) if emulate_link else None
         if not emulate_link and swapping and (device is None or device.type == "cpu"):
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
-        # a set's steps are checked against its largest cap
+        # each checked step against its own plan's cap (the largest until one is checked)
         self.peak_check = PeakCheck(max((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
                                     _cuda_peak_reader(device))
         # pinned for a model on CUDA; a model moved to the GPU later gets it again, pinned, at its first copy-out
@@ -246,7 +246,7 @@ class RegenHandle:
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
-        self.peak_check.step_started(step, self.stats.steps)
+        self.peak_check.step_started(step, self.stats.steps, state.plan.memory_cap_bytes)
         self.current = step
         self.live_steps.append(step)
         if step.needs_tracker:

@@ -38,16 +38,19 @@ class PeakCheck:
     """One handle's safety net; `read_peak` (None: nothing to read) gives the allocator's peak so far."""
 
     def __init__(self, cap_bytes: int, read_peak: Callable[[], int] | None):
-        self.cap_bytes = cap_bytes
+        self.cap_bytes = cap_bytes  # the cap of the step being checked (a plan set's steps have their own)
         self.read_peak = read_peak
         self.warned = False
         self._checked: object | None = None  # the step being checked
         self._peak_at_start = 0  # the allocator's peak when it began
 
-    def step_started(self, step: object, step_number: int) -> None:
-        """`step`, the handle's `step_number`-th (from 1), began: read the peak so far if it is checked."""
+    def step_started(self, step: object, step_number: int, cap_bytes: int | None = None) -> None:
+        """`step`, the handle's `step_number`-th (from 1), began under `cap_bytes` (its plan's cap; None:
+        the handle's): read the peak so far if it is checked."""
         if self.read_peak is not None and not self.warned and (step_number - 1) % PEAK_CHECK_EVERY_STEPS == 0:
             self._checked, self._peak_at_start = step, self.read_peak()
+            if cap_bytes is not None:
+                self.cap_bytes = cap_bytes
 
     def step_released(self, step: object, followed_plan: bool) -> None:
         """`step` ended: if it is the one being checked, compare its peak with the cap when it is known."""

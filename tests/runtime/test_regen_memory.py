@@ -107,6 +107,19 @@ def test_the_peak_check_warns_once_with_the_figures():
         assert check.observe(1_400_000)  # over, but said once already
 
 
+def test_a_checked_step_is_compared_with_its_own_plans_cap():
+    """In a plan set, a step under the smaller plan's cap is judged by that cap, not the set's largest."""
+    from regen.runtime import CapExceededWarning
+    from regen.runtime.peak_check import PeakCheck
+
+    figures = iter([0, 1_300_000])
+    check = PeakCheck(2_000_000, read_peak=lambda: next(figures))  # the set's largest cap
+    step = object()
+    check.step_started(step, 1, cap_bytes=1_000_000)
+    with pytest.warns(CapExceededWarning, match="30% over the plan's cap of 1000000 B"):
+        check.step_released(step, followed_plan=True)
+
+
 def test_the_handle_checks_every_nth_planned_step_against_the_allocators_peak():
     """The CUDA path on CPU: the allocator's figure injected. Checked steps are the 1st, 11th...; a step's
     peak is read as a new maximum reached during it."""
