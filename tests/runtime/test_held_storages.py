@@ -63,6 +63,7 @@ def _workload(name):
 
 
 OP_TIME_S = 1e-4
+MEASURED_STEPS = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,14 +121,19 @@ def test_planned_peak_stays_within_the_cap(name, cap_fraction):
         gc.collect()  # garbage of earlier tests, collected during the measured step, would lower its figure
         gc.disable()
         try:
-            measured = measure_memory(lambda: _step(w))
+            # the highest of a few steps: a step sometimes measures one cached activation lower (its peak is
+            # the simulator's on the others); the cap holds on every one of them
+            peaks = []
+            for _ in range(MEASURED_STEPS):
+                peaks.append(measure_memory(lambda: _step(w)).peak_increase_bytes)
+                w.model.zero_grad(set_to_none=True)
         finally:
             gc.enable()
-    assert handle.stats.planned_steps == 2
+    assert handle.stats.planned_steps == 1 + MEASURED_STEPS
     start = profile.memory_at_start_bytes
-    peak, simulated = measured.peak_increase_bytes, plan.simulated.peak_bytes - start
+    peak, simulated = max(peaks), plan.simulated.peak_bytes - start
     assert peak <= (cap - start) * (1 + CAP_TOLERANCE), f"measured {peak} B over the cap's {cap - start} B + 5%"
-    assert abs(peak - simulated) <= SIMULATOR_TOLERANCE * simulated, f"measured {peak} B vs simulated {simulated} B"
+    assert abs(peak - simulated) <= SIMULATOR_TOLERANCE * simulated, f"measured {peaks} B vs simulated {simulated} B"
 
 
 def test_a_held_storage_makes_a_tighter_cap_infeasible():
