@@ -221,11 +221,7 @@ class Step:
         phase = self.phase
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x)
-        k = self.forward_packs_seen
-        self.forward_packs_seen = k + 1
-        due = self._due_at_pack
-        if due and due[0][0] <= k:
-            self.swaps.release_due_at_pack(k)
+        self._count_forward_pack()
         if phase == PHASE_CLOSED:
             return Kept(x)
         info, problem = self.matcher.match(x)
@@ -240,6 +236,14 @@ class Step:
             self.end_forward(in_pack_hook=True)
         return result
 
+    def _count_forward_pack(self) -> None:
+        """Count a forward pack (slow or fast path) and release the swaps due before it."""
+        k = self.forward_packs_seen
+        self.forward_packs_seen = k + 1
+        due = self._due_at_pack
+        if due and due[0][0] <= k:
+            self.swaps.release_due_at_pack(k)
+
     def fast_pack(self, x: torch.Tensor):
         if _dispatch_stack_len() == 0 and type(x) in _PLAIN_TENSOR_TYPES:  # nothing Python to skip
             return self._fast_pack(x)
@@ -250,11 +254,7 @@ class Step:
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x)
-        n = self.forward_packs_seen
-        self.forward_packs_seen = n + 1
-        due = self._due_at_pack
-        if due and due[0][0] <= n:
-            self.swaps.release_due_at_pack(n)
+        self._count_forward_pack()
         if self.phase == PHASE_CLOSED:
             return Kept(x)
         if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
