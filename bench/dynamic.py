@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 
 import regen
-from regen.errors import InfeasibleCapError
 from regen.measure import measure_memory
 from regen.models import gpt
 from regen.runtime.dynamic.memory import model_storages
@@ -76,7 +75,7 @@ def one_step(model, idx, targets, seed):
 def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device, cap_bytes=None):
     """A recompute plan for batches padded to `max_len`, at `fraction` of its unplanned increase above the
     profile's start (or at `cap_bytes`), or at its smallest feasible cap: (plan, the increase)."""
-    from regen.planner import solve
+    from regen.planner import solve_within_reach
     from regen.profiler import profile_workload
 
     idx = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
@@ -89,15 +88,10 @@ def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device, cap_b
     profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None)
     increase = profile.peak_bytes - profile.memory_at_start_bytes
     cap = cap_bytes if cap_bytes is not None else profile.memory_at_start_bytes + int(fraction * increase)
-    try:
-        plan = solve(profile, memory_cap_bytes=cap, strategy="recompute", time_limit_s=30)
-    except InfeasibleCapError as exc:
-        if exc.smallest_feasible_cap_bytes is None:
-            raise
+    plan = solve_within_reach(profile, cap, "recompute", time_limit_s=30)
+    if plan.memory_cap_bytes != cap:
         print(f"  the plan for length {max_len} cannot reach the cap; solved at its smallest cap "
-              f"{exc.smallest_feasible_cap_bytes} B")
-        plan = solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy="recompute",
-                     time_limit_s=30)
+              f"{plan.memory_cap_bytes} B")
     return plan, increase
 
 

@@ -180,15 +180,9 @@ def planned_row(label: str, w, optimizer, plan, profile, cfg: Config, reference:
 def _checkpoint_blocks_plan(profile):
     """regen's regions at every repeated block, at the unplanned peak or the smallest cap they reach (on a
     tiny model the block inputs kept and a block's replay can pass the unplanned peak)."""
-    from regen.errors import InfeasibleCapError
-    from regen.planner import solve
+    from regen.planner import solve_within_reach
 
-    try:
-        return solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
-    except InfeasibleCapError as exc:
-        if exc.smallest_feasible_cap_bytes is None:
-            raise
-        return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy="checkpoint-blocks")
+    return solve_within_reach(profile, profile.peak_bytes, "checkpoint-blocks")
 
 
 def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, t_start: float,

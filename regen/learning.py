@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from regen.errors import InfeasibleCapError, RegenError
+from regen.errors import RegenError
 from regen.formats.plan import Plan
 from regen.formats.profile import Profile
 from regen.opinfo import op_outputs, storage_key, tensor_outputs, written_outputs
@@ -77,17 +77,14 @@ def profile_call(request: LearnRequest, bandwidth) -> Profile:
 
 def solve_learned(profile: Profile, cap_bytes: int) -> Plan:
     """The plan for a learned profile at `cap_bytes`, or at its smallest feasible cap above it."""
-    from regen.planner import solve
+    from regen.planner import solve_within_reach
 
-    try:
-        return solve(profile, memory_cap_bytes=cap_bytes, strategy=SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S)
-    except InfeasibleCapError as exc:
-        if exc.smallest_feasible_cap_bytes is None:
-            raise
-        smallest = exc.smallest_feasible_cap_bytes
-    warnings.warn(f"regen.apply: the plan learned for this call cannot reach the cap {format_bytes(cap_bytes)}; "
-                  f"it runs at its smallest feasible cap {format_bytes(smallest)}", LearningWarning, stacklevel=2)
-    return solve(profile, memory_cap_bytes=smallest, strategy=SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S)
+    plan = solve_within_reach(profile, cap_bytes, SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S)
+    if plan.memory_cap_bytes != cap_bytes:
+        warnings.warn(f"regen.apply: the plan learned for this call cannot reach the cap {format_bytes(cap_bytes)}; "
+                      f"it runs at its smallest feasible cap {format_bytes(plan.memory_cap_bytes)}", LearningWarning,
+                      stacklevel=2)
+    return plan
 
 
 def replay_loss(tail: LossTail):

@@ -11,7 +11,7 @@ StrategyResult), heuristics (chen, the greedy warm start), str_milp (STR's formu
 comparison).
 """
 
-from regen.planner.solve import solve
+from regen.planner.solve import solve, solve_within_reach
 from regen.planner.strategies import STRATEGIES
 
-__all__ = ["STRATEGIES", "solve"]
+__all__ = ["STRATEGIES", "solve", "solve_within_reach"]

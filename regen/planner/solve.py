@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from regen.errors import RegenError
+from regen.errors import InfeasibleCapError, RegenError
 from regen.formats.plan import Plan
 from regen.formats.profile import Profile
 from regen.planner.copy_order import order_copy_ins
@@ -97,3 +97,14 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
         f"(predicted {format_duration(plan.predicted.step_time_s, unit)}, unplanned "
         f"{format_duration(plan.baseline.step_time_s, unit)})")
     return plan
+
+
+def solve_within_reach(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", **options) -> Plan:
+    """`solve` at `memory_cap_bytes`, or, when no plan of `strategy` reaches it, at the smallest cap one
+    reaches (the plan's `memory_cap_bytes` says which); `options` are solve's."""
+    try:
+        return solve(profile, memory_cap_bytes, strategy, **options)
+    except InfeasibleCapError as exc:
+        if exc.smallest_feasible_cap_bytes is None:
+            raise
+        return solve(profile, exc.smallest_feasible_cap_bytes, strategy, **options)

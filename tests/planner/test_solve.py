@@ -3,7 +3,7 @@
 import pytest
 
 from regen.errors import InfeasibleCapError, RegenError
-from regen.planner import solve
+from regen.planner import solve, solve_within_reach
 from regen.units import parse_memory_cap
 from regen.planner.graph import build_graph
 from regen.planner.export import choices_from_plan
@@ -111,6 +111,10 @@ def test_infeasible_cap_reports_the_smallest_feasible_cap():
     assert smallest is not None and str(smallest) in str(exc.value)
     plan = solve(profile, smallest, "hybrid", time_limit_s=20)  # the cap it names works
     assert plan.simulated.peak_bytes <= smallest
+    within_reach = solve_within_reach(profile, int(profile.peak_bytes * 0.3), "hybrid", time_limit_s=20)
+    assert within_reach.memory_cap_bytes == smallest and within_reach.simulated.peak_bytes <= smallest
+    cap = int(profile.peak_bytes * 0.9)  # within reach: solved at the cap itself
+    assert solve_within_reach(profile, cap, "hybrid", time_limit_s=20).memory_cap_bytes == cap
 
 
 @pytest.mark.parametrize("text,expected", [("6GiB", 6 * 2**30), ("512MB", 512 * 10**6), ("1.5e9", 1_500_000_000),
