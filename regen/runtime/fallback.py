@@ -56,9 +56,10 @@ class DynamicFallback:
         """The model's next call begins: the plans learned since the last call."""
         if self.engine is not None:
             self.engine.close_current()
+        ready = self.learned.ready()  # before this call's request: its own plan joins at the next call, always
         if self.learned.learning:
             self.learned.request(self.engine.mode.pause if self.engine is not None else contextlib.nullcontext)
-        return self.learned.ready()
+        return ready
 
     def run(self, args: tuple, kwargs: dict) -> None:
         """Run this call as a dynamic step."""
