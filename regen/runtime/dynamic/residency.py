@@ -118,12 +118,11 @@ class Residency:
             raise RegenError(f"regen.apply (dynamic): op {node.key[0]}'s output is needed again but is gone, and "
                              f"it cannot be rebuilt (its op wrote in place a tensor the step did not make)")
         pins.add(node.key)
+        # the inputs first, then room for this node's output: the inputs' rebuilds would use room made before them
+        inputs = {key: self._materialize(self.nodes[key], pins, temps, depth + 1) for key in node.inputs}
         self.make_room(node.nbytes, pins)
-
-        def anchor(key):
-            return self._materialize(self.nodes[key], pins, temps, depth + 1)
-
-        result, _ = replay_recipe(node.key, list(node.chain), self.captures, anchor, node.shape, node.dtype)
+        result, _ = replay_recipe(node.key, list(node.chain), self.captures, inputs.__getitem__, node.shape,
+                                  node.dtype)
         self.memory.track(result)
         self.hold(node, result)
         for key in node.inputs:  # read: intermediates rebuilt only for this go at once (rebuilt again if needed)
