@@ -14,6 +14,7 @@ everything of interest was allocated inside it.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -49,6 +50,14 @@ def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu
 
 
 def _measure_cpu(step: Callable[[], object]) -> MemoryMeasurement:
+    totals = _timeline_totals(step)
+    gc.collect()  # the profiler's results hold reference cycles: collected now, not inside the next (timed) step
+    return MemoryMeasurement(peak_bytes=max(totals), start_bytes=totals[0], end_bytes=totals[-1],
+                             timeline_bytes=totals)
+
+
+def _timeline_totals(step: Callable[[], object]) -> list[int]:
+    """Run `step()` under torch.profiler; the bytes allocated at each allocator event, from the timeline."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
@@ -60,11 +69,9 @@ def _measure_cpu(step: Callable[[], object]) -> MemoryMeasurement:
         try:
             timeline = MemoryProfileTimeline(prof._memory_profile())
             _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
-            totals = [int(sum(row)) for row in sizes] or [0]
+            return [int(sum(row)) for row in sizes] or [0]
         except AssertionError:  # its data-flow analysis refuses some steps (storages swapped under a tensor)
-            totals = _allocator_totals(prof)
-    return MemoryMeasurement(peak_bytes=max(totals), start_bytes=totals[0], end_bytes=totals[-1],
-                             timeline_bytes=totals)
+            return _allocator_totals(prof)
 
 
 def _allocator_totals(prof) -> list[int]:
