@@ -9,7 +9,8 @@ then trained TRAIN_STEPS steps each: no plan; per-block
 checkpointing (Hugging Face's); offload-all (every saved tensor of 1 MiB or more swapped through regen's
 runtime, as torchtune's activation offloading); regen's region plan of per-block checkpointing (each block's
 forward run again in backward by regen's runtime); regen's recompute-only, swap-only and hybrid plans at 50%
-of the unplanned peak and at each peer's measured peak. Each step runs as the profile ran it: the model
+of the unplanned peak and at each peer's measured peak; regen's dynamic mode (no plan: swapping over the
+measured link and dropping at run time) at 50%. Each step runs as the profile ran it: the model
 output held through backward, and the peak (torch.cuda.max_memory_allocated, next to
 max_memory_reserved: fragmentation is what makes a GPU run out of memory) read right after backward,
 before the optimizer step (AdamW with lr=0, as the profiler's: real kernels and state, the weights never
@@ -177,6 +178,25 @@ def planned_row(label: str, w, optimizer, plan, profile, cfg: Config, reference:
     return row
 
 
+def dynamic_row(cap: int, w, optimizer, cfg: Config, reference: dict, spread: float) -> Row:
+    """regen's dynamic mode (no plan) at `cap`: on CUDA swapping over the measured link and dropping; on the
+    CPU dry run over the emulated link. Its gradients are checked as a recompute plan's."""
+    import regen
+
+    link = {} if cfg.cuda else {"emulate_link": True, "link_gb_s": 1.0}
+    with regen.apply(w.model, memory_cap=cap, **link) as handle:
+        allocated, reserved, t = train(w, optimizer, cfg)
+        diff = max_difference(gradients(w), reference)
+    ok = diff <= RECOMPUTE_SPREAD_FACTOR * spread
+    row = Row(f"regen dynamic @ {CAP_FRACTION:.0%}", allocated, reserved, t, gradients=f"{diff:.1e}/{spread:.1e}",
+              ok=ok)
+    if cfg.cuda:
+        row.ok = row.ok and allocated <= cap * (1 + CAP_TOLERANCE)
+    print_row(row)
+    print(f"    cap {cap / GIB:.3f} GiB; {handle.stats}", flush=True)
+    return row
+
+
 def _checkpoint_blocks_plan(profile):
     """regen's regions at every repeated block, at the unplanned peak or the smallest cap they reach (on a
     tiny model the block inputs kept and a block's replay can pass the unplanned peak)."""
@@ -314,6 +334,7 @@ def run(cfg: Config) -> int:
     caps = [(f"{CAP_FRACTION:.0%}", int(profile.peak_bytes * CAP_FRACTION))]
     caps += [(r.label.split(" (")[0], r.allocated_bytes) for r in rows[1:3] if r.allocated_bytes is not None]
     rows += regen_rows(profile, caps, w, optimizer, cfg, t_start, reference, spread)
+    rows.append(dynamic_row(caps[0][1], w, optimizer, cfg, reference, spread))
     ok = all(r.ok for r in rows)
     print(f"\nevery regen plan within its cap + 5% and its gradients as checked: {'yes' if ok else 'NO'}; "
           f"the parked profile: {'yes' if parked_ok else 'NO'}; total {time.perf_counter() - t_start:.0f} s",

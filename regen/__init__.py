@@ -20,8 +20,9 @@ __all__ = ["__version__", "apply", "load_plan", "load_profile"]
 
 
 def apply(model, plan=None, learn: bool = False, **kwargs):
-    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap`; with `learn=True`,
-    learn a plan for each call no plan fits (regen.learning; see regen.runtime.apply)."""
+    """Replay `plan` on `model`, or without a plan run dynamic mode under `memory_cap` (on CUDA swapping over
+    the host link, measured here, as well as dropping); with `learn=True`, learn a plan for each call no
+    plan fits (regen.learning; see regen.runtime.apply)."""
     from regen.errors import RegenError
     from regen.runtime import apply as _apply
 
@@ -37,4 +38,20 @@ def apply(model, plan=None, learn: bool = False, **kwargs):
                              "and apply the directory")
 
         kwargs["learner"] = Learner(model)
+    elif plan is None and kwargs.get("memory_cap") is not None and kwargs.get("link_gb_s") is None:
+        kwargs["link_gb_s"] = _cuda_link_gb_s(model)
     return _apply(model, plan, **kwargs)
+
+
+def _cuda_link_gb_s(model) -> tuple[float, float] | None:
+    """Dynamic mode on CUDA swaps over the device's host link: its (d2h, h2d) GB/s, measured now (a probe of
+    well under a second); None for a model elsewhere."""
+    import torch
+
+    params = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    if params is None or params.device.type != "cuda":
+        return None
+    from regen.profiler.bandwidth import measure_bandwidth
+
+    bw = measure_bandwidth(params.device)
+    return bw.d2h_bytes_per_s / 1e9, bw.h2d_bytes_per_s / 1e9

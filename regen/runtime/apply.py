@@ -425,7 +425,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mismatch: str = "dynamic",
           emulate_link: bool = False, memory_cap: int | str | None = None, policy: str | None = None,
-          learner: Learner | None = None):
+          learner: Learner | None = None, link_gb_s: float | tuple[float, float] | None = None):
     """Replay `plan` on `model`'s training steps until the handle is removed (or the `with` ends).
 
     `plan` is a Plan or a path to a plan file, a directory of plan files, or a list of them, one per way
@@ -440,7 +440,10 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
     Without a plan, `memory_cap` (bytes, or text such as "6GiB") runs dynamic mode: saved tensors are
     dropped at run time to stay under the cap and rebuilt when backward needs them, chosen by the
     eviction score `policy` ("graph", the default, or "dtr"): regen.runtime.dynamic. `policy` also
-    chooses the score of a plan set's dynamic steps.
+    chooses the score of a plan set's dynamic steps. With a host link, dynamic mode also swaps saved
+    tensors out and back (regen.runtime.dynamic.swaps): `link_gb_s` is its bandwidth in GB/s (one figure,
+    or a (d2h, h2d) pair): on CUDA, regen.apply measures it when not given; on a CPU device, only with
+    `emulate_link=True`, whose emulated link runs at `link_gb_s`.
 
     `learner` (regen.learning, from `regen.apply(..., learn=True)`) learns a plan for each call signature
     no plan fits (learned.py); without a plan, the steps run in dynamic mode under `memory_cap` until then.
@@ -452,12 +455,14 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
     if plan is None:
         if memory_cap is None:
             raise RegenError("regen.apply: give a plan, or a memory_cap (e.g. memory_cap='6GiB') for dynamic mode")
-        if emulate_link:
-            raise RegenError("regen.apply: dynamic mode (no plan) recomputes only; emulate_link is for plans "
-                             "that swap")
         if learner is None:
-            return DynamicHandle(model, memory_cap, policy or "graph")
+            return DynamicHandle(model, memory_cap, policy or "graph", link_gb_s, emulate_link)
+        if emulate_link or link_gb_s is not None:
+            raise RegenError("regen.apply: learn=True's dynamic steps recompute only; emulate_link and link_gb_s "
+                             "are for dynamic mode alone and for plans that swap")
         return RegenHandle(model, None, cap_bytes=cap_bytes(memory_cap), policy=policy or "graph", learner=learner)
+    if link_gb_s is not None:
+        raise RegenError("regen.apply: link_gb_s is for dynamic mode (no plan); a plan swaps at its own bandwidth")
     if memory_cap is not None:
         raise RegenError("regen.apply: memory_cap is for dynamic mode (no plan); a plan was solved for its own cap, "
                          "and the calls no plan fits run in dynamic mode under the plans' cap")

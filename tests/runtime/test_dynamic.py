@@ -207,7 +207,10 @@ def test_cap_too_small_warns_and_stays_exact():
     ({"memory_cap": 0}, "must be positive"),
     ({"memory_cap": 1.5}, "must be bytes"),
     ({"memory_cap": "1GiB", "policy": "lru"}, "policy must be one of graph, dtr"),
-    ({"memory_cap": "1GiB", "emulate_link": True}, "recomputes only"),
+    ({"memory_cap": "1GiB", "emulate_link": True}, "needs the emulated link's bandwidth"),
+    ({"memory_cap": "1GiB", "link_gb_s": 12}, "needs emulate_link=True"),
+    ({"memory_cap": "1GiB", "emulate_link": True, "link_gb_s": -1}, "must be a positive number"),
+    ({"memory_cap": "1GiB", "emulate_link": True, "link_gb_s": (1, 2, 3)}, "must be a positive number"),
 ])
 def test_bad_dynamic_arguments_are_one_line_errors(kwargs, message):
     w = make("mlp")

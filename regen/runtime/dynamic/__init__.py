@@ -6,6 +6,7 @@
 * step.py: one step: every forward op captured as a one-op recipe, the pack and unpack hooks;
 * nodes.py: the step's tensor graph: one `TensorNode` per storage an op of the step wrote;
 * residency.py: what is resident, eviction under the cap, and rebuilding dropped nodes (recursively);
+* swaps.py: with a host link, copies to the host ahead, evictions as swaps, copies back ahead of backward;
 * policy.py: the eviction scores (`policy="dtr"`: DTR's plain score; `"graph"`: extended with the graph);
 * memory.py: the memory in use that the cap is checked against (CUDA: the allocator; CPU: tracked).
 """

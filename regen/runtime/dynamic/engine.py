@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from regen.opinfo import is_counted
 from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.step import DynamicStep
+from regen.runtime.dynamic.swaps import new_swaps
 from regen.runtime.regions import module_device
 
 
@@ -38,6 +39,12 @@ class DynamicStats:
     input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
     over_cap_steps: int = 0  # steps that passed the cap with nothing left to drop (OverCapWarning)
     peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (memory.py)
+    copy_outs: int = 0  # host link (swaps.py): copies to the host started ahead
+    swap_evictions: int = 0  # of the evictions, nodes let go as swapped out (their bytes on the host)
+    copy_ins: int = 0  # copies back to the device
+    synchronous_copy_ins: int = 0  # of which issued at the unpack that needed them (none ahead)
+    link_wait_s: float = 0.0  # time the step waited on the link (an emulated link's copy threads)
+    link_copy_cpu_s: float = 0.0  # an emulated link's copy threads' CPU time (emulation only)
 
 
 class DynamicMode(TorchDispatchMode):
@@ -84,7 +91,8 @@ class _Paused:
 class DynamicEngine:
     """Runs dynamic steps of one model under `cap_bytes`, evicting by the score `policy` (policy.py)."""
 
-    def __init__(self, root: nn.Module, cap_bytes: int, policy: str):
+    def __init__(self, root: nn.Module, cap_bytes: int, policy: str,
+                 link_bytes_per_s: tuple[float, float] | None = None, emulate_link: bool = False):
         self.root = root
         self.cap_bytes = cap_bytes
         self.policy = policy
@@ -94,6 +102,8 @@ class DynamicEngine:
         self.mode = DynamicMode(count_backward=not on_cuda)
         self.mode_pushed = False
         self.stats = DynamicStats()
+        self.swaps = new_swaps(device, link_bytes_per_s, emulate_link, self.stats)
+        self.removed = False
         self.current: DynamicStep | None = None
         self.live_steps: list[DynamicStep] = []
         self._hooks_pushed: set[DynamicStep] = set()
@@ -106,7 +116,8 @@ class DynamicEngine:
         """A training forward begins as a dynamic step."""
         self.close_current()
         self.memory.begin_step(self.root)
-        step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released)
+        step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
+                           self.swaps)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
@@ -145,11 +156,18 @@ class DynamicEngine:
         self.close_current()
         self.pop_mode(force=True)
         self.mode.step = None
+        self.removed = True
         for s in list(self.live_steps):
             if abort:
                 s.release(aborted=True)
             else:
                 s.maybe_release()
+        self._close_link()
+
+    def _close_link(self) -> None:
+        """The link's copy threads stop once the handle is removed and no step can copy any more."""
+        if self.removed and not self.live_steps and self.swaps is not None:
+            self.swaps.close()
 
     def _pop_hooks_of(self, step: DynamicStep) -> None:
         if step not in self._hooks_pushed:
@@ -165,3 +183,4 @@ class DynamicEngine:
     def _released(self, step: DynamicStep) -> None:
         if step in self.live_steps:
             self.live_steps.remove(step)
+        self._close_link()

@@ -5,6 +5,8 @@ steps run on the handle's `DynamicEngine` (engine.py), which pushes each step's 
 when the next step starts or the handle is removed) and its dispatch mode at the first step (popped by
 `remove()`).
 
+With a host link (CUDA's, or an emulated one on a CPU device) steps also swap (swaps.py).
+
 An exception inside the `with` block releases every live step and leaves no hook, mode or step behind.
 """
 
@@ -17,15 +19,17 @@ from regen.errors import RegenError
 from regen.runtime.apply import _unwrap  # the module a plan would describe: DDP and DataParallel unwrapped
 from regen.runtime.dynamic.engine import DynamicEngine
 from regen.runtime.dynamic.policy import POLICIES
+from regen.runtime.regions import module_device
 from regen.units import parse_memory_cap
 
-__all__ = ["DynamicHandle", "check_policy", "cap_bytes"]
+__all__ = ["DynamicHandle", "check_policy", "cap_bytes", "link_bytes_per_s"]
 
 
 class DynamicHandle:
     """The object `regen.apply(model, memory_cap=...)` returns: a context manager, or call `.remove()`."""
 
-    def __init__(self, model: nn.Module, memory_cap: int | str, policy: str = "graph"):
+    def __init__(self, model: nn.Module, memory_cap: int | str, policy: str = "graph",
+                 link_gb_s: float | tuple[float, float] | None = None, emulate_link: bool = False):
         if not isinstance(model, nn.Module):
             raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
         if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -36,7 +40,8 @@ class DynamicHandle:
         self.policy = policy
         self.model = model
         self.root = _unwrap(model)
-        self.engine = DynamicEngine(self.root, self.cap_bytes, policy)
+        link = link_bytes_per_s(link_gb_s, emulate_link, module_device(self.root))
+        self.engine = DynamicEngine(self.root, self.cap_bytes, policy, link, emulate_link)
         self.mode = self.engine.mode
         self.stats = self.engine.stats
         self._depth = 0
@@ -103,3 +108,22 @@ def cap_bytes(memory_cap: int | str) -> int:
         return memory_cap
     return parse_memory_cap(memory_cap, 0, flag="memory_cap",
                             percent_of="the unplanned peak (dynamic mode has no profile)")
+
+
+def link_bytes_per_s(link_gb_s, emulate_link: bool, device) -> tuple[float, float] | None:
+    """Dynamic mode's (d2h, h2d) link in bytes/s from `link_gb_s` (GB/s, one figure or a (d2h, h2d) pair):
+    required with `emulate_link=True` (a CPU device), optional on CUDA (regen.apply measures it), refused
+    on a CPU device without emulation (its "host" is the same RAM: a swap would free nothing)."""
+    if link_gb_s is None:
+        if emulate_link:
+            raise RegenError("regen.apply: dynamic mode with emulate_link=True needs the emulated link's "
+                             "bandwidth: link_gb_s=... (GB/s, e.g. 12 for PCIe 4 x16 as a GPU sees it)")
+        return None
+    pair = tuple(link_gb_s) if isinstance(link_gb_s, (tuple, list)) else (link_gb_s, link_gb_s)
+    if len(pair) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in pair):
+        raise RegenError(f"regen.apply: link_gb_s must be a positive number of GB/s (or a (d2h, h2d) pair), "
+                         f"got {link_gb_s!r}")
+    if not emulate_link and (device is None or device.type != "cuda"):
+        raise RegenError("regen.apply: link_gb_s on a CPU device needs emulate_link=True (a CPU has no host link: "
+                         "its swaps would copy into the same RAM and free nothing)")
+    return pair[0] * 1e9, pair[1] * 1e9

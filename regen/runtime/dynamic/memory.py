@@ -16,6 +16,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.opinfo import storage_key
 
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def only_held_by_us(t: torch.Tensor) -> bool:
+    """Nothing but `t` holds its storage (the temporary storage object counts one)."""
+    return _storage_use_count(t.untyped_storage()._cdata) <= 2
+
 
 def model_storages(model: nn.Module) -> dict[int, int]:
     """storage key -> bytes of the model's parameters, their gradients and its buffers."""

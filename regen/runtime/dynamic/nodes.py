@@ -24,7 +24,7 @@ class TensorNode:
     """One storage of one step: how to rebuild it, what it reads, and what the runtime holds of it."""
 
     __slots__ = ("key", "chain", "inputs", "dependents", "nbytes", "shape", "dtype", "cost_s", "ref", "tensor",
-                 "live", "clobbered", "evictable", "last_access")
+                 "live", "clobbered", "evictable", "last_access", "host")
 
     def __init__(self, key: tuple[int, int], chain: tuple[int, ...], inputs: frozenset, out: torch.Tensor,
                  cost_s: float, evictable: bool, clock: int):
@@ -42,6 +42,7 @@ class TensorNode:
         self.clobbered = False
         self.evictable = evictable
         self.last_access = clock
+        self.host = None  # its bytes on the host (a swaps.py CopyOut) once a copy-out started
 
     def resident(self) -> torch.Tensor | None:
         """A tensor over the node's storage with its value, if one exists now."""

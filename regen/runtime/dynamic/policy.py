@@ -10,6 +10,9 @@ ops, then unpacks) since the node was last read, and costs are the forward op ti
   whose recipe reads it, directly or through other dropped nodes, pays that rebuild again: the cost is
   multiplied by one plus their number. A node that many dropped recipes depend on is expensive to drop.
 
+A node whose bytes are on the host (dynamic swaps, swaps.py) costs the time to copy it back instead of
+its recipe's, with nothing upstream.
+
 The graph walks stop after `WALK_LIMIT` nodes, so a score costs a bounded time on any graph.
 """
 
@@ -24,12 +27,15 @@ WALK_LIMIT = 256
 _MIN_COST_S = 1e-9  # an op too fast for the timer still costs something
 
 
-def score(policy: str, node: TensorNode, nodes: dict, clock: int) -> float:
+def score(policy: str, node: TensorNode, nodes: dict, clock: int, swap_cost_s: float | None = None) -> float:
+    """`swap_cost_s`: the time to copy the node back when its bytes are on the host (swaps.py): its cost
+    then, with nothing upstream to rebuild."""
     staleness = max(1, clock - node.last_access)
-    cost_s = node.cost_s + _MIN_COST_S
+    own_s = (node.cost_s if swap_cost_s is None else swap_cost_s) + _MIN_COST_S
     if policy == "graph":
-        cost_s = (1 + dropped_dependents(node, nodes)) * (cost_s + dropped_upstream_cost_s(node, nodes))
-    return cost_s / (max(1, node.nbytes) * staleness)
+        upstream_s = dropped_upstream_cost_s(node, nodes) if swap_cost_s is None else 0.0
+        own_s = (1 + dropped_dependents(node, nodes)) * (own_s + upstream_s)
+    return own_s / (max(1, node.nbytes) * staleness)
 
 
 def dropped_upstream_cost_s(node: TensorNode, nodes: dict) -> float:

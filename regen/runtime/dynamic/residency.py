@@ -3,14 +3,15 @@
 `Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild): while
 the memory in use (memory.py) plus `need_bytes` plus a headroom (twice the largest storage an op of the
 step made so far: checks run after an op allocated, so room is kept for the next one's output and a
-temporary as large, such as a CPU convolution's buffers, which memory.py does not see) passes the cap, the held node with the lowest score
-(policy.py) is dropped. Only nodes whose storage nothing but the runtime holds are candidates (dropping
+temporary as large, such as a CPU convolution's buffers, which memory.py does not see) passes the cap,
+the held node with the lowest score (policy.py) is dropped (let go as swapped out when its bytes are on
+the host: swaps.py). Only nodes whose storage nothing but the runtime holds are candidates (dropping
 another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
 progress. When nothing is left to drop, the step goes on over the cap and its handle warns once.
 
 `materialize(node)` returns a tensor over the node's storage with its value: resident (held, or still
-held by the program), or rebuilt by replaying its recipe (`recompute.replay_recipe`) whose inputs are
-materialized first, recursively. A rebuilt node that autograd still awaits stays held (and may be
+held by the program), copied back from the host (swaps.py), or rebuilt by replaying its recipe (`recompute.replay_recipe`) whose inputs are
+materialized first, recursively (room for the node's own output is made after them). A rebuilt node that autograd still awaits stays held (and may be
 evicted again); an intermediate rebuilt only as an input is let go as soon as the op reading it ran (it
 is rebuilt again if another recipe of the same rebuild reads it), so a chain of dropped inputs is
 rebuilt with about two of its tensors resident at a time.
@@ -23,27 +24,22 @@ from typing import Callable
 import torch
 
 from regen.errors import RegenError
+from regen.runtime.dynamic.memory import only_held_by_us
 from regen.runtime.dynamic.nodes import TensorNode
 from regen.runtime.dynamic.policy import score
+from regen.runtime.dynamic.swaps import AHEAD_FRACTION
 from regen.runtime.recompute import replay_recipe
 
 # the headroom kept free at each check, in multiples of the largest storage an op of the step made: its
 # output and a temporary as large (a CPU convolution's buffers, which the runtime does not track)
 HEADROOM_PER_OUTPUT = 2
 
-_storage_use_count = torch._C._storage_Use_Count
-
-
-def only_held_by_us(t: torch.Tensor) -> bool:
-    """Nothing but `t` holds its storage (the temporary storage object counts one)."""
-    return _storage_use_count(t.untyped_storage()._cdata) <= 2
-
 
 class Residency:
     """The nodes a step holds, and the eviction and rebuild of them under the cap."""
 
     def __init__(self, nodes: dict, captures: dict, memory, cap_bytes: int, policy: str, stats,
-                 over_cap: Callable[[int], None]):
+                 over_cap: Callable[[int], None], swaps=None):
         self.nodes = nodes
         self.captures = captures
         self.memory = memory
@@ -51,6 +47,7 @@ class Residency:
         self.policy = policy
         self.stats = stats
         self.over_cap = over_cap  # (bytes in use): nothing left to evict
+        self.swaps = swaps  # swaps.py's DynamicSwaps, or None: drop only
         self.held: dict[tuple[int, int], TensorNode] = {}
         self.clock = 0
         # kept free at every check: HEADROOM_PER_OUTPUT x the largest storage an op of the step made so far, an
@@ -64,10 +61,30 @@ class Residency:
     def drop(self, node: TensorNode) -> None:
         node.tensor = None
         self.held.pop(node.key, None)
+        if node.live == 0 and self.swaps is not None:
+            self.swaps.forget(node)  # not needed again: its host copy goes too
 
     def drop_all(self) -> None:
         for node in list(self.held.values()):
             self.drop(node)
+        if self.swaps is not None:
+            for node in self.nodes.values():
+                self.swaps.forget(node)
+
+    # ---- swaps (swaps.py) ---------------------------------------------------------------------------
+    def copy_out_ahead(self) -> None:
+        """Forward: start host copies of held nodes once memory is tight (swaps.py)."""
+        if self.swaps is not None and self.memory.in_use_bytes() >= AHEAD_FRACTION * self.cap_bytes:
+            self.swaps.copy_out_ahead(list(self.held.values()))
+
+    def prefetch(self, unpacked: TensorNode) -> None:
+        """Backward: copy back the swapped-out nodes needed next (reverse pack order), within the cap."""
+        if self.swaps is None:
+            return
+        waiting = [n for n in self.nodes.values() if n.live > 0 and n.host is not None and n.resident() is None]
+        waiting.sort(key=lambda n: (n.key < unpacked.key, n.key), reverse=True)
+        room = self.cap_bytes - self.memory.in_use_bytes() - self.headroom_bytes
+        self.swaps.prefetch(waiting, room, self.memory.track)
 
     # ---- eviction ---------------------------------------------------------------------------------
     def make_room(self, need_bytes: int, pins=frozenset()) -> None:
@@ -80,6 +97,8 @@ class Residency:
                 if used + need_bytes > self.cap_bytes:
                     self.over_cap(used + need_bytes)
                 return
+            if victim.host is not None:
+                self.swaps.evict(victim)
             self.drop(victim)
             self.stats.evictions += 1
             used -= victim.nbytes
@@ -87,12 +106,19 @@ class Residency:
     def _victim(self, pins) -> TensorNode | None:
         best, best_score = None, None
         for node in self.held.values():
-            if not node.evictable or node.key in pins or not only_held_by_us(node.tensor):
+            if not node.evictable or node.key in pins or not self._frees_when_dropped(node):
                 continue
-            s = score(self.policy, node, self.nodes, self.clock)
+            swap_cost_s = None if node.host is None else self.swaps.swap_cost_s(node.nbytes)
+            s = score(self.policy, node, self.nodes, self.clock, swap_cost_s)
             if best_score is None or s < best_score:
                 best, best_score = node, s
         return best
+
+    @staticmethod
+    def _frees_when_dropped(node: TensorNode) -> bool:
+        """Dropping `node` frees its storage: nothing but the runtime holds it (a copy-out in flight holds it
+        too, but it was issued only for a storage nothing else held, and nothing can take it since)."""
+        return (node.host is not None and node.host.source is not None) or only_held_by_us(node.tensor)
 
     # ---- rebuild ----------------------------------------------------------------------------------
     def materialize(self, node: TensorNode) -> torch.Tensor:
@@ -113,6 +139,14 @@ class Residency:
         tensor = node.resident()
         if tensor is not None:
             pins.add(node.key)
+            return tensor
+        if node.host is not None:  # its bytes are on the host: copied back, nothing rebuilt
+            pins.add(node.key)
+            if node.key not in self.swaps.in_flight:
+                self.make_room(node.nbytes, pins)
+            tensor = self.swaps.bring_in(node)
+            self.memory.track(tensor)
+            self.hold(node, tensor)
             return tensor
         if not node.evictable:
             raise RegenError(f"regen.apply (dynamic): op {node.key[0]}'s output is needed again but is gone, and "

@@ -11,7 +11,7 @@ included, until backward begins. Its dispatch mode (handle.py) hands it every co
 Pack: a tensor whose storage an op of the step wrote is held by its node and autograd gets a `Held`
 handle; then the step makes room under the cap (residency.py), which may drop held nodes. Anything else
 (parameters, the batch, tensors packed in backward) is kept as is. Unpack: the node is materialized
-(rebuilt if dropped, recursively) and the entry viewed over it. A node is let go when autograd frees its
+(rebuilt if dropped, recursively; copied back if swapped out: swaps.py) and the entry viewed over it. A node is let go when autograd frees its
 last handle; the step is released (nodes, captures) once backward began and no handle is left, once a
 later step started and no handle is left, or at once when aborted.
 """
@@ -69,7 +69,8 @@ class Held:
 class DynamicStep:
     """One training step in dynamic mode; `pack` and `unpack` are its saved-tensor hooks."""
 
-    def __init__(self, memory, cap_bytes: int, policy: str, stats, pause: Callable, released: Callable):
+    def __init__(self, memory, cap_bytes: int, policy: str, stats, pause: Callable, released: Callable,
+                 swaps=None):
         self.memory = memory
         self.cap_bytes = cap_bytes
         self.stats = stats
@@ -87,7 +88,8 @@ class DynamicStep:
         self.warned = False
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
-        self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap)
+        self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap,
+                                   swaps)
 
     # ---- ops (the handle's dispatch mode) ---------------------------------------------------------
     def forward_op(self, func, args, kwargs):
@@ -96,6 +98,7 @@ class DynamicStep:
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
+        self.residency.copy_out_ahead()
         self.residency.make_room(0)  # before the op allocates its outputs
         nodes = self.nodes
         for key in cap.refs:
@@ -167,6 +170,7 @@ class DynamicStep:
         self.residency.clock += 1
         with self.pause():
             base = self.residency.materialize(obj.node)
+            self.residency.prefetch(obj.node)
         with regen_ops():
             return view_of(base, obj.geometry)
 
