@@ -12,6 +12,9 @@ dropout seed fixed per step):
   cap (the plans' profiles are taken before the timed steps);
 * `dynamic-graph`, `dynamic-dtr`: dynamic mode at the cap, unpadded, with the extended and the plain
   DTR score;
+* `dynamic-swap`: `dynamic-graph` with a host link (CPU: emulated, `emulate_link=True`) at link ratio
+  --link-ratio (copying every saved tensor of the length-256 step one way takes that x its unplanned
+  step time: 0.9 is PCIe next to a fast GPU), swapping as well as dropping (on CUDA the real link);
 * `dynamic-learn`: padded to its bucket, no plan at first: dynamic mode at the cap, learning a plan per
   bucket (`learn=True`): a bucket's first step runs dynamic, the model's next call profiles it (the
   profile's time and memory are in that step's) and its plan is used once solved, so learning settles
@@ -146,6 +149,7 @@ def main():
     ap.add_argument("--cap-fraction", type=float, default=0.5)
     ap.add_argument("--buckets", type=int, nargs="*", help="bucket lengths (default: 4 up to --max-len)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--link-ratio", type=float, default=0.9, help="dynamic-swap's emulated link (CPU device)")
     args = ap.parse_args()
     buckets = sorted(args.buckets or [args.max_len * k // 4 for k in range(1, 5)])
     if buckets[-1] < args.max_len:
@@ -176,10 +180,17 @@ def main():
         ("bucket-plans", to_bucket, lambda: regen.apply(model, bucket_plans), "none-buckets"),
         ("dynamic-graph", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="graph"), "none"),
         ("dynamic-dtr", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="dtr"), "none"),
+        ("dynamic-swap", None, lambda: regen.apply(model, memory_cap=dyn_cap, **link), "none"),
         ("dynamic-learn", to_bucket, lambda: regen.apply(model, memory_cap=dyn_cap, learn=True), "none-buckets"),
     ]
     results = {}
     print(f"buckets {buckets}: plans for {used}")
+    link = {}
+    if not args.device.startswith("cuda"):
+        link_gb_s = plan.link.candidate_bytes / (args.link_ratio * plan.baseline.step_time_s) / 1e9
+        link = {"emulate_link": True, "link_gb_s": link_gb_s}
+        print(f"dynamic-swap: an emulated link of {link_gb_s:.2f} GB/s (link ratio {args.link_ratio} at length "
+              f"{args.max_len}; the copy threads' CPU comes out of the same 2 cores: emulation only)")
     print(f"{'variant':14s} {'tokens/s':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
     for name, pad_to, context, reference in variants:
         with warnings.catch_warnings():
