@@ -187,7 +187,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
     for v in variants:  # memory first: the allocator's figures do not depend on machine load
         for _ in range(WARMUP_STEPS):
             v.step()
-        v.increase_bytes = measure_memory(v.step).peak_increase_bytes
+        v.increase_bytes = measure_memory(v.step, collect_garbage=True).peak_increase_bytes
         progress(f"[{name}] {v.name:<30} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB")
     failed: list[Result] = []
     smallest_done: set[str] = set()  # strategies already run at their smallest feasible cap
@@ -219,7 +219,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
                                 if plan.regions else ""))
             for _ in range(WARMUP_STEPS):
                 v.step()
-            v.increase_bytes = measure_memory(v.step).peak_increase_bytes
+            v.increase_bytes = measure_memory(v.step, collect_garbage=True).peak_increase_bytes
             progress(f"[{name}] {v.name:<30} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB (cap {cap / 2**20:.1f})")
             variants.append(v)
     time_round_robin(variants, TIMED_STEPS, name, progress)
@@ -267,7 +267,7 @@ def _measured(v: Variant, start: int, label: str, progress) -> Variant:
     """Warm the variant up and measure its peak (the allocator's increase over the step's start)."""
     for _ in range(WARMUP_STEPS):
         v.step()
-    v.increase_bytes = measure_memory(v.step).peak_increase_bytes
+    v.increase_bytes = measure_memory(v.step, collect_garbage=True).peak_increase_bytes
     cap = f" (cap {v.cap_bytes / 2**20:.1f})" if v.cap_bytes else ""
     progress(f"[{label}] {v.name:<34} peak {(start + v.increase_bytes) / 2**20:8.1f} MiB{cap}")
     return v

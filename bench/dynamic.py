@@ -121,7 +121,8 @@ def run_variant(model, data, pad_to, context, device):
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - t0
             tokens += real
-            m = measure_memory(lambda: one_step(model, idx, targets, seed=k), device)
+            # the profiler's garbage collected now, not inside the next timed step
+            m = measure_memory(lambda: one_step(model, idx, targets, seed=k), device, collect_garbage=True)
             peak = max(peak, m.peak_bytes if cuda else start + m.peak_increase_bytes)
     return tokens / seconds, peak, grads, handle
 

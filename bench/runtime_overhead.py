@@ -57,7 +57,7 @@ def _timed(w, device) -> float:
 
 def _peak(w, device) -> int:
     w.model.zero_grad(set_to_none=True)
-    return measure_memory(lambda: forward_loss(w).backward(), device).peak_increase_bytes
+    return measure_memory(lambda: forward_loss(w).backward(), device, collect_garbage=True).peak_increase_bytes
 
 
 class _PerBlockCheckpoint:

@@ -34,8 +34,13 @@ class MemoryMeasurement:
         return self.peak_bytes - self.start_bytes
 
 
-def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu") -> MemoryMeasurement:
-    """Run `step()` once and measure the device memory it allocated, from the allocator itself."""
+def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu",
+                   collect_garbage: bool = False) -> MemoryMeasurement:
+    """Run `step()` once and measure the device memory it allocated, from the allocator itself.
+
+    On CPU, torch.profiler's results are left as cyclic garbage, which Python's collector frees later,
+    inside whatever runs then: a caller that times steps after measuring passes `collect_garbage=True`
+    (a full collection, a fifth of a second with transformers loaded)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -46,12 +51,13 @@ def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu
         peak = torch.cuda.max_memory_allocated(device)
         end = torch.cuda.memory_allocated(device)
         return MemoryMeasurement(peak, start, end, [start, peak, end])
-    return _measure_cpu(step)
+    return _measure_cpu(step, collect_garbage)
 
 
-def _measure_cpu(step: Callable[[], object]) -> MemoryMeasurement:
+def _measure_cpu(step: Callable[[], object], collect_garbage: bool) -> MemoryMeasurement:
     totals = _timeline_totals(step)
-    gc.collect()  # the profiler's results hold reference cycles: collected now, not inside the next (timed) step
+    if collect_garbage:
+        gc.collect()
     return MemoryMeasurement(peak_bytes=max(totals), start_bytes=totals[0], end_bytes=totals[-1],
                              timeline_bytes=totals)
 
