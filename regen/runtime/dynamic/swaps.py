@@ -59,11 +59,12 @@ class DynamicSwaps:
         """Start copies to the host for `held` nodes (oldest first) that nothing but the runtime holds (so
         no op can write them while they copy), while the link keeps up."""
         now = time.perf_counter()
-        for node in sorted(held, key=lambda n: n.last_access):
+        if self._queued_until_s - now > MAX_QUEUED_S:
+            return
+        fresh = [n for n in held if n.host is None and n.nbytes >= MIN_SWAP_BYTES and n.evictable]
+        for node in sorted(fresh, key=lambda n: n.last_access):
             if self._queued_until_s - now > MAX_QUEUED_S:
                 return
-            if node.host is not None or node.nbytes < MIN_SWAP_BYTES or not node.evictable:
-                continue
             if node.tensor is None or not only_held_by_us(node.tensor):
                 continue
             with regen_ops():
