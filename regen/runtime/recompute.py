@@ -241,59 +241,24 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
     `anchor(key)` returns a tensor over the storage of a resident candidate the recipe may read
     (the decision's recipe_inputs), or raises PlanMismatchError when `key` is not one of them.
     """
-    caps = []
-    for r in recipe:
-        cap = captures.get(r)
-        if cap is None:
-            raise PlanMismatchError(f"recipe of op {candidate[0]} needs op {r}, which this step's forward "
-                                    f"did not run; the plan does not fit this model")
-        caps.append(cap)
+    caps = _recipe_captures(candidate, recipe, captures)
     last_use: dict[tuple[int, int], int] = {}
     for pos, cap in enumerate(caps):
         for key in cap.refs:
             last_use[key] = pos
-    table: dict[tuple[int, int], torch.Tensor] = {}
+    table: dict[tuple[int, int], torch.Tensor] = {}  # storages the recipe wrote so far, by (op, slot)
     held = set(keep)
     held.add(candidate)
 
-    def resolve(a, detach_externals: bool):
-        if isinstance(a, Ref):
-            key = (a.op, a.slot)
-            base = table.get(key)
-            if base is None:
-                base = anchor(key)
-            return view_of(base, a.geometry)
-        if isinstance(a, (External, Gathered)):
-            if a.tensor.numel() and not a.tensor.untyped_storage().nbytes():
-                raise PlanMismatchError(
-                    f"a tensor read by the recipe of op {candidate[0]} has no storage now (shape "
-                    f"{tuple(a.tensor.shape)}): a parameter FSDP resharded, which the plan reads before FSDP "
-                    f"gathers it again; solve with that recompute refused or reshard_after_forward=False")
-            if isinstance(a, External) and a.tensor._version != a.version:
-                raise PlanMismatchError(
-                    f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
-                    f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
-            # under grad, a parameter would put the replay in autograd's graph (and its saved tensors)
-            return a.tensor.detach() if detach_externals else a.tensor
-        if isinstance(a, (Like, Scratch)):
-            return a.materialize()
-        return a
-
     def resolve_detached(a):
-        return resolve(a, True)
+        return _resolve(a, candidate, table, anchor, detach_externals=True)
 
     def resolve_plain(a):
-        return resolve(a, False)
+        return _resolve(a, candidate, table, anchor, detach_externals=False)
 
     with torch.no_grad(), _autocast_off():
         for pos, cap in enumerate(caps):
-            if written_arguments(cap.func):
-                for a in _written_args(cap):
-                    if isinstance(a, (torch.Tensor, External, Gathered)) or (
-                            isinstance(a, Ref) and (a.op, a.slot) not in table):
-                        raise PlanMismatchError(
-                            f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "
-                            f"tensor its recipe did not create; the plan does not fit this model")
+            _refuse_foreign_writes(cap, candidate, table)
             grad = cap.grad_enabled
             args, kwargs = _map_call(resolve_detached if grad else resolve_plain, cap.args, cap.kwargs)
             with torch.set_grad_enabled(grad):  # no input requires grad: nothing is recorded
@@ -304,6 +269,61 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
             del args, kwargs, out, outs
             for key in [k for k in table if k not in held and last_use.get(k, -1) <= pos]:
                 del table[key]  # free intermediates right after their last use
+    return _rebuilt(candidate, recipe, table, keep, expect_shape, expect_dtype)
+
+
+def _recipe_captures(candidate: tuple[int, int], recipe: list[int], captures: dict[int, CapturedOp]
+                     ) -> list[CapturedOp]:
+    caps = []
+    for r in recipe:
+        cap = captures.get(r)
+        if cap is None:
+            raise PlanMismatchError(f"recipe of op {candidate[0]} needs op {r}, which this step's forward "
+                                    f"did not run; the plan does not fit this model")
+        caps.append(cap)
+    return caps
+
+
+def _resolve(a, candidate: tuple[int, int], table: dict, anchor: Callable, detach_externals: bool):
+    """A captured argument as the replay passes it: a storage the recipe wrote or an anchor's (Ref), a
+    tensor read as it is now (External, Gathered: checked), a fresh buffer (Like, Scratch), or itself."""
+    if isinstance(a, Ref):
+        key = (a.op, a.slot)
+        base = table.get(key)
+        if base is None:
+            base = anchor(key)
+        return view_of(base, a.geometry)
+    if isinstance(a, (External, Gathered)):
+        if a.tensor.numel() and not a.tensor.untyped_storage().nbytes():
+            raise PlanMismatchError(
+                f"a tensor read by the recipe of op {candidate[0]} has no storage now (shape "
+                f"{tuple(a.tensor.shape)}): a parameter FSDP resharded, which the plan reads before FSDP "
+                f"gathers it again; solve with that recompute refused or reshard_after_forward=False")
+        if isinstance(a, External) and a.tensor._version != a.version:
+            raise PlanMismatchError(
+                f"a tensor read by recipe op of op {candidate[0]} was modified in place after forward "
+                f"(shape {tuple(a.tensor.shape)}); its recompute would be wrong")
+        # under grad, a parameter would put the replay in autograd's graph (and its saved tensors)
+        return a.tensor.detach() if detach_externals else a.tensor
+    if isinstance(a, (Like, Scratch)):
+        return a.materialize()
+    return a
+
+
+def _refuse_foreign_writes(cap: CapturedOp, candidate: tuple[int, int], table: dict) -> None:
+    """A recipe op may write in place only storages its recipe created."""
+    if not written_arguments(cap.func):
+        return
+    for a in _written_args(cap):
+        if isinstance(a, (torch.Tensor, External, Gathered)) or (isinstance(a, Ref) and (a.op, a.slot) not in table):
+            raise PlanMismatchError(
+                f"recipe op {cap.index} ({op_name(cap.func)}) of op {candidate[0]} writes in place a "
+                f"tensor its recipe did not create; the plan does not fit this model")
+
+
+def _rebuilt(candidate: tuple[int, int], recipe: list[int], table: dict, keep: tuple,
+             expect_shape: torch.Size, expect_dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """The candidate's rebuilt storage and the kept intermediates', checked against what the plan expects."""
     result = table.get(candidate)
     if result is None:
         raise PlanMismatchError(f"the recipe {recipe} did not rebuild op {candidate[0]} output {candidate[1]}; "
