@@ -244,7 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"regen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_profile_command, _add_solve_command, _add_show_command, _add_check_command, _add_demo_command):
+        add(sub)
+    return parser
 
+
+def _add_profile_command(sub) -> None:
     p = sub.add_parser("profile", help="record one real training step of a workload",
                        description="Run warm-up steps, then record one forward+backward step op by op "
                                    "(times, saved tensors, memory timeline) and write a profile.")
@@ -260,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     p.set_defaults(func=cmd_profile)
 
+
+def _add_solve_command(sub) -> None:
     s = sub.add_parser("solve", help="choose keep, swap or recompute for every saved tensor under a cap",
                        description="Solve the MILP over a profile (or a node-link JSON graph) and write a plan "
                                    "checked by the simulator.")
@@ -288,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     s.set_defaults(func=cmd_solve)
 
+
+def _add_show_command(sub) -> None:
     sh = sub.add_parser("show", help="summarise a profile or a plan",
                         description="Print a readable summary of a profile or plan file, or one JSON object.")
     sh.add_argument("file", help="a profile or plan file")
@@ -295,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--plot", metavar="PNG", help="(plans) draw unplanned and planned memory timelines against the cap")
     sh.set_defaults(func=cmd_show)
 
+
+def _add_check_command(sub) -> None:
     c = sub.add_parser("check", help="run a plan against the unplanned step and compare results",
                        description="Build the workload, run one unplanned and one planned step on the same batch "
                                    "and RNG state, compare loss, gradients and module buffers bit for bit, and "
@@ -306,13 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     c.set_defaults(func=cmd_check)
 
+
+def _add_demo_command(sub) -> None:
     d = sub.add_parser("demo", help="profile, solve at 50%% and train a built-in GPT, printing what it saved",
                        description="The main job end to end on a built-in GPT: profile, solve at 50% of the "
                                    "unplanned peak, train with and without the plan, and compare.")
     d.add_argument("--output-dir", default="demo-output", help="where the profile, plan and plot go")
     d.add_argument("--config", default=None, help="workload config (default: the built-in demo GPT)")
     d.set_defaults(func=cmd_demo)
-    return parser
 
 
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
