@@ -78,6 +78,7 @@ from regen.runtime.learned import Learner
 from regen.ranks import rank_agreement
 from regen.runtime.peak_check import PeakCheck
 from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
+from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.step import PlanMismatchWarning, Step, StepContext, StepFindings
@@ -150,8 +151,8 @@ class RegenHandle:
             self.root.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ]
-        self._region_paths: set[str] = set()  # modules with region hooks
-        self._hooks += self._region_hooks(states)
+        self.region_hooks = RegionHooks(self.root, lambda: self.current)
+        self._hooks += self.region_hooks.add(states)
 
     def _give_context(self, state: PlanState) -> None:
         """What the plan's steps get; a mismatch found mid-step raises under on_mismatch="dynamic" (a step
@@ -234,7 +235,7 @@ class RegenHandle:
         for plan in self.fallback.between_steps():  # learned plans join the set (on this thread)
             new = add_plan(self.plan_states, plan)
             self._give_context(new)
-            self._hooks += self._region_hooks([new])
+            self._hooks += self.region_hooks.add([new])
         state = self._plan_for(args, kwargs)
         if state is None:  # no plan of the set fits this call: unplanned ("keep") or dynamic
             self.current = None
@@ -339,38 +340,6 @@ class RegenHandle:
                 self.stats.planned_steps += 1
         if self._removed and not self.live_steps:
             _close_engines(self.engines)
-
-    # ---- region modules -------------------------------------------------------------------------------
-    def _region_hooks(self, states: list[PlanState]) -> list:
-        """A pre-hook and a hook on each module a region of `states` replays (once per module), reporting its
-        calls to the step."""
-        hooks = []
-        for path in dict.fromkeys(r.region.module for s in states for r in s.index.regions.values()):
-            if path in self._region_paths:
-                continue
-            self._region_paths.add(path)
-            try:
-                module = self.root.get_submodule(path)
-            except AttributeError:
-                raise PlanMismatchError(f"regen.apply: the plan replays module {path!r}, which this model does not "
-                                        f"have; profile and solve for this model") from None
-            # before the user's pre-hooks: the replay calls the module, which runs them again on these arguments
-            hooks.append(module.register_forward_pre_hook(self._region_pre_hook(path), with_kwargs=True, prepend=True))
-            hooks.append(module.register_forward_hook(self._region_post_hook, always_call=True))
-        return hooks
-
-    def _region_pre_hook(self, path: str):
-        def pre_hook(module, args, kwargs):
-            step = self.current
-            if step is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-                step.region_called(path, module, args, kwargs)
-
-        return pre_hook
-
-    def _region_post_hook(self, module, args, output):
-        step = self.current
-        if step is not None and torch._C._current_graph_task_id() == -1:
-            step.region_returned(module)
 
     # ---- devices --------------------------------------------------------------------------------------
     def engine_for(self, device: torch.device) -> SwapEngine:
