@@ -9,6 +9,7 @@ host memory, counted apart (allocated by the warm-up step, reused by the measure
 """
 
 import pytest
+import torch
 
 import regen
 from common import assert_same, fail_inside_a_step, make, run_and_grads
@@ -107,3 +108,63 @@ def test_a_consumer_that_does_not_wait_reads_poison(monkeypatch):
     assert handle.stats.copy_ins > 0
     with pytest.raises(AssertionError):
         assert_same(reference, got)
+
+
+def test_interleaved_steps_and_a_retained_graph_swap_exactly():
+    """Two forwards before one backward (their nodes share (op, slot) names), and a second backward over a
+    retained graph: each copy-in lands in its own step's node."""
+    from common import accumulate_grads
+
+    w = make("gpt")
+    cap = sum(model_storages(w.model).values()) + 6 * 2**20  # two steps' activations (interleaved) pass it
+    reference = accumulate_grads(w, True)
+    with regen.apply(w.model, memory_cap=cap, emulate_link=True, link_gb_s=5.0) as handle:
+        got = accumulate_grads(w, True)
+    assert all(torch.equal(reference[k], got[k]) for k in reference)
+    assert handle.stats.swap_evictions > 0 and handle.stats.copy_ins > 0
+
+    def twice():
+        w.model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in w.model.named_parameters()}
+
+    reference = twice()
+    with regen.apply(w.model, memory_cap=cap, emulate_link=True, link_gb_s=5.0) as handle:
+        got = twice()
+    assert all(torch.equal(reference[k], got[k]) for k in reference)
+    assert handle.engine.swaps.pool.checked_out_bytes == 0
+
+
+class _Node:
+    """What swaps.py reads of a dynamic step's node."""
+
+    def __init__(self, tensor):
+        self.key, self.tensor, self.host = (5, 0), tensor, None
+        self.nbytes, self.evictable, self.last_access = tensor.untyped_storage().nbytes(), True, 0
+
+
+def test_copy_ins_are_told_apart_across_steps():
+    """Two live steps' nodes share their (op, slot) name: a copy-in issued ahead for one is never handed
+    to the other."""
+    from regen.runtime.dynamic import DynamicStats
+    from regen.runtime.dynamic.swaps import DynamicSwaps
+
+    swaps = DynamicSwaps(torch.device("cpu"), (1e9, 1e9), DynamicStats(), emulated=True)
+    try:
+        first, second = _Node(torch.full((65536,), 1.0)), _Node(torch.full((65536,), 2.0))
+        swaps.copy_out_ahead([first, second])
+        for node in (first, second):
+            swaps.evict(node)
+            node.tensor = None
+        swaps.prefetch([first], room_bytes=1 << 30, track=lambda buffer: None)
+        restored = swaps.bring_in(second).view(torch.float32)
+        assert torch.equal(restored, torch.full((65536,), 2.0))
+        assert torch.equal(swaps.bring_in(first).view(torch.float32), torch.full((65536,), 1.0))
+        for node in (first, second):
+            swaps.forget(node)
+        assert swaps.pool.checked_out_bytes == 0
+    finally:
+        swaps.close()

@@ -142,7 +142,7 @@ class Residency:
             return tensor
         if node.host is not None:  # its bytes are on the host: copied back, nothing rebuilt
             pins.add(node.key)
-            if node.key not in self.swaps.in_flight:
+            if node not in self.swaps.in_flight:
                 self.make_room(node.nbytes, pins)
             tensor = self.swaps.bring_in(node)
             self.memory.track(tensor)

@@ -49,7 +49,7 @@ class DynamicSwaps:
         self.engine = new_engine(device, self.pool, link_bytes_per_s if emulated else None, stats)
         self.stats = stats
         self._queued_until_s = 0.0  # when the device-to-host copies issued so far end (estimated)
-        self.in_flight: dict = {}  # node key -> CopyIn issued ahead of need
+        self.in_flight: dict = {}  # node -> CopyIn issued ahead of need (nodes of every live step: by identity)
 
     def swap_cost_s(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s
@@ -81,7 +81,7 @@ class DynamicSwaps:
     # ---- backward -----------------------------------------------------------------------------------
     def bring_in(self, node) -> torch.Tensor:
         """`node`'s bytes on the device again: its copy-in issued ahead, or one issued now."""
-        cin = self.in_flight.pop(node.key, None)
+        cin = self.in_flight.pop(node, None)
         if cin is None:
             cin = self._issue(node)
             self.stats.synchronous_copy_ins += 1
@@ -95,9 +95,9 @@ class DynamicSwaps:
         for node in waiting:
             if len(self.in_flight) >= PREFETCH_DEPTH or node.nbytes > room_bytes:
                 return
-            if node.key in self.in_flight:
+            if node in self.in_flight:
                 continue
-            cin = self.in_flight[node.key] = self._issue(node)
+            cin = self.in_flight[node] = self._issue(node)
             track(cin.buffer)
             room_bytes -= node.nbytes
 
@@ -110,7 +110,7 @@ class DynamicSwaps:
     # ---- lifetime -----------------------------------------------------------------------------------
     def forget(self, node) -> None:
         """Autograd let go of `node`: its copy-in in flight and its host range go."""
-        cin = self.in_flight.pop(node.key, None)
+        cin = self.in_flight.pop(node, None)
         if cin is not None:
             with regen_ops():
                 self.engine.drop_copy_in(cin)
