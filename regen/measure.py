@@ -42,6 +42,7 @@ def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu
     inside whatever runs then: a caller that times steps after measuring passes `collect_garbage=True`
     (a full collection, a fifth of a second with transformers loaded)."""
     device = torch.device(device)
+    step = _without_collection(step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -52,6 +53,22 @@ def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu
         end = torch.cuda.memory_allocated(device)
         return MemoryMeasurement(peak, start, end, [start, peak, end])
     return _measure_cpu(step, collect_garbage)
+
+
+def _without_collection(step: Callable[[], object]) -> Callable[[], object]:
+    """`step` with Python's cyclic collector off while it runs: garbage of earlier work (an earlier test's
+    model, gradients) collected inside the step would count as the step's frees and lower its figure, on
+    CPU by as much as the allocator happens to know of those blocks' sizes."""
+    def run():
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return step()
+        finally:
+            if enabled:
+                gc.enable()
+
+    return run
 
 
 def _measure_cpu(step: Callable[[], object], collect_garbage: bool) -> MemoryMeasurement:
