@@ -72,14 +72,9 @@ class Residency:
                 self.swaps.forget(node)
 
     # ---- swaps (swaps.py) ---------------------------------------------------------------------------
-    def copy_out_ahead(self) -> None:
-        """Forward: start host copies of held nodes once memory is tight (swaps.py)."""
-        if self.swaps is not None and self.memory.in_use_bytes() >= AHEAD_FRACTION * self.cap_bytes:
-            self.swaps.copy_out_ahead(list(self.held.values()))
-
     def prefetch(self, unpacked: TensorNode) -> None:
         """Backward: copy back the swapped-out nodes needed next (reverse pack order), within the cap."""
-        if self.swaps is None:
+        if self.swaps is None or self.swaps.prefetch_full():
             return
         waiting = [n for n in self.nodes.values() if n.live > 0 and n.host is not None and n.resident() is None]
         waiting.sort(key=lambda n: (n.key < unpacked.key, n.key), reverse=True)
@@ -87,10 +82,14 @@ class Residency:
         self.swaps.prefetch(waiting, room, self.memory.track)
 
     # ---- eviction ---------------------------------------------------------------------------------
-    def make_room(self, need_bytes: int, pins=frozenset()) -> None:
+    def make_room(self, need_bytes: int, pins=frozenset(), copy_out_ahead: bool = False) -> None:
+        """Evict until `need_bytes` more fit under the cap; with `copy_out_ahead` (forward ops), first start
+        host copies of held nodes once memory is tight (swaps.py)."""
         used = self.memory.in_use_bytes()
         if used > self.stats.peak_in_use_bytes:
             self.stats.peak_in_use_bytes = used
+        if copy_out_ahead and self.swaps is not None and used >= AHEAD_FRACTION * self.cap_bytes:
+            self.swaps.copy_out_ahead(self.held.values())
         while used + need_bytes + self.headroom_bytes > self.cap_bytes:
             victim = self._victim(pins)
             if victim is None:

@@ -98,8 +98,7 @@ class DynamicStep:
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
-        self.residency.copy_out_ahead()
-        self.residency.make_room(0)  # before the op allocates its outputs
+        self.residency.make_room(0, copy_out_ahead=True)  # before the op allocates its outputs
         nodes = self.nodes
         for key in cap.refs:
             node = nodes.get(key)

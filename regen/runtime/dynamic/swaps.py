@@ -55,7 +55,7 @@ class DynamicSwaps:
         return nbytes / self.h2d_bytes_per_s
 
     # ---- forward ------------------------------------------------------------------------------------
-    def copy_out_ahead(self, held: list) -> None:
+    def copy_out_ahead(self, held) -> None:
         """Start copies to the host for `held` nodes (oldest first) that nothing but the runtime holds (so
         no op can write them while they copy), while the link keeps up."""
         now = time.perf_counter()
@@ -89,11 +89,15 @@ class DynamicSwaps:
             self.engine.wait_copy_in(cin)
         return cin.buffer
 
+    def prefetch_full(self) -> bool:
+        """PREFETCH_DEPTH copy-ins are in flight already."""
+        return len(self.in_flight) >= PREFETCH_DEPTH
+
     def prefetch(self, waiting: list, room_bytes: int, track) -> None:
         """Issue copy-ins for `waiting` (swapped-out nodes, next needed first) while each fits in
         `room_bytes` and fewer than PREFETCH_DEPTH are in flight; `track(buffer)` counts a buffer."""
         for node in waiting:
-            if len(self.in_flight) >= PREFETCH_DEPTH or node.nbytes > room_bytes:
+            if self.prefetch_full() or node.nbytes > room_bytes:
                 return
             if node in self.in_flight:
                 continue
