@@ -63,11 +63,12 @@ class DynamicFallback:
 
     def run(self, args: tuple, kwargs: dict) -> None:
         """Run this call as a dynamic step."""
-        signature = describe(call_signature(self.root, args, kwargs))
-        if signature not in self._noticed:
-            self._noticed.add(signature)
+        signature = call_signature(self.root, args, kwargs)
+        described = describe(signature)
+        if described not in self._noticed:
+            self._noticed.add(described)
             learning = ", learning a plan for it" if self.learned.learning else ""
-            warnings.warn(f"regen.apply: no plan fits this call of the model ({signature}); running such steps in "
+            warnings.warn(f"regen.apply: no plan fits this call of the model ({described}); running such steps in "
                           f"dynamic mode under the cap {format_bytes(self.cap_bytes)} (on_mismatch='dynamic'"
                           f"{learning})", PlanMismatchWarning, stacklevel=5)
         if self.engine is None:
@@ -75,7 +76,7 @@ class DynamicFallback:
 
             self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
         step = self.engine.start_step()
-        self.learned.observe(step, self.root, args, kwargs, self.cap_bytes)
+        self.learned.observe(step, self.root, signature, described, args, kwargs, self.cap_bytes)
 
     def planned_step_begins(self) -> None:
         if self.engine is not None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from regen.call_signature import call_signature, describe
+from regen.call_signature import describe
 from regen.errors import RegenError
 from regen.formats.plan import Plan, save_plan
 from regen.formats.profile import CallSignature
@@ -92,12 +92,11 @@ class LearnedPlans:
     def learning(self) -> bool:
         return self.learner is not None
 
-    def observe(self, step, root: nn.Module, args: tuple, kwargs: dict, cap_bytes: int) -> None:
-        """A dynamic step began: the first of its call signature is observed."""
+    def observe(self, step, root: nn.Module, signature: CallSignature, key: str, args: tuple, kwargs: dict,
+                cap_bytes: int) -> None:
+        """A dynamic step of the call `signature` (described as `key`) began: the first of each is observed."""
         if self.learner is None:
             return
-        signature = call_signature(root, args, kwargs)
-        key = describe(signature)
         if key in self._seen:
             return
         self._seen.add(key)
