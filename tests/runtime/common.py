@@ -72,6 +72,16 @@ def accumulate_grads(w, interleaved: bool) -> dict[str, torch.Tensor]:
     return grads(w.model)
 
 
+def retained_graph_grads(w) -> dict[str, torch.Tensor]:
+    """Gradients of two backwards over one retained graph (the second rebuilds what the first dropped again)."""
+    w.model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    loss = w.loss_fn(w.model(*w.batch), w.batch)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return grads(w.model)
+
+
 def buffers(model) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers()}
 

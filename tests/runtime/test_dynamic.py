@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import regen
-from common import accumulate_grads, assert_same, fail_inside_a_step, make, run_and_grads
+from common import accumulate_grads, assert_same, fail_inside_a_step, make, retained_graph_grads, run_and_grads
 from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic import OverCapWarning
@@ -93,17 +93,9 @@ def test_gradient_accumulation_and_retain_graph():
         assert handle.stats.evictions > 0
         _assert_nothing_left(handle, w.model)
 
-    def twice():  # a second backward over the retained graph rebuilds what was dropped again
-        w.model.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        loss = w.loss_fn(w.model(*w.batch), w.batch)
-        loss.backward(retain_graph=True)
-        loss.backward()
-        return {n: p.grad.clone() for n, p in w.model.named_parameters()}
-
-    reference = twice()
+    reference = retained_graph_grads(w)
     with regen.apply(w.model, memory_cap=cap) as handle:
-        got = twice()
+        got = retained_graph_grads(w)
     assert all(torch.equal(reference[k], got[k]) for k in reference)
     _assert_nothing_left(handle, w.model)
 

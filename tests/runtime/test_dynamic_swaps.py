@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import regen
-from common import assert_same, fail_inside_a_step, make, run_and_grads
+from common import accumulate_grads, assert_same, fail_inside_a_step, make, retained_graph_grads, run_and_grads
 from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic.memory import model_storages
@@ -113,8 +113,6 @@ def test_a_consumer_that_does_not_wait_reads_poison(monkeypatch):
 def test_interleaved_steps_and_a_retained_graph_swap_exactly():
     """Two forwards before one backward (their nodes share (op, slot) names), and a second backward over a
     retained graph: each copy-in lands in its own step's node."""
-    from common import accumulate_grads
-
     w = make("gpt")
     cap = sum(model_storages(w.model).values()) + 6 * 2**20  # two steps' activations (interleaved) pass it
     reference = accumulate_grads(w, True)
@@ -123,17 +121,9 @@ def test_interleaved_steps_and_a_retained_graph_swap_exactly():
     assert all(torch.equal(reference[k], got[k]) for k in reference)
     assert handle.stats.swap_evictions > 0 and handle.stats.copy_ins > 0
 
-    def twice():
-        w.model.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        loss = w.loss_fn(w.model(*w.batch), w.batch)
-        loss.backward(retain_graph=True)
-        loss.backward()
-        return {n: p.grad.clone() for n, p in w.model.named_parameters()}
-
-    reference = twice()
+    reference = retained_graph_grads(w)
     with regen.apply(w.model, memory_cap=cap, emulate_link=True, link_gb_s=5.0) as handle:
-        got = twice()
+        got = retained_graph_grads(w)
     assert all(torch.equal(reference[k], got[k]) for k in reference)
     assert handle.engine.swaps.pool.checked_out_bytes == 0
 

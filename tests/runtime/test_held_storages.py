@@ -8,7 +8,6 @@ saving only after that, and the planned step's peak, measured by the allocator, 
 """
 
 import functools
-import gc
 
 import pytest
 import torch
@@ -118,19 +117,14 @@ def test_planned_peak_stays_within_the_cap(name, cap_fraction):
     with regen.apply(w.model, plan) as handle:
         _step(w)
         w.model.zero_grad(set_to_none=True)
-        gc.collect()  # garbage of earlier tests, collected during the measured step, would lower its figure
-        gc.disable()
-        try:
-            peaks = []
-            for _ in range(MEASURED_STEPS):
-                # the previous step's cache is dropped before the measurement: freed inside it, it would lower the
-                # measured increase by its size, or not, as the allocator knows that block's size or not (it does
-                # for blocks allocated while an earlier measurement ran)
-                w.model.__dict__.get("cache", []).clear()
-                peaks.append(measure_memory(lambda: _step(w)).peak_increase_bytes)
-                w.model.zero_grad(set_to_none=True)
-        finally:
-            gc.enable()
+        peaks = []
+        for _ in range(MEASURED_STEPS):
+            # the previous step's cache is dropped before the measurement: freed inside it, it would lower the
+            # measured increase by its size, or not, as the allocator knows that block's size or not (it does
+            # for blocks allocated while an earlier measurement ran)
+            w.model.__dict__.get("cache", []).clear()
+            peaks.append(measure_memory(lambda: _step(w)).peak_increase_bytes)
+            w.model.zero_grad(set_to_none=True)
     assert handle.stats.planned_steps == 1 + MEASURED_STEPS
     start = profile.memory_at_start_bytes
     peak, simulated = max(peaks), plan.simulated.peak_bytes - start
