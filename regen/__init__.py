@@ -48,10 +48,12 @@ def _cuda_link_gb_s(model) -> tuple[float, float] | None:
     well under a second); None for a model elsewhere."""
     import torch
 
-    params = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
-    if params is None or params.device.type != "cuda":
+    from regen.runtime.regions import module_device
+
+    device = module_device(model) if isinstance(model, torch.nn.Module) else None
+    if device is None or device.type != "cuda":
         return None
     from regen.profiler.bandwidth import measure_bandwidth
 
-    bw = measure_bandwidth(params.device)
+    bw = measure_bandwidth(device)
     return bw.d2h_bytes_per_s / 1e9, bw.h2d_bytes_per_s / 1e9
