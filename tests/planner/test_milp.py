@@ -117,7 +117,7 @@ def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_
 
 
 def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
-    from regen.planner.milp.blocks import lp_bound, lp_disagreement
+    from regen.planner.milp.relaxation import lp_bound, lp_disagreement
 
     graph = build_graph(small_transformer)
     cap = int(small_transformer.peak_bytes * 0.5)
@@ -190,8 +190,9 @@ def test_large_graphs_without_time_for_the_full_milp_keep_the_block_plan(small_t
 
     search = importlib.import_module("regen.planner.milp.search")
     blocks = importlib.import_module("regen.planner.milp.blocks")
+    relaxation = importlib.import_module("regen.planner.milp.relaxation")
     monkeypatch.setattr(search, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
-    monkeypatch.setattr(blocks, "lp_bound", lambda *args, **kwargs: None)
+    monkeypatch.setattr(relaxation.Relaxation, "result", lambda self: None)
     monkeypatch.setattr(blocks, "FULL_SOLVE_MIN_TIME_FRACTION", 1.0)
     messages = []
     cap = int(small_transformer.peak_bytes * 0.5)
@@ -200,3 +201,36 @@ def test_large_graphs_without_time_for_the_full_milp_keep_the_block_plan(small_t
     assert not any(m.startswith("solver highs started") for m in messages)
     assert plan.solver.gap is None and plan.solver.status == "time_limit" and plan.solver.name == "highs"
     assert plan.simulated.peak_bytes <= cap
+
+
+def test_the_relaxation_on_its_own_thread_gives_the_synchronous_bound(small_transformer):
+    """The LP relaxation solved on a background thread (as the large-graph search runs it, alongside
+    the sweeps) ends with the same bound as solved in the caller's thread, and says when it is done."""
+    from regen.planner.milp.highs import new_highs, to_highs_lp
+    from regen.planner.milp.relaxation import Relaxation
+
+    graph = build_graph(small_transformer)
+    model = Model(graph, int(small_transformer.peak_bytes * 0.5), MilpOptions())
+    lp = to_highs_lp(model.prob, model.prob.variables())
+    relaxation = Relaxation(model, 30, lp)
+    bound, values = relaxation.result()
+    assert relaxation.done() and len(values) == len(model.prob.variables())
+    assert lp.integrality_, "the caller's model keeps its integrality"
+    lp.integrality_ = []
+    h = new_highs(time_limit_s=30)
+    h.passModel(lp)
+    h.run()
+    assert bound == pytest.approx(h.getInfo().objective_function_value, rel=1e-9)
+
+
+def test_recompute_only_warm_starts_share_work_no_worse_than_without(small_transformer):
+    from regen.planner.milp.search import recompute_only_milp_plans
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.6)
+    plans = dict(recompute_only_milp_plans(graph, cap, 20))
+    assert set(plans) == {"recompute-only MILP without sharing", "recompute-only MILP"}
+    plain, shared = (simulate(graph, plans[k]) for k in ("recompute-only MILP without sharing", "recompute-only MILP"))
+    assert plain.fits(cap) and shared.fits(cap)
+    assert shared.step_time_s <= plain.step_time_s * (1 + 1e-6)
+    assert any(ch.rebuilt_with is not None for ch in plans["recompute-only MILP"].values())

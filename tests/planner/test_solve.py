@@ -214,7 +214,7 @@ def test_missing_highspy_is_a_one_line_error_for_the_milp_strategies(chain6, mon
 def test_small_graphs_start_from_the_lp_neighbourhood_of_the_warm_plan(small_transformer):
     """The full MILP of a small graph starts from the sub-MIP where the warm plan and the LP relaxation
     disagree: candidates where they agree keep the warm plan's action, and the plan is no worse."""
-    from regen.planner.milp.blocks import lp_bound, lp_disagreement
+    from regen.planner.milp.relaxation import lp_bound, lp_disagreement
     from regen.planner.milp.model import MilpOptions, Model
     from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
     from regen.planner.milp.solution import solve_model
@@ -243,7 +243,7 @@ def test_the_lp_neighbourhood_is_solved_to_a_fraction_of_the_planners_gap(small_
     sub-MIP's exact optimum (the same candidates fixed to the warm plan's actions)."""
     from dataclasses import replace
 
-    from regen.planner.milp.blocks import lp_bound, lp_disagreement
+    from regen.planner.milp.relaxation import lp_bound, lp_disagreement
     from regen.planner.milp.model import MilpOptions, Model
     from regen.planner.milp.neighbourhood import NEIGHBOURHOOD_GAP_FRACTION, improve_where_lp_disagrees
     from regen.planner.milp.solution import solve_model

@@ -1,12 +1,13 @@
-"""The large-graph search: the LP relaxation's bound, then fix-and-optimize sweeps over blocks.
+"""The large-graph search: fix-and-optimize sweeps over blocks, judged against the LP relaxation's bound.
 
 On a few hundred candidates and more, HiGHS's branch and bound spends the whole time limit at the
 root (identical layers make many equivalent plans, so branching does not move the bound) and rarely
 improves a warm start, while block sub-MIPs of about BLOCK_CANDIDATES candidates solve to a small gap
-in a second or two each. So `solve_by_blocks` solves the LP relaxation (a valid lower bound), then
-re-solves the MILP one block of candidates at a time with every other candidate's action fixed to the
-incumbent's (`improve_by_blocks`), the blocks where the plan differs most from the LP solution first,
-keeping each improvement, until the plan is within the gap of the bound or the time is up.
+in a second or two each. So `solve_by_blocks` re-solves the MILP one block of candidates at a time
+with every other candidate's action fixed to the incumbent's (`improve_by_blocks`), keeping each
+improvement, while the LP relaxation (a valid lower bound; regen.planner.milp.relaxation) solves on the
+other core; once it has, the blocks where the plan differs most from the LP solution go first, and the
+sweeps stop when the plan is within the gap of the bound or the time is up.
 docs/milp.md describes the search; regen.planner.milp.search decides when it runs.
 """
 
@@ -21,6 +22,7 @@ import pulp
 
 from regen.planner.milp.highs import new_highs, require_highspy, size_message, solver_output_to_stderr, to_highs_lp
 from regen.planner.milp.model import Model
+from regen.planner.milp.relaxation import Relaxation, lp_disagreement
 from regen.planner.milp.solution import MilpResult, read_choices, result_from_values, warm_start_values
 from regen.planner.result import Choice
 from regen.units import format_duration
@@ -33,37 +35,37 @@ BLOCK_REL_GAP = 3e-4
 MAX_BLOCK_SWEEPS = 8
 SWEEP_MIN_GAIN = 1e-4  # another sweep only after one that lowered the objective by this fraction
 MIN_SOLVER_TIME_S = 1e-3
-LP_BOUND_TIME_FRACTION = 0.4  # of the time limit, at most, for the LP bound
-FINAL_CHECK_TIME_FRACTION = 0.05  # ... kept back from the block sweeps for the simulator check
+UNGUIDED_BLOCK_TIME_S = 2.0  # at most, per block, while the LP bound is not known yet
+FINAL_CHECK_TIME_FRACTION = 0.05  # of the time limit, kept back from the sweeps for the simulator check
 FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
-NO_BOUND_BLOCK_TIME_FRACTION = 0.5  # of the time left, for the sweeps when the LP was too slow for a bound
 
 
 def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time_limit_s: float, rel_gap: float,
-                    say: Callable[[str], None]) -> tuple[MilpResult | None, dict[str, float] | None, bool]:
-    """The LP bound, then block sweeps from the warm start for the rest of the time.
+                    say: Callable[[str], None], relaxation: Relaxation | None = None,
+                    lp=None) -> tuple[MilpResult | None, dict[str, float] | None, bool]:
+    """Block sweeps from the warm start, judged against the LP bound.
 
-    Returns the result judged against the LP bound ("optimal" means within `rel_gap` of it), the values
-    of its discrete variables, and whether the full MILP should continue from them (and report its own
-    bound): when the sweeps stop early above the gap, or the LP did not finish in its share of the time
-    (thousands of candidates), and enough of the time limit is left. The result and values are None
-    when no block found a solution.
+    The LP relaxation runs alongside the sweeps (`relaxation`, when the caller started it already);
+    once it has finished, the sweeps take the blocks where the plan differs most from it first and stop
+    within `rel_gap` of its bound. Returns the result judged against the bound ("optimal" means within
+    `rel_gap` of it), the values of its discrete variables, and whether the full MILP should continue
+    from them (and report its own bound): when the sweeps stop above the gap, or the LP did not finish
+    within the time limit, and enough of the time limit is left. The result and values are None when
+    no block found a solution.
     """
     t0 = time.perf_counter()
     say(size_message(model.prob))
-    lp = to_highs_lp(model.prob, model.prob.variables())
-    lp_time_s = min(LP_BOUND_TIME_FRACTION * time_limit_s, deadline - time.perf_counter())  # never past the limit
-    relaxation = lp_bound(model, max(MIN_SOLVER_TIME_S, lp_time_s), lp=lp)
-    bound = relaxation[0] if relaxation is not None else None
-    priority = lp_disagreement(model, relaxation[1], warm) if relaxation is not None else None
-    say("LP relaxation: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
-                             if bound is not None else "no bound within its time share"))
-    budget_s = deadline - time.perf_counter() - FINAL_CHECK_TIME_FRACTION * time_limit_s
-    if bound is None:  # no bound to judge the plan against: leave the full MILP (and its bound) half the rest
-        budget_s = NO_BOUND_BLOCK_TIME_FRACTION * budget_s
-    target = bound / (1 - rel_gap) if bound is not None and bound > 0 else None
-    improved = improve_by_blocks(model, warm, budget_s, progress=say, priority=priority, target_objective=target,
+    lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
+    reserve_s = FINAL_CHECK_TIME_FRACTION * time_limit_s
+    if relaxation is None:
+        relaxation = Relaxation(model, deadline - time.perf_counter() - reserve_s, lp)
+    guide = SweepGuide(model, warm, relaxation, rel_gap)
+    improved = improve_by_blocks(model, warm, deadline - time.perf_counter() - reserve_s, progress=say, guide=guide,
                                  lp=lp)
+    guide.wait()
+    bound = guide.bound
+    say("LP relaxation: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
+                             if bound is not None else "no bound within the time limit"))
     if improved is None:
         return None, None, False
     choices, values, objective = improved
@@ -83,35 +85,33 @@ def time_for_full_solve(deadline: float, time_limit_s: float) -> bool:
     return deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s
 
 
-def lp_bound(model: Model, time_limit_s: float, lp=None) -> tuple[float, list[float]] | None:
-    """The LP relaxation's optimum (a valid lower bound on the MILP's objective, in model units) and its
-    solution (by column), or None when the LP does not finish in time. `lp`: the model as
-    to_highs_lp built it, when the caller has it already."""
-    if time_limit_s <= 0:
-        return None
-    highspy = require_highspy()
-    lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
-    integrality = lp.integrality_
-    lp.integrality_ = []
-    h = new_highs(time_limit_s=time_limit_s)
-    h.passModel(lp)
-    lp.integrality_ = integrality
-    with solver_output_to_stderr():
-        h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
-    return h.getInfo().objective_function_value, list(h.getSolution().col_value)
+class SweepGuide:
+    """What steers the sweeps once the LP relaxation has finished: the blocks where the plan differs most
+    from the LP solution first (`priority`), and a stop within the planner's gap of its bound
+    (`target_objective`). Both stay None until then, and without a relaxation."""
 
+    def __init__(self, model: Model | None = None, warm: dict[int, Choice] | None = None,
+                 relaxation: Relaxation | None = None, rel_gap: float = 0.0):
+        self._model, self._warm, self._relaxation, self._rel_gap = model, warm or {}, relaxation, rel_gap
+        self.bound: float | None = None
+        self.priority: dict[int, float] | None = None
+        self.target_objective: float | None = None
 
-def lp_disagreement(model: Model, lp_values: list[float], plan: dict[int, Choice]) -> dict[int, float]:
-    """Per candidate, how far the plan's action is from the LP relaxation's (L1 over the action
-    variables, weighted by the candidate's bytes): where a better plan most likely differs."""
-    warm = warm_start_values(model, plan)
-    out = {}
-    for i, v in model.vars.items():
-        xs = v.actions()
-        out[i] = v.c.bytes * sum(abs(lp_values[x.index] - warm.get(x.name, 0.0)) for x in xs)
-    return out
+    def poll(self) -> None:
+        """Take the relaxation's result if it has finished."""
+        if self._relaxation is not None and self._relaxation.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the relaxation (it stops at its own time limit) and take its result."""
+        relaxation, self._relaxation = self._relaxation, None
+        solved = relaxation.result() if relaxation is not None else None
+        if solved is None:
+            return
+        self.bound = solved[0]
+        self.priority = lp_disagreement(self._model, solved[1], self._warm)
+        if self.bound > 0:
+            self.target_objective = self.bound / (1 - self._rel_gap)
 
 
 @dataclass
@@ -129,12 +129,18 @@ class _Search:
     solution: list[float] | None = None  # every column of the best solution
     improved: bool = False
     by_name: dict = field(default_factory=dict)
+    stop_at_objective: float | None = None  # a block's sub-MIP stops once its plan is this good
+
+    def stop_when_good_enough(self, event) -> None:
+        """HiGHS's MIP interrupt callback: stop the block once its incumbent reaches `stop_at_objective`."""
+        if self.stop_at_objective is not None and event.data_out.mip_primal_bound <= self.stop_at_objective:
+            event.interrupt()
 
 
 def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
                       block_candidates: int = BLOCK_CANDIDATES, rel_gap: float = BLOCK_REL_GAP,
                       progress: Callable[[str], None] | None = None, max_sweeps: int = MAX_BLOCK_SWEEPS,
-                      priority: dict[int, float] | None = None, target_objective: float | None = None,
+                      guide: SweepGuide | None = None,
                       lp=None) -> tuple[dict[int, Choice], dict[str, float], float] | None:
     """Fix-and-optimize: re-solve the MILP one block of candidates (by producer) at a time, every other
     candidate's action fixed to the incumbent's, keeping each improvement.
@@ -144,9 +150,9 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     to complete a partial start) and is kept only if it improves on it.
     Returns the plan, the values of its discrete variables (a warm start for a model built with the
     same options) and its objective (model units; the model's variables hold the solution), or None
-    when no block found a solution. Stops early once the objective is at most `target_objective`
-    (model units), e.g. within the planner's gap of a known bound. `lp`: the model as to_highs_lp
-    built it, when the caller has it already.
+    when no block found a solution. `guide`, once the LP relaxation it waits on has finished, orders
+    each following sweep's blocks and stops the search within the planner's gap of the bound. `lp`:
+    the model as to_highs_lp built it, when the caller has it already.
     """
     if time_budget_s <= 0:
         return None
@@ -155,16 +161,30 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     _solve_warm_plan(search, deadline)
     order = sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i))
     sweeps = 0
+    guide = guide or SweepGuide()
+
+    def reached() -> bool:
+        guide.poll()
+        return guide.target_objective is not None and search.best_obj <= guide.target_objective
+
     while time.perf_counter() < deadline:
-        blocks = _sweep_blocks(order, block_candidates, sweeps, priority)
+        guide.poll()
+        blocks = _sweep_blocks(order, block_candidates, sweeps, guide.priority)
+        guided = guide.priority is not None
         sweep_start_obj = search.best_obj
-        for k, block in enumerate(blocks):
+        while blocks:
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or (target_objective is not None and search.best_obj <= target_objective):
+            if remaining <= 0 or reached():
                 break
-            _solve_block(search, set(block), remaining, len(blocks) - k)
+            if not guided and guide.priority is not None:  # the bound came mid-sweep: its order for the rest
+                blocks, guided = _by_priority(blocks, guide.priority), True
+            limit_s = min(remaining, 2 * remaining / len(blocks))
+            if not guided:  # back soon to see whether the bound has come
+                limit_s = min(limit_s, UNGUIDED_BLOCK_TIME_S)
+            search.stop_at_objective = guide.target_objective
+            _solve_block(search, set(blocks.pop(0)), limit_s)
         sweeps += 1
-        if target_objective is not None and search.best_obj <= target_objective:
+        if reached():
             break
         if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
             break
@@ -190,10 +210,12 @@ def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) 
     lower = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
     upper = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
     values = {name: float(x) for name, x in warm_start_values(model, incumbent).items()}
-    return _Search(h=h, variables=variables, lower=lower, upper=upper, values=values,
-                   actions={i: v.actions() for i, v in model.vars.items()},
-                   integer_idx=np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64),
-                   by_name={v.name: v for v in variables})
+    search = _Search(h=h, variables=variables, lower=lower, upper=upper, values=values,
+                     actions={i: v.actions() for i, v in model.vars.items()},
+                     integer_idx=np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64),
+                     by_name={v.name: v for v in variables})
+    h.cbMipInterrupt.subscribe(search.stop_when_good_enough)
+    return search
 
 
 def _solve_warm_plan(search: _Search, deadline: float) -> None:
@@ -226,12 +248,15 @@ def _sweep_blocks(order: list[int], block_candidates: int, sweeps: int,
     shift = (block_candidates // 2) if sweeps % 2 else 0
     cuts = [0] + list(range(shift or block_candidates, len(order), block_candidates)) + [len(order)]
     blocks = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-    if priority is not None:
-        blocks.sort(key=lambda blk: -sum(priority.get(i, 0.0) for i in blk))
-    return blocks
+    return _by_priority(blocks, priority) if priority is not None else blocks
 
 
-def _solve_block(search: _Search, free: set[int], remaining: float, left: int) -> None:
+def _by_priority(blocks: list[list[int]], priority: dict[int, float]) -> list[list[int]]:
+    """The blocks where the plan differs most from the LP solution first."""
+    return sorted(blocks, key=lambda blk: -sum(priority.get(i, 0.0) for i in blk))
+
+
+def _solve_block(search: _Search, free: set[int], time_limit_s: float) -> None:
     """Re-solve with only the candidates in `free` unfixed, from the best solution; keep an improvement."""
     import numpy as np
 
@@ -253,7 +278,7 @@ def _solve_block(search: _Search, free: set[int], remaining: float, left: int) -
         names = [n for n in values if n in search.by_name]
         h.setSolution(len(names), np.array([search.by_name[n].index for n in names], dtype=np.int32),
                       np.array([values[n] for n in names], dtype=float))
-    h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, min(remaining, 2 * remaining / left))))
+    h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, time_limit_s)))
     with solver_output_to_stderr():
         h.run()
     info = h.getInfo()

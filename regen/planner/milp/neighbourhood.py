@@ -16,7 +16,8 @@ from typing import Callable
 import pulp
 
 from regen.errors import SolverError
-from regen.planner.milp.blocks import MIN_SOLVER_TIME_S, lp_bound, lp_disagreement
+from regen.planner.milp.blocks import MIN_SOLVER_TIME_S
+from regen.planner.milp.relaxation import lp_bound, lp_disagreement
 from regen.planner.milp.model import CapInfeasible, Model
 from regen.planner.milp.solution import solve_model
 from regen.planner.result import Choice

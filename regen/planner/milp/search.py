@@ -14,16 +14,19 @@ is an InfeasibleCapError naming the smallest feasible cap found (`smallest_feasi
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from regen.errors import InfeasibleCapError, SolverError
 from regen.formats.plan import ACTION_SWAP, SolverReport
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph
-from regen.planner.milp.blocks import MIN_SOLVER_TIME_S, solve_by_blocks, time_for_full_solve
-from regen.planner.milp.highs import require_highspy
+from regen.planner.milp.blocks import (FINAL_CHECK_TIME_FRACTION, MIN_SOLVER_TIME_S, solve_by_blocks,
+                                       time_for_full_solve)
+from regen.planner.milp.highs import require_highspy, to_highs_lp
 from regen.planner.milp.model import CapInfeasible, MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
+from regen.planner.milp.relaxation import Relaxation
 from regen.planner.milp.solution import MilpResult, solve_model
 from regen.planner.residency import lower_bound_peak
 from regen.planner.result import Choice, StrategyResult
@@ -46,10 +49,14 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
     lower = lower_bound_peak(graph, allow_swap, allow_recompute)
     if lower > cap:
         raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
-    warm = warm_start(graph, cap, allow_swap, allow_recompute, time_limit_s, say)
     options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute, rel_gap=rel_gap)
+    try:
+        first = _FirstModel.build(graph, cap, options, deadline, time_limit_s)
+    except CapInfeasible:
+        raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
+    warm = warm_start(graph, cap, allow_swap, allow_recompute, time_limit_s, say)
     notes = [f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit"]
-    result, timed_out = _solve_and_repair(graph, cap, options, warm, deadline, time_limit_s, say, notes, lower)
+    result, timed_out = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
     if result is not None:
         report = SolverReport(name="highs", status=result.status, objective_s=result.objective_s,
                               bound_s=result.bound_s, gap=result.gap, solve_time_s=result.solve_time_s,
@@ -68,21 +75,42 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
                           predicted_peak_bytes=sim.peak_bytes, notes=notes)
 
 
-def _solve_and_repair(graph: PlanningGraph, cap: int, options: MilpOptions, warm: dict[int, Choice] | None,
+@dataclass
+class _FirstModel:
+    """The first round's model, built before the warm start; on a large graph its LP relaxation starts
+    solving on a thread of its own right away, alongside the warm start and the block sweeps."""
+
+    model: Model
+    relaxation: Relaxation | None
+    lp: object  # the model as to_highs_lp built it (large graphs), or None
+
+    @classmethod
+    def build(cls, graph: PlanningGraph, cap: int, options: MilpOptions, deadline: float,
+              time_limit_s: float) -> _FirstModel:
+        model = Model(graph, cap, options)
+        if not is_large(graph):
+            return cls(model, None, None)
+        lp = to_highs_lp(model.prob, model.prob.variables())
+        reserve_s = FINAL_CHECK_TIME_FRACTION * time_limit_s
+        return cls(model, Relaxation(model, deadline - time.perf_counter() - reserve_s, lp), lp)
+
+
+def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, Choice] | None,
                       deadline: float, time_limit_s: float, say: Say, notes: list[str],
                       lower: int) -> tuple[MilpResult | None, bool]:
     """The first MILP plan that passes the simulator, with repair rounds; (None, timed_out) when none
     does (timed_out: the solver stopped without a plan, and the warm start stands in)."""
+    graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
     block_plan = None  # large graphs: the block search's plan, kept if the full MILP then finds none
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         try:
-            model = Model(graph, cap, options)
+            model = first.model if round_ == 0 else Model(graph, cap, options)
             if round_ == 0 and warm is not None and not is_large(graph):
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if round_ == 0 and warm is not None and is_large(graph):
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
-                                                             say)
+                                                             say, first.relaxation, first.lp)
                 if result is not None and simulate(graph, result.choices).fits(cap):
                     block_plan = result
                     if not go_on or not time_for_full_solve(deadline, time_limit_s):
@@ -119,29 +147,20 @@ def is_large(graph: PlanningGraph) -> bool:
 def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
                say: Say) -> dict[int, Choice] | None:
     """The greedy plan, per-block checkpointing (when the profile has regions), or for hybrid the
-    recompute-only MILP's plan (it solves fast: few binaries), whichever is the fastest under the cap, so
+    recompute-only greedy's or the recompute-only MILP's plan (it solves fast: few binaries), whichever is the fastest under the cap, so
     the search starts from a plan at least as good as each of them."""
     candidates = []
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_recompute)
     if greedy is not None:
         candidates.append(("greedy", greedy))
+    if allow_swap and allow_recompute:  # the swapping greedy can stall past the cap where recompute fits
+        greedy_recompute = heuristics.greedy(graph, cap, False, True)
+        if greedy_recompute is not None:
+            candidates.append(("greedy recompute-only", greedy_recompute))
     if allow_recompute and graph.regions:  # per-block checkpointing: the MILP starts no worse than it
         candidates.append(("checkpoint-blocks", heuristics.checkpoint_blocks(graph)))
     if allow_swap and allow_recompute:
-        # the recompute-only MILP (few binaries: a plan in seconds), with the rebuilt-with options
-        # (sharing rebuilt work is often most of what recompute-only plans gain) or, when that finds
-        # no plan within its share of the time, without them
-        for label, rebuilt_with in (("recompute-only MILP", True), ("recompute-only MILP without sharing", False)):
-            try:
-                model = Model(graph, cap, MilpOptions(allow_swap=False, allow_recompute=True,
-                                                      allow_rebuilt_with=rebuilt_with))
-                result = solve_model(model, max(1.0, WARM_START_TIME_FRACTION * time_limit_s))
-            except SolverError:
-                continue
-            except CapInfeasible:
-                break
-            candidates.append((label, result.choices))
-            break
+        candidates += recompute_only_milp_plans(graph, cap, WARM_START_TIME_FRACTION * time_limit_s)
     best = None
     for name, choices in candidates:
         sim = simulate(graph, choices)
@@ -150,6 +169,26 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
     say("warm start: " + (f"{best[1]} plan, {format_duration(best[0], graph.time_unit)}" if best
                           else "none found under the cap"))
     return best[2] if best else None
+
+
+def recompute_only_milp_plans(graph: PlanningGraph, cap: int, time_limit_s: float) -> list[tuple[str, dict]]:
+    """The recompute-only MILP's plans (few binaries: seconds), labelled: first without the rebuilt-with
+    options (a plan fast at any size), then with them (sharing rebuilt work is often most of what
+    recompute-only plans gain), started from the first plan so it ends no worse even when its share of
+    the time runs out (above ~2,000 candidates it would find no plan of its own in that time)."""
+    plans = []
+    start = None
+    for label, rebuilt_with in (("recompute-only MILP without sharing", False), ("recompute-only MILP", True)):
+        options = MilpOptions(allow_swap=False, allow_recompute=True, allow_rebuilt_with=rebuilt_with)
+        try:
+            result = solve_model(Model(graph, cap, options), max(1.0, time_limit_s / 2), warm_start=start)
+        except SolverError:
+            continue
+        except CapInfeasible:
+            break
+        plans.append((label, result.choices))
+        start = result.choices
+    return plans
 
 
 def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: SimulationResult, cap: int,
