@@ -12,7 +12,8 @@ import pytest
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
-from regen.planner.milp.model import DEFAULT_REL_GAP, CapInfeasible, MilpOptions, Model
+from regen.planner.milp.memory_rows import CapInfeasible
+from regen.planner.milp.model import DEFAULT_REL_GAP, MilpOptions, Model
 from regen.planner.milp.solution import solve_model
 from regen.planner.simulator import simulate
 from regen.graphs.synthetic import chain_profile

@@ -20,7 +20,8 @@ The formulation of docs/milp.md, O(candidates x window) in size:
   `S(s) = sum_t m_t N_t(s)` are a running sum whose terms change only at window steps, so they are
   variables at change points only (`S_k = S_{k-1} + changes`), and the cap becomes a lower bound on
   S over each segment where the resident set cannot change: max unplanned memory in it - S <= cap
-  (plus recipe transients at b). Segments already under the cap get no constraint.
+  (plus recipe transients at b). Segments already under the cap get no constraint
+  (regen.planner.milp.memory_rows).
 * regions (regen.planner.milp.region_vars): `z_R` replays module call R at its replay step, a member t
   may be rebuilt by it (`reg_{t,R}`, one of t's actions: gone from f_t+1 until the replay), its
   arguments are kept, its time and transient are charged at the replay step;
@@ -40,12 +41,12 @@ import pulp
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
-from regen.planner.milp.captures import CaptureTerms
 from regen.planner.milp.highs import new_var
 from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
-                                            region_time_terms, region_transients)
+                                            region_time_terms)
 from regen.planner.milp.host_memory import add_host_memory_constraints
-from regen.planner.residency import resident_without_plan, unplanned_step_bytes
+from regen.planner.milp.memory_rows import add_memory_constraints
+from regen.planner.residency import resident_without_plan
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
 TIME_UNITS_PER_STEP = 1e3  # time unit = unplanned compute time / this
@@ -64,10 +65,6 @@ class MilpOptions:
     allow_rebuilt_with: bool = True  # a candidate may be rebuilt with another's recipe
     fifo_pairs: list[tuple[int, int]] = field(default_factory=list)  # (issued first, issued later)
     step_margin_bytes: dict[int, int] = field(default_factory=dict)  # extra headroom at steps (repair)
-
-
-class CapInfeasible(Exception):
-    """The MILP has no solution under the cap (solve turns it into an InfeasibleCapError)."""
 
 
 @dataclass
@@ -172,7 +169,7 @@ class Model:
         for a, b in opt.fifo_pairs:
             self._fifo_constraint(a, b)
         objective_terms = self._channel_constraints()
-        self._memory_constraints()
+        add_memory_constraints(self)
         add_host_memory_constraints(self)
         tu = self.time_unit
         for v in self.vars.values():
@@ -310,79 +307,3 @@ class Model:
             prob += (pulp.lpSum(terms) - rate * st - rate * pulp.lpSum(rec_at.get(s, []))
                      <= g.h2d_bytes_per_s * g.time_s[s] / mu), f"h2d_{s}"
         return stalls
-
-    def _memory_constraints(self) -> None:
-        """The savings S as a running sum over change points, bounded below on every segment."""
-        g, prob, mu = self.graph, self.prob, self.mem_unit
-        margin_at = self.options.step_margin_bytes
-        changes, transients = self._savings_changes()
-        captures = CaptureTerms(self)
-        for s, terms in captures.changes.items():
-            changes.setdefault(s, []).extend(terms)
-        cap = self.cap_bytes
-        if self.options.minimize_peak:
-            self.cap_var = new_var("cap", 0)
-        points = sorted(changes)
-        bounds = [0] + points + [g.num_steps]
-        # steps before the first change point have no savings at all
-        head = range(0, points[0] if points else g.num_steps)
-        head_peak = max((unplanned_step_bytes(g, s) + margin_at.get(s, 0) for s in head), default=0)
-        if self.cap_var is not None:
-            prob += self.cap_var >= head_peak / mu, "mem_head"
-        elif head_peak > cap:
-            raise CapInfeasible()
-        prev_var = None
-        for k, s0 in enumerate(points):
-            s1 = bounds[k + 2] - 1
-            var = new_var(f"S_{s0}")
-            expr = pulp.lpSum(coef * x for coef, x in changes[s0])
-            prob += var - (prev_var if prev_var is not None else 0) - expr == 0, f"run_{s0}"
-            prev_var = var
-            margin = max((margin_at.get(s, 0) for s in range(s0, s1 + 1)), default=0)
-            held = captures.worst_bytes_until(s1)  # a bound: the exact amount is in S
-            seg_peak = max(unplanned_step_bytes(g, s) for s in range(s0, s1 + 1)) + margin
-            trans = transients.get(s0, [])
-            worst_trans = sum(coef for coef, _ in trans if coef > 0) * mu
-            self.segments.append((s0, s1, var))
-            if self.cap_var is not None:
-                prob += var + self.cap_var >= seg_peak / mu, f"mem_{s0}"
-                if trans:
-                    prob += (var + self.cap_var - pulp.lpSum(cf * x for cf, x in trans)
-                             >= (g.peak_bytes[s0] + margin) / mu), f"memt_{s0}"
-                continue
-            if seg_peak + held > cap:
-                prob += var >= (seg_peak - cap) / mu, f"mem_{s0}"
-            if trans and g.peak_bytes[s0] + margin + worst_trans + held > cap:
-                prob += (var - pulp.lpSum(cf * x for cf, x in trans)
-                         >= (g.peak_bytes[s0] + margin - cap) / mu), f"memt_{s0}"
-
-    def _savings_changes(self) -> tuple[dict[int, list], dict[int, list]]:
-        """Where S changes, as step -> [(coefficient in memory units, variable)], and the recipe
-        transients charged at each first backward use."""
-        g, mu = self.graph, self.mem_unit
-        changes: dict[int, list] = {}
-        transients: dict[int, list] = {}
-        for v in self.vars.values():
-            c = v.c
-            f, b = c.last_forward, c.first_backward
-            points = {f + 1, b}
-            points.update(g.candidates[ri].first_backward for ri, _, _ in v.rebuilt_with)
-            points.update(g.regions[ri].replay_step for ri, _ in v.regions)
-            if v.swap is not None:
-                points.update(s + 1 for s in c.out_breaks)
-                points.update(c.in_breaks)
-            prev: dict = {}
-            for s in sorted(p for p in points if f + 1 <= p <= b):
-                cur = v.nonresident(s, g) if s < b else {}
-                keys = set(cur) | set(prev)
-                delta = [(cur.get(k, 0) - prev.get(k, 0), k) for k in keys]
-                delta = [(coef * c.bytes / mu, var) for coef, var in delta if coef]
-                if delta:
-                    changes.setdefault(s, []).extend(delta)
-                prev = cur
-            for k, r in enumerate(v.rec):
-                tb = c.recipes[k].transient_bytes
-                if tb:
-                    transients.setdefault(b, []).append((tb / mu, r))
-        region_transients(self, transients)
-        return changes, transients

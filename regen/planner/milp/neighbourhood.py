@@ -18,7 +18,8 @@ import pulp
 from regen.errors import SolverError
 from regen.planner.milp.blocks import MIN_SOLVER_TIME_S
 from regen.planner.milp.relaxation import lp_bound, lp_disagreement
-from regen.planner.milp.model import CapInfeasible, Model
+from regen.planner.milp.memory_rows import CapInfeasible
+from regen.planner.milp.model import Model
 from regen.planner.milp.solution import solve_model
 from regen.planner.result import Choice
 from regen.units import format_duration

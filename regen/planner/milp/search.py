@@ -24,7 +24,8 @@ from regen.planner.graph import PlanningGraph
 from regen.planner.milp.blocks import (FINAL_CHECK_TIME_FRACTION, MIN_SOLVER_TIME_S, solve_by_blocks,
                                        time_for_full_solve)
 from regen.planner.milp.highs import require_highspy, to_highs_lp
-from regen.planner.milp.model import CapInfeasible, MilpOptions, Model
+from regen.planner.milp.memory_rows import CapInfeasible
+from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
 from regen.planner.milp.relaxation import Relaxation
 from regen.planner.milp.solution import MilpResult, solve_model

@@ -18,7 +18,8 @@ from regen.errors import SolverError
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.copy_order import latest_copy_in_steps
 from regen.planner.milp.highs import SOLVER_THREADS, run_highs, size_message, value_of
-from regen.planner.milp.model import DEFAULT_REL_GAP, CapInfeasible, Model
+from regen.planner.milp.memory_rows import CapInfeasible
+from regen.planner.milp.model import DEFAULT_REL_GAP, Model
 from regen.planner.recipes import rebuilt_with_recipe
 from regen.planner.regions import region_transient_bytes
 from regen.planner.residency import unplanned_step_bytes
