@@ -23,6 +23,6 @@
 from regen.runtime.apply import RegenHandle, apply
 from regen.runtime.peak_check import CapExceededWarning
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.step import PlanMismatchWarning
+from regen.runtime.mismatch import PlanMismatchWarning
 
 __all__ = ["CapExceededWarning", "PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]

@@ -81,7 +81,8 @@ from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose,
 from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.step import PlanMismatchWarning, Step, StepContext, StepFindings
+from regen.runtime.mismatch import PlanMismatchWarning
+from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
 

@@ -23,7 +23,7 @@ from torch import nn
 from regen.call_signature import call_signature, describe
 from regen.formats.plan import Plan
 from regen.runtime.learned import LearnedPlans, Learner
-from regen.runtime.step import PlanMismatchWarning
+from regen.runtime.mismatch import PlanMismatchWarning
 from regen.units import format_bytes
 
 

@@ -14,30 +14,27 @@ regions.py) and rebuilds each entry over its restored or recomputed storage, aft
 entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
 handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`).
 
-A plan mismatch raises `PlanMismatchError`, or with on_mismatch="keep" warns (`PlanMismatchWarning`)
-and keeps every later tensor of the step. A backward with create_graph=True (an unpack with grad mode on:
-the engine runs such a backward with it) is a mismatch: what it saves for a second backward is not
-planned. With torch.distributed initialized, a mismatch found before backward is acted on at the first
-unpack, after the ranks agreed on it (regen/ranks.py), so all ranks raise or all go on. The step is
-released (host ranges, device copies, captures) once its forward has ended and autograd has freed every
-handle, or at once when aborted.
+A plan mismatch raises or warns and keeps every later tensor of the step (regen.runtime.mismatch; with
+torch.distributed, decided with the other ranks at the first unpack). A backward with create_graph=True
+(an unpack with grad mode on: the engine runs such a backward with it) is a mismatch: what it saves for a
+second backward is not planned. The step is released (host ranges, device copies, captures) once its
+forward has ended and autograd has freed every handle, or at once when aborted.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from regen.errors import PlanMismatchError, RegenError
+from regen.errors import RegenError
 from regen.runtime.candidates import CandidateTable, Kept, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
+from regen.runtime.mismatch import MismatchPolicy
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
 from regen.runtime.plan_index import PlanIndex
-from regen.ranks import rank_agreement
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import HostPool, SwapEngine, view_of
@@ -53,10 +50,6 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # no __torch_dispatch__ of t
 DOUBLE_BACKWARD_MISMATCH = (
     "the backward runs with create_graph=True (double backward, e.g. a gradient penalty): the tensors it saves "
     "for the second backward are outside the plan, so the memory cap would not hold")
-
-
-class PlanMismatchWarning(UserWarning):
-    """A step ran unplanned because the plan did not fit it (on_mismatch="keep")."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +91,7 @@ class Step:
         """`verified`, `pack_sequence`, `fast_ops`: what the earlier steps of its plan found (StepFindings);
         `call_difference()`: how this step's call differs from the profiled one, for a mismatch's message."""
         self.ctx = ctx
-        self.call_difference = call_difference
+        self.mismatches = MismatchPolicy(ctx.on_mismatch, ctx.stats, call_difference)
         self.index = ctx.index
         self.phase = PHASE_FORWARD
         self.planned = True
@@ -129,9 +122,6 @@ class Step:
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
         self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
-        self.any_rank = rank_agreement()  # None without torch.distributed
-        self.ranks_agreed = False
-        self.deferred_mismatch: str | None = None  # found before the ranks agreed (any_rank set)
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
 
@@ -187,29 +177,19 @@ class Step:
             self.regions.returned(module)
 
     def mismatch(self, message: str):
-        if self.ctx.on_mismatch == "raise" or self.planned:
-            difference = self.call_difference()
-            if difference is not None:
-                message = f"{message}; {difference}"
-        if self.any_rank is not None and not self.ranks_agreed:  # the ranks decide together at the first unpack
-            if self.deferred_mismatch is None:
-                self.deferred_mismatch = message
-                self.planned = False
+        message = self.mismatches.describe(message, self.planned)
+        if self.mismatches.defer(message):  # the ranks decide together at the first unpack
+            self.planned = False
             return
         self._act_on_mismatch(message)
 
     def _act_on_mismatch(self, message: str):
+        planned = self.planned
+        self.planned = False
         if self.ctx.on_mismatch == "raise":
             self.failed = True
-            self.planned = False
             self.end_forward()
-            raise PlanMismatchError(f"regen.apply: {message}. Profile and solve for this model and batch "
-                                    f"shape, or pass on_mismatch='keep' to run such steps unplanned")
-        if self.planned:
-            self.planned = False
-            self.ctx.stats.unplanned_steps += 1
-            warnings.warn(f"regen.apply: {message}; running this step unplanned (on_mismatch='keep')",
-                          PlanMismatchWarning, stacklevel=3)
+        self.mismatches.act(message, planned)
 
     # ---- pack ---------------------------------------------------------------------------------------
     def pack(self, x: torch.Tensor):
@@ -331,23 +311,11 @@ class Step:
         if expected is not None and self.forward_packs_seen != expected and self.planned:
             self.mismatch(f"the forward saved {self.forward_packs_seen} tensors for backward, the plan's saved "
                           f"{expected} (parameters frozen or unfrozen since it was profiled, or another model)")
-        if self.any_rank is not None:
-            self._agree_across_ranks()
-
-    def _agree_across_ranks(self):
-        """Every rank takes the on_mismatch action if any rank's step did not match the plan."""
-        self.ranks_agreed = True
-        with regen_ops():
-            anywhere = self.any_rank(self.deferred_mismatch is not None)
-        if not anywhere:
-            return
-        message = self.deferred_mismatch
-        if message is None and self.ctx.on_mismatch == "keep":
-            warnings.warn("regen.apply: another rank's step did not match the plan and ran unplanned there; "
-                          "this rank's step followed the plan", PlanMismatchWarning, stacklevel=3)
-            return
-        self.planned = True  # the deferred mismatch is acted on (and counted) now
-        self._act_on_mismatch(message or "another rank's step did not match the plan")
+        if self.mismatches.any_rank is not None:  # every rank acts if any rank's step did not match
+            message = self.mismatches.agree()
+            if message is not None:
+                self.planned = True  # the deferred mismatch is acted on (and counted) now
+                self._act_on_mismatch(message)
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _maybe_release(self):
