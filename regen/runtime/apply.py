@@ -82,6 +82,7 @@ from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.mismatch import PlanMismatchWarning
+from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
@@ -128,7 +129,6 @@ class RegenHandle:
         self.stats = RuntimeStats()
         self.current: Step | None = None
         self.live_steps: list[Step] = []
-        self._hooks_pushed: set[Step] = set()  # steps whose saved-tensor hooks are pushed, not popped yet
         self._depth = 0
         self._removed = False
         device = module_device(self.root)
@@ -183,13 +183,16 @@ class RegenHandle:
         step = self.current
         if step is not None:
             step.end_forward()
-            self._pop_hooks_of(step)
+        stacks.pop_finished()
+        if step is not None:
+            stacks.pop_hooks(step.pack_fn)  # or later, by pop_finished, once it is on top again
         self._pop_tracker(force=True)
         self.current = None
         self.fallback.remove(abort)
         if abort:
             for s in list(self.live_steps):
                 s.release(aborted=True)
+        stacks.pop_finished()  # what this removal uncovered (another handle's, or this one's let go)
         if not self.live_steps:
             _close_engines(self.engines)
 
@@ -200,7 +203,8 @@ class RegenHandle:
 
     @property
     def hooks_installed(self) -> bool:
-        return (bool(self._hooks) or self.tracker_pushed or self.current in self._hooks_pushed
+        return (bool(self._hooks) or self.tracker_pushed
+                or (self.current is not None and stacks.hooks_pushed(self.current.pack_fn))
                 or self.fallback.hooks_installed)
 
     @property
@@ -228,10 +232,11 @@ class RegenHandle:
             raise RegenError("regen.apply: the model is being run by torch.compile; regen plans eager "
                              "execution, so train the module under regen.apply without torch.compile")
         prev = self.current
+        if prev is not None and prev.phase != PHASE_CLOSED:
+            prev.end_forward()
+        stacks.pop_finished()  # this handle's and others' steps that pack no more
         if prev is not None:
-            if prev.phase != PHASE_CLOSED:
-                prev.end_forward()
-            self._pop_hooks_of(prev)
+            stacks.pop_hooks(prev.pack_fn)
         self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
         for plan in self.fallback.between_steps():  # learned plans join the set (on this thread)
             new = add_plan(self.plan_states, plan)
@@ -259,8 +264,7 @@ class RegenHandle:
         else:  # pack-order fast path: no dispatch mode
             self.tracker.step = None
             self._pop_tracker(force=False)
-        torch._C._autograd._push_saved_tensors_default_hooks(step.pack_fn, step.unpack_fn)
-        self._hooks_pushed.add(step)
+        stacks.push_hooks(step, step.pack_fn, step.unpack_fn)
 
     def _plan_for(self, args: tuple, kwargs: dict) -> PlanState | None:
         """The plan of the set this call runs under; None when none fits and on_mismatch is "keep" (with a
@@ -304,7 +308,7 @@ class RegenHandle:
         if torch._C._current_graph_task_id() == -1:
             self._pop_tracker_for(step)
             if not in_pack_hook:
-                self._pop_hooks_of(step, warn=False)
+                stacks.pop_hooks(step.pack_fn)
 
     def _pop_tracker_for(self, step: Step):
         if self.tracker.step is step:
@@ -317,21 +321,12 @@ class RegenHandle:
         if _get_current_dispatch_mode() is self.tracker:
             self.tracker.__exit__(None, None, None)
             self.tracker_pushed = False
-        elif force and self.tracker not in _get_current_dispatch_mode_stack():
+        elif force:  # let go: popped once it is on top (regen.runtime.stacks)
+            if any(m is self.tracker for m in _get_current_dispatch_mode_stack()):
+                stacks.orphan(self.tracker)
             self.tracker_pushed = False
         if not self.tracker_pushed:
             self.tracker.step = None
-
-    def _pop_hooks_of(self, step: Step, warn: bool = True):
-        if step not in self._hooks_pushed:
-            return
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] is step.pack_fn:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._hooks_pushed.discard(step)
-        elif warn:
-            warnings.warn("regen.apply: other saved-tensor hooks were pushed above regen's and not popped; "
-                          "leaving them in place", RuntimeWarning, stacklevel=3)
 
     def _step_released(self, step: Step, followed_plan: bool):
         self.peak_check.step_released(step, followed_plan)

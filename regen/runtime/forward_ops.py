@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.formats.plan import ACTION_RECOMPUTE, Plan

@@ -64,7 +64,7 @@ def plan_states(plans) -> list[PlanState]:
 def add_plan(states: list[PlanState], plan: Plan) -> PlanState:
     """A plan joins the set (a learned one): its call must be recorded and none of the set's."""
     if plan.call is None or any(s.plan.call == plan.call for s in states):
-        raise RegenError(f"regen.apply: a learned plan's call is missing or already in the set")
+        raise RegenError("regen.apply: a learned plan's call is missing or already in the set")
     state = PlanState(plan, index_plan(plan))
     states.append(state)
     return state

@@ -318,6 +318,10 @@ class Step:
                 self._act_on_mismatch(message)
 
     # ---- lifetime -----------------------------------------------------------------------------------
+    def packs_no_more(self) -> bool:
+        """Its saved set is final (backward began, or it was released): its hooks may be popped."""
+        return self.unpack_count > 0 or self.released
+
     def _maybe_release(self):
         if self.cands.live <= 0 and self.phase == PHASE_CLOSED and not self.released:
             self.release()

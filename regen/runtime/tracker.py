@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode, _get_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.opinfo import is_counted
+from regen.runtime import stacks
 
 # regen's own small ops (detach, set_, copies, replays' bookkeeping) skip every Python dispatch mode: they
 # are never counted and cost no Python round trip
@@ -85,7 +86,9 @@ class ForwardTracker(TorchDispatchMode):
         if _get_current_function_mode() is self.closer:
             self.closer.__exit__(None, None, None)
             self.closer_pushed = False
-        elif force and self.closer not in _get_current_function_mode_stack():
+        elif force:  # let go: popped once it is on top (regen.runtime.stacks)
+            if any(m is self.closer for m in _get_current_function_mode_stack()):
+                stacks.orphan(self.closer)
             self.closer_pushed = False
 
 

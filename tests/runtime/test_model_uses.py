@@ -212,3 +212,55 @@ def test_a_plan_set_needs_one_plan_per_call(gan):
         regen.apply(d, [plan_d, old])
     with pytest.raises(RegenError, match="an empty list of plans"):
         regen.apply(d, [])
+
+
+# ---- two models, each under its own handle, trained in turn -------------------------------------------
+
+
+def _hook_stack_depth() -> int:
+    """How many saved-tensor hooks autograd's stack holds on this thread (popped and pushed back)."""
+    popped = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+        popped.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(popped):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return len(popped)
+
+
+@pytest.mark.parametrize("mode", ["planned", "dynamic"])
+def test_two_handles_trained_in_turn_leave_no_hooks_behind(mode):
+    """Two models trained in turn (a teacher and a student, two networks of a loop), each under its own
+    handle: each step leaves its hooks pushed until the next step (they cannot be popped inside backward),
+    and the next step of either handle pops them, whichever is on top, so the stack does not grow, no
+    warning is raised, and after remove() nothing is left; both models' steps stay exact."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from common import make
+
+    models = [make("mlp"), make("mlp")]
+    for w in models:
+        torch.manual_seed(0)
+        for p in w.model.parameters():
+            p.data.normal_()
+    expected = [run_and_grads(w) for w in models]
+    if mode == "planned":
+        plan = _solve_tight(_profile(make("mlp")), "recompute")
+        handles = [regen.apply(w.model, plan) for w in models]
+    else:
+        cap = int(_profile(make("mlp")).peak_bytes * 0.6)
+        handles = [regen.apply(w.model, memory_cap=cap) for w in models]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(4):
+            for w, want in zip(models, expected):
+                assert_same(run_and_grads(w), want)
+            assert _hook_stack_depth() <= 1  # the last step's, popped when the next step begins
+    for h in handles:
+        h.remove()
+    assert _hook_stack_depth() == 0
+    assert not any(h.hooks_installed for h in handles)
+    assert not _get_current_dispatch_mode_stack() and not _get_current_function_mode_stack()

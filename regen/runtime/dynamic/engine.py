@@ -15,7 +15,6 @@ owns no module hook, so one handle's hooks decide every step and the two sets ne
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 from regen.opinfo import is_counted
+from regen.runtime import stacks
 from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
@@ -106,15 +106,15 @@ class DynamicEngine:
         self.removed = False
         self.current: DynamicStep | None = None
         self.live_steps: list[DynamicStep] = []
-        self._hooks_pushed: set[DynamicStep] = set()
 
     @property
     def hooks_installed(self) -> bool:
-        return self.mode_pushed or bool(self._hooks_pushed)
+        return self.mode_pushed or (self.current is not None and stacks.hooks_pushed(self.current.pack))
 
     def start_step(self) -> DynamicStep:
         """A training forward begins as a dynamic step."""
         self.close_current()
+        stacks.pop_finished()  # this handle's and others' steps that pack no more
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps)
@@ -125,8 +125,7 @@ class DynamicEngine:
         if not self.mode_pushed:
             self.mode.__enter__()
             self.mode_pushed = True
-        torch._C._autograd._push_saved_tensors_default_hooks(step.pack, step.unpack)
-        self._hooks_pushed.add(step)
+        stacks.push_hooks(step, step.pack, step.unpack)
         return step
 
     def close_current(self) -> None:
@@ -135,7 +134,8 @@ class DynamicEngine:
         if step is None:
             return
         step.closed = True
-        self._pop_hooks_of(step)
+        stacks.pop_finished()
+        stacks.pop_hooks(step.pack)  # or later, by pop_finished, once it is on top again
         self.current = None
         step.maybe_release()
 
@@ -145,7 +145,9 @@ class DynamicEngine:
         if self.mode_pushed and _get_current_dispatch_mode() is self.mode:
             self.mode.__exit__(None, None, None)
             self.mode_pushed = False
-        elif force and self.mode_pushed and self.mode not in _get_current_dispatch_mode_stack():
+        elif force and self.mode_pushed:  # let go: popped once it is on top (regen.runtime.stacks)
+            if any(m is self.mode for m in _get_current_dispatch_mode_stack()):
+                stacks.orphan(self.mode)
             self.mode_pushed = False
         if not self.mode_pushed:
             self.mode.step = None
@@ -162,23 +164,13 @@ class DynamicEngine:
                 s.release(aborted=True)
             else:
                 s.maybe_release()
+        stacks.pop_finished()  # what this removal uncovered (another handle's, or this one's let go)
         self._close_link()
 
     def _close_link(self) -> None:
         """The link's copy threads stop once the handle is removed and no step can copy any more."""
         if self.removed and not self.live_steps and self.swaps is not None:
             self.swaps.close()
-
-    def _pop_hooks_of(self, step: DynamicStep) -> None:
-        if step not in self._hooks_pushed:
-            return
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] == step.pack:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._hooks_pushed.discard(step)
-        else:
-            warnings.warn("regen.apply: other saved-tensor hooks were pushed above regen's and not popped; "
-                          "leaving them in place", RuntimeWarning, stacklevel=4)
 
     def _released(self, step: DynamicStep) -> None:
         if step in self.live_steps:

@@ -139,6 +139,10 @@ class DynamicStep:
         return out
 
     # ---- saved-tensor hooks -----------------------------------------------------------------------
+    def packs_no_more(self) -> bool:
+        """Its saved set is final (backward began, the model's next call began, or it was released)."""
+        return self.in_backward or self.closed or self.released
+
     def pack(self, x: torch.Tensor):
         with regen_ops():  # regen's own ops (detach) are never captured
             return self._pack(x)

@@ -1,0 +1,87 @@
+"""regen's entries on the thread's stacks: saved-tensor hooks and torch modes, which only pop from the top.
+
+Autograd's default saved-tensor hooks, the dispatch modes and the torch function modes are per-thread
+stacks. A step's hooks cannot be popped from inside backward (the engine restores the thread's hook
+stack when a backward returns), so they stay pushed after the step's forward until the next step begins
+or the handle is removed; the dispatch modes of plans with recipes and of dynamic mode stay pushed
+through backward too. With several handles in one thread (two models trained in turn, a teacher and a
+student, a GAN's two networks), another handle's entries may lie above them when their owner lets them
+go. So:
+
+* a step's hooks are pushed with `push_hooks` and popped with `pop_hooks` when they are on top;
+  `pop_finished` pops, from the top down, the hooks of every regen step that packs no more
+  (`packs_no_more()`: its saved set is final), whichever handle it belongs to;
+* a mode its owner lets go while it is not on top is `orphan`ed, and `pop_finished` pops orphaned modes
+  once they are on top;
+* every step start and every `remove()` calls `pop_finished`, so the stacks do not grow from step to
+  step, and what could not be popped is popped as soon as it is on top again (after the last handle's
+  `remove()`, nothing of regen's is left on them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from torch.overrides import _get_current_function_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+
+class HookedStep(Protocol):
+    def packs_no_more(self) -> bool: ...
+
+
+# pack hook -> its step, while pushed (the stack holds the hooks, and so the steps, as strongly)
+_pushed: dict[Callable, HookedStep] = {}
+_orphans: list = []  # modes let go by their owners while other modes were above them
+
+
+def push_hooks(step: HookedStep, pack: Callable, unpack: Callable) -> None:
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    _pushed[pack] = step
+
+
+def hooks_pushed(pack: Callable) -> bool:
+    return pack in _pushed
+
+
+def pop_hooks(pack: Callable) -> None:
+    """Pop the hooks of `pack` when they are on top of the stack (else `pop_finished` pops them later)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is not None and top[0] == pack and pack in _pushed:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        del _pushed[pack]
+
+
+def orphan(mode) -> None:
+    """`mode` (a dispatch or function mode on this thread's stack, not on top) is no longer wanted."""
+    if not any(m is mode for m in _orphans):
+        _orphans.append(mode)
+
+
+def pop_finished() -> None:
+    """Pop, from the top down, the hooks of regen steps that pack no more and the orphaned modes."""
+    while _pop_finished_hooks() or _pop_orphan(_get_current_dispatch_mode()) \
+            or _pop_orphan(_get_current_function_mode()):
+        pass
+
+
+def _pop_finished_hooks() -> bool:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    try:
+        step = _pushed.get(top[0]) if top is not None else None
+    except TypeError:  # someone else's hook, not hashable: not regen's
+        return False
+    if step is None or not step.packs_no_more():
+        return False
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    del _pushed[top[0]]
+    return True
+
+
+def _pop_orphan(mode) -> bool:
+    if mode is None or not any(m is mode for m in _orphans):
+        return False
+    mode.__exit__(None, None, None)
+    _orphans[:] = [m for m in _orphans if m is not mode]
+    return True
