@@ -93,6 +93,26 @@ if TYPE_CHECKING:
 ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 
 
+def _checked_plan_states(model: nn.Module, plan: Plan | str | Path | list | None, on_mismatch: str,
+                         learner: Learner | None) -> list[PlanState]:
+    """The plans' states (plan_set.py), after the arguments of `regen.apply` are checked."""
+    if on_mismatch not in ON_MISMATCH_CHOICES:
+        raise RegenError(f"regen.apply: on_mismatch must be one of {', '.join(ON_MISMATCH_CHOICES)}, "
+                         f"got {on_mismatch!r}")
+    states = plan_states(plan) if plan is not None else []
+    if learner is not None and any(s.plan.call is None for s in states):
+        raise RegenError("regen.apply: learn=True adds a plan per call to the set, and a plan given does not "
+                         "record how its step called the model (profiled by an older regen); profile and "
+                         "solve it again")
+    if not isinstance(model, nn.Module):
+        raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise RegenError("regen.apply: this module is torch.compile'd; regen plans eager execution (its hooks "
+                         "and recipes run op by op), so apply the plan to the original module "
+                         "(model._orig_mod) and train it without torch.compile")
+    return states
+
+
 class RegenHandle:
     """The object `regen.apply` returns: a context manager, or call `.remove()` when done."""
 
@@ -101,20 +121,7 @@ class RegenHandle:
                  learner: Learner | None = None):
         """`cap_bytes`: the cap of dynamic steps without a plan (`plan` None: every call is learned);
         `learner`: what learns a plan for a call no plan fits (learned.py)."""
-        if on_mismatch not in ON_MISMATCH_CHOICES:
-            raise RegenError(f"regen.apply: on_mismatch must be one of {', '.join(ON_MISMATCH_CHOICES)}, "
-                             f"got {on_mismatch!r}")
-        states = plan_states(plan) if plan is not None else []
-        if learner is not None and any(s.plan.call is None for s in states):
-            raise RegenError("regen.apply: learn=True adds a plan per call to the set, and a plan given does not "
-                             "record how its step called the model (profiled by an older regen); profile and "
-                             "solve it again")
-        if not isinstance(model, nn.Module):
-            raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
-        if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-            raise RegenError("regen.apply: this module is torch.compile'd; regen plans eager execution (its hooks "
-                             "and recipes run op by op), so apply the plan to the original module "
-                             "(model._orig_mod) and train it without torch.compile")
+        states = _checked_plan_states(model, plan, on_mismatch, learner)
         self.model = model
         self.root = _unwrap(model)
         self.plan_states = states  # one per plan, each with what its steps found (plan_set.py)
