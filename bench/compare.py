@@ -72,6 +72,7 @@ MODELS = {
 }
 TIMED_STEPS = 7
 WARMUP_STEPS = 2
+PROFILE_WARMUP_S = 2.0  # as `regen profile`: the step time settles before the profile measures it
 SOLVE_TIME_LIMIT_S = 30.0
 COMPILE_MEMORY_BUDGET = 0.5
 SEED = 0
@@ -179,7 +180,8 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
     from regen.runtime.costs import measure_runtime_costs
 
     progress(f"[{name}] profiling")
-    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None,
+    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
+                               progress=None,
                                runtime_probe=measure_runtime_costs)
     memcpy_gb_s = profile.device.d2h_bytes_per_s / 1e9  # the memcpy "link", given explicitly
     start = profile.memory_at_start_bytes
@@ -321,7 +323,8 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
 
     label = f"{name} R={link_ratio:g}"
     progress(f"[{label}] profiling")
-    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, progress=None,
+    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
+                               progress=None,
                                runtime_probe=measure_runtime_costs)
     start = profile.memory_at_start_bytes
     variants = [_measured(Variant("no plan", build(spec), predicted_step_time_s=profile.step_time_s), start, label,

@@ -25,6 +25,7 @@ from regen.units import format_bytes
 
 DEFAULT_REPEATS = 3
 DEFAULT_WARMUP_STEPS = 1
+DEFAULT_WARMUP_S = 2.0  # a small model's CPU step keeps getting faster for ten steps or so
 DEFAULT_TIME_LIMIT_S = 60.0
 
 
@@ -72,6 +73,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     say = _progress(args.quiet)
     device, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
     profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
+                               warmup_s=args.warmup_s,
                                progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs,
                                park=args.park)
     if not _is_rank_0():  # profiled on every rank of a process group (FSDP's collectives); rank 0 writes it
@@ -257,7 +259,10 @@ def _add_profile_command(sub) -> None:
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help=f"timed steps; step and op times are their medians (default {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS,
-                   help=f"unrecorded warm-up steps (default {DEFAULT_WARMUP_STEPS})")
+                   help=f"unrecorded warm-up steps, at least (default {DEFAULT_WARMUP_STEPS})")
+    p.add_argument("--warmup-s", type=float, default=DEFAULT_WARMUP_S,
+                   help=f"more warm-up steps while all of them took less than this many seconds, so step times "
+                        f"have settled before they are measured (default {DEFAULT_WARMUP_S:g}; 0: none)")
     p.add_argument("--park", action="store_true",
                    help="park saved tensors in host memory while profiling, for a step that does not fit on the "
                         "device (the profile is the same; on CUDA an out-of-memory warm-up step does this by itself)")

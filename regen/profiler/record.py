@@ -2,7 +2,9 @@
 
 Phases, in order (each announced through `progress`):
 
-1. warm-up: `warmup_steps` plain steps (forward, backward, optimizer step), so caches, lazy
+1. warm-up: `warmup_steps` plain steps (forward, backward, optimizer step), and more while all of them
+   together have taken less than `warmup_s` (on a CPU a small model's step keeps getting faster for ten
+   steps or so, 15% on the built-in GPT: the allocator settles), so caches, lazy
    initialisation and the optimizer state exist as they do in steady-state training;
 2. plain timing: `repeats` uninstrumented forward+backward steps (`step_time_s`, median; their forwards
    alone `forward_time_s`) each followed by a separately timed optimizer step (`optimizer_step_time_s`);
@@ -73,6 +75,7 @@ from regen.profiler.park import ParkingHooks, ParkStore
 from regen.workloads import Workload, call_arguments, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
+MAX_WARMUP_STEPS = 12  # warm-up steps taken to fill `warmup_s`, at most
 # the plain step time and the summed op times disagree (a busy machine) when they differ by this factor
 # and by this much; then both are measured again, up to MAX_TIMING_ATTEMPTS times in all
 TIMING_DISAGREE_RATIO = 2.0
@@ -85,20 +88,24 @@ Progress = Callable[[str], None]
 def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps: int,
                      progress: Progress | None,
                      runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None, park: bool = False,
-                     bandwidth: Bandwidth | None = None, optimizer_step: bool = True) -> Profile:
+                     bandwidth: Bandwidth | None = None, optimizer_step: bool = True,
+                     warmup_s: float = 0.0) -> Profile:
     """Profile one training step of `workload` on `device` (see the module docstring for the phases).
 
     `runtime_probe` measures what regen's runtime adds per event on this device (`regen profile` passes
     regen.runtime.costs.measure_runtime_costs); without it the profile has no `runtime_costs`. `park`
     records the step with its saved tensors parked in host memory (a step that does not fit). `bandwidth`:
     the link's, measured before (no probe buffers then); `optimizer_step=False` runs no optimizer step (no
-    optimizer state: a profile taken between a user's training steps, regen.learning)."""
+    optimizer state: a profile taken between a user's training steps, regen.learning). `warmup_s`: more
+    warm-up steps after `warmup_steps` while all of them have taken less than this (`regen profile`: 2 s)."""
     say = progress or (lambda message: None)
     dev = resolve_device(device)
     if repeats < 1:
         raise RegenError(f"repeats must be at least 1, got {repeats}")
     if warmup_steps < 0:
         raise RegenError(f"warm-up steps must be 0 or more, got {warmup_steps}")
+    if not warmup_s >= 0:
+        raise RegenError(f"the warm-up time must be 0 or more seconds, got {warmup_s}")
     _check_model_device(workload, dev)
     parameters = list(workload.model.parameters())
     trainable = [p for p in parameters if p.requires_grad]
@@ -106,7 +113,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
         raise WorkloadError(f"workload '{workload.name}': the model has no trainable parameters")
     optimizer = torch.optim.AdamW(trainable, lr=OPTIMIZER_LR)
     timer = _StepTimer(workload, optimizer if optimizer_step else None, dev, repeats, say, park)
-    _warm_up(timer, warmup_steps)
+    _warm_up(timer, warmup_steps, warmup_s)
     step_times_s, optimizer_times_s = timer.plain_steps()
     optimizer_state_bytes = unique_storage_bytes(optimizer_state_tensors(optimizer))
 
@@ -199,10 +206,14 @@ def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[
     return step_times_s, optimizer_times_s, op_times_s
 
 
-def _warm_up(timer: "_StepTimer", warmup_steps: int) -> None:
-    """The warm-up steps; on CUDA, one that runs out of memory is retried parked (and the profile stays so)."""
-    for k in range(warmup_steps):
-        timer.say(f"warm-up step {k + 1}/{warmup_steps}")
+def _warm_up(timer: "_StepTimer", warmup_steps: int, warmup_s: float) -> None:
+    """At least `warmup_steps` warm-up steps, and more until they took `warmup_s` in all (at most
+    MAX_WARMUP_STEPS); on CUDA, one that runs out of memory is retried parked (and the profile stays so)."""
+    t0 = time.perf_counter()
+    k = 0
+    while k < warmup_steps or (time.perf_counter() - t0 < warmup_s and k < MAX_WARMUP_STEPS):
+        k += 1
+        timer.say(f"warm-up step {k}" + (f"/{warmup_steps}" if k <= warmup_steps else f" (until {warmup_s:g} s)"))
         try:
             timer.plain_step()
         except (torch.OutOfMemoryError, WorkloadError) as exc:

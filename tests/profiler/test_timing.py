@@ -67,3 +67,24 @@ def test_the_forward_is_timed_on_its_own(tmp_path):
     assert profile.step_time_s - profile.forward_time_s < SLEEP_S / 2
     save_profile(profile, tmp_path / "p.yaml")
     assert load_profile(tmp_path / "p.yaml").forward_time_s == profile.forward_time_s
+
+
+def test_warm_up_goes_on_for_its_time_and_no_further_than_its_cap():
+    """`warmup_s`: warm-up steps after `warmup_steps` until they took that long (a CPU step keeps getting
+    faster for about ten steps), never more than MAX_WARMUP_STEPS; a negative time is refused."""
+    import pytest
+
+    from regen.errors import RegenError
+    from regen.profiler.record import MAX_WARMUP_STEPS
+
+    def warm_up_steps(**kwargs) -> int:
+        workload = Workload(name="busy", model=SometimesBusy(0), batch=(torch.randn(8, 16),), loss_fn=None, args={},
+                            batch_size=8)
+        messages = []
+        profile_workload(workload, "cpu", repeats=1, progress=messages.append, **kwargs)
+        return sum(1 for m in messages if m.startswith("warm-up step"))
+
+    assert warm_up_steps(warmup_steps=2) == 2
+    assert warm_up_steps(warmup_steps=1, warmup_s=60.0) == MAX_WARMUP_STEPS
+    with pytest.raises(RegenError, match="warm-up time"):
+        warm_up_steps(warmup_steps=1, warmup_s=-1.0)
