@@ -75,6 +75,9 @@ from regen.profiler.park import ParkingHooks, ParkStore
 from regen.workloads import Workload, call_arguments, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
+# what regen profile's caller measures of its runtime: (device, timed_forward or None) -> RuntimeCosts, where
+# timed_forward(context) runs one step of the workload with `context` around its forward (regen.runtime.costs)
+RuntimeProbe = Callable[[torch.device, Callable | None], RuntimeCosts]
 MAX_WARMUP_STEPS = 12  # warm-up steps taken to fill `warmup_s`, at most
 # the plain step time and the summed op times disagree (a busy machine) when they differ by this factor
 # and by this much; then both are measured again, up to MAX_TIMING_ATTEMPTS times in all
@@ -87,7 +90,7 @@ Progress = Callable[[str], None]
 
 def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps: int,
                      progress: Progress | None,
-                     runtime_probe: Callable[[torch.device], RuntimeCosts] | None = None, park: bool = False,
+                     runtime_probe: RuntimeProbe | None = None, park: bool = False,
                      bandwidth: Bandwidth | None = None, optimizer_step: bool = True,
                      warmup_s: float = 0.0) -> Profile:
     """Profile one training step of `workload` on `device` (see the module docstring for the phases).
@@ -133,7 +136,9 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
 
     say("measuring host<->device bandwidth" + (" and the runtime's own costs" if runtime_probe else ""))
     bandwidth = bandwidth or measure_bandwidth(dev)
-    runtime_costs = runtime_probe(dev) if runtime_probe is not None else None
+    # the probe times forwards of this workload too, unless a step does not fit (parked)
+    runtime_costs = (runtime_probe(dev, None if timer.park else timer.forward_time_under)
+                     if runtime_probe is not None else None)
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
     notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)"
                  if optimizer_step else "optimizer: none (the step alone)")
@@ -287,6 +292,19 @@ class _StepTimer:
         t2 = time.perf_counter()
         _zero_grad(self.optimizer, self.workload)
         return t1 - t0 - copy_time_s(), t2 - t1
+
+    def forward_time_under(self, context) -> float:
+        """One forward+backward with `context` entered around the forward: the forward's seconds."""
+        self.sync()
+        t0 = time.perf_counter()
+        with context:
+            loss, output = forward_with_output(self.workload)
+            self.sync()
+            forward_s = time.perf_counter() - t0
+        loss.backward()
+        del loss, output
+        _zero_grad(self.optimizer, self.workload)
+        return forward_s
 
     def plain_steps(self) -> tuple[list[float], list[float]]:
         """`repeats` plain steps: (step times, optimizer times); their forward times in `forward_times_s`."""

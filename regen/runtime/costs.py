@@ -8,20 +8,25 @@ and two outputs; two tensors; a bias, two matrices and scalars; keyword argument
 since the runtime's work per op grows with the op's arguments and outputs:
 
 * `dispatch_op_s`: one forward op's round trip through the `ForwardTracker` (paid by every forward op
-  until the last tracked one, on steps of a plan with per-tensor recipes);
+  until the last tracked one, on steps of a plan with per-tensor recipes). Given the profiled
+  workload's forward (`timed_forward`, as `regen profile` passes it), it is measured there: plain
+  forwards and forwards under the tracker, interleaved, the difference of their medians per counted op
+  (the built-in GPT's training forward: about 33 us per op, where tiny tensors without grad give 12);
 * `capture_op_s`: what a tracked forward op adds: its name checked, its arguments captured, the
   storages it wrote noted;
 * `replay_op_s`: one recipe op replayed in backward, beyond the op itself;
 * `recipe_s`: one replayed recipe, besides its ops (its tables and the checks of its result).
 
-Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s.
+Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus
+2 x FORWARD_PROBE_PAIRS forward+backward steps of the workload when it is given.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 
@@ -46,10 +51,15 @@ PROBE_MIX = (
     (_aten.gelu.default, lambda y, x: (y,), {"approximate": "tanh"}),
 )
 RECIPE_LENGTH = len(PROBE_MIX)  # ops per recipe in the recipe_s probe: the mix once
+FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved
+WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
 
 
-def measure_runtime_costs(device: torch.device) -> RuntimeCosts:
-    """The runtime's per-event costs on `device` (see the module doc)."""
+def measure_runtime_costs(device: torch.device,
+                          timed_forward: Callable[[ContextManager], float] | None = None) -> RuntimeCosts:
+    """The runtime's per-event costs on `device` (see the module doc). `timed_forward(context)`: one
+    training step of the profiled workload with `context` entered around its forward; returns the
+    forward's seconds."""
     x = torch.ones(4, 4, device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     plain_s = _per_unit(lambda: _plain(x, PROBE_OPS), sync, PROBE_OPS)
@@ -60,8 +70,26 @@ def measure_runtime_costs(device: torch.device) -> RuntimeCosts:
     short_s = _per_unit(lambda: _replays(x, PROBE_OPS, 1), sync, PROBE_OPS)
     replay_s = (long_s - short_s) / (RECIPE_LENGTH - 1) - plain_s
     recipe_s = short_s - replay_s - plain_s
+    method = METHOD
+    on_workload = _dispatch_on_workload(timed_forward) if timed_forward is not None else None
+    if on_workload is not None:
+        dispatch_s, method = on_workload, METHOD + WORKLOAD_METHOD
     return RuntimeCosts(dispatch_op_s=max(0.0, dispatch_s), capture_op_s=max(0.0, capture_s),
-                        replay_op_s=max(0.0, replay_s), recipe_s=max(0.0, recipe_s), method=METHOD)
+                        replay_op_s=max(0.0, replay_s), recipe_s=max(0.0, recipe_s), method=method)
+
+
+def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float]) -> float | None:
+    """Seconds the tracker adds per counted forward op of the workload; None if it counted none."""
+    tracker = ForwardTracker()
+    step = tracker.step = _ProbeStep()
+    plain_s, tracked_s = [], []
+    for _ in range(FORWARD_PROBE_PAIRS):
+        plain_s.append(timed_forward(nullcontext()))
+        step.count = 0
+        tracked_s.append(timed_forward(tracker))
+    if not step.count:
+        return None
+    return (statistics.median(tracked_s) - statistics.median(plain_s)) / step.count
 
 
 def _per_unit(batch: Callable[[], None], sync: Callable[[], None], units: int) -> float:

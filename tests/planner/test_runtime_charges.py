@@ -64,3 +64,28 @@ def test_without_a_timed_forward_the_steps_time_outside_ops_is_spread_over_all_o
         pytest.approx(0.5 / len(profile.ops))
     fast = replace(profile, step_time_s=op_sum_s / 2)
     assert build_graph(fast, BYTES_PER_S, BYTES_PER_S).costs.between_forward_ops_s == 0.0
+
+
+@pytest.mark.parametrize("dispatch_op_s", [1e-4, 1e-2])
+def test_the_milp_charges_the_dispatch_mode_as_the_simulator_does(small_transformer, dispatch_op_s):
+    """The MILP's objective includes the dispatch mode up to the last op its recipes need, so its
+    prediction is the simulator's, and its plan is no slower under that charge than the plan solved
+    without it; a dear dispatch mode pulls the last tracked op forward."""
+    from regen.planner.milp.model import MilpOptions, Model
+    from regen.planner.milp.solution import solve_model
+    from regen.planner.simulator import _last_tracked_op
+
+    def graph_with(dispatch_s):
+        costs = RuntimeCosts(dispatch_op_s=dispatch_s, capture_op_s=0.0, replay_op_s=0.0, recipe_s=0.0, method="t")
+        return build_graph(replace(small_transformer, runtime_costs=costs))
+
+    cap = int(small_transformer.peak_bytes * 0.6)
+    blind, charged = graph_with(0.0), graph_with(dispatch_op_s)
+    unaware = solve_model(Model(blind, cap, MilpOptions(allow_swap=False)), 60, rel_gap=1e-6).choices
+    result = solve_model(Model(charged, cap, MilpOptions(allow_swap=False)), 60, rel_gap=1e-6)
+    sim = simulate(charged, result.choices)
+    assert sim.fits(cap)
+    assert result.objective_s == pytest.approx(sim.step_time_s, rel=1e-3)
+    assert sim.step_time_s <= simulate(charged, unaware).step_time_s * (1 + 1e-3)
+    if dispatch_op_s >= 1e-2:  # 10 ms per forward op: far dearer than any recipe's own ops
+        assert 0 <= _last_tracked_op(charged, result.choices) < _last_tracked_op(charged, unaware)

@@ -1,6 +1,7 @@
 """The probe of what the runtime adds per event (regen.runtime.costs), as `regen profile` runs it."""
 
 import math
+import time
 
 import torch
 
@@ -14,3 +15,31 @@ def test_the_probe_measures_the_runtime_s_own_work_on_cpu():
     # capturing and replaying an op run Python of regen's own around it: never free
     assert costs.capture_op_s > 0 and costs.replay_op_s > 0
     assert "regen.runtime.costs" in costs.method
+
+
+def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
+    """With `timed_forward`, dispatch_op_s comes from the workload's own forward, timed plainly and under
+    the tracker in turn (the tracker counting its ops); the method says so."""
+    from contextlib import nullcontext
+
+    from regen.runtime.costs import FORWARD_PROBE_PAIRS, WORKLOAD_METHOD
+    from regen.runtime.tracker import ForwardTracker
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    x = torch.randn(16, 32)
+    contexts = []
+
+    def timed_forward(context) -> float:
+        contexts.append(type(context))
+        t0 = time.perf_counter()
+        with context:
+            loss = model(x).square().mean()
+        forward_s = time.perf_counter() - t0
+        loss.backward()
+        return forward_s
+
+    costs = measure_runtime_costs(torch.device("cpu"), timed_forward)
+    assert contexts == [nullcontext, ForwardTracker] * FORWARD_PROBE_PAIRS
+    assert math.isfinite(costs.dispatch_op_s) and 0.0 <= costs.dispatch_op_s < 0.01
+    assert costs.method.endswith(WORKLOAD_METHOD)
+    assert not measure_runtime_costs(torch.device("cpu")).method.endswith(WORKLOAD_METHOD)

@@ -25,7 +25,8 @@ The formulation of docs/milp.md, O(candidates x window) in size:
 * regions (regen.planner.milp.region_vars): `z_R` replays module call R at its replay step, a member t
   may be rebuilt by it (`reg_{t,R}`, one of t's actions: gone from f_t+1 until the replay), its
   arguments are kept, its time and transient are charged at the replay step;
-* objective: sum_s T_s.
+* objective: sum_s T_s, plus the runtime's dispatch mode on the forward up to the last op a chosen
+  per-tensor recipe needs (regen.planner.milp.tracking).
 
 Memory is in units of `mem_unit` bytes, time in `time_unit` seconds, so coefficients stay near 1.
 Solving and reading a solution back: regen.planner.milp.solution.
@@ -46,6 +47,7 @@ from regen.planner.milp.region_vars import (RegionVars, add_region_input_constra
                                             region_time_terms)
 from regen.planner.milp.host_memory import add_host_memory_constraints
 from regen.planner.milp.memory_rows import add_memory_constraints
+from regen.planner.milp.tracking import add_dispatch_charge
 from regen.planner.residency import resident_without_plan
 
 MEMORY_UNITS_PER_PEAK = 1e4  # memory unit = unplanned peak / this
@@ -176,6 +178,7 @@ class Model:
             for k, r in enumerate(v.rec):
                 objective_terms.append((v.c.recipes[k].time_s / tu) * r)
         objective_terms += [x for terms in region_time_terms(self).values() for x in terms]
+        objective_terms += add_dispatch_charge(self)
         time_obj = pulp.lpSum(objective_terms) + sum(g.time_s) / tu
         if opt.minimize_peak:
             # lexicographic enough: a unit of memory outweighs the whole step time
