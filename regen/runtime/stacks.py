@@ -15,7 +15,14 @@ go. So:
   once they are on top;
 * every step start and every `remove()` calls `pop_finished`, so the stacks do not grow from step to
   step, and what could not be popped is popped as soon as it is on top again (after the last handle's
-  `remove()`, nothing of regen's is left on them).
+  `remove()`, nothing of regen's is left on them);
+* a context manager's exit pops the top of the hook stack, whatever it is: a user's
+  `saved_tensors_hooks` (`save_on_cpu`, ...) entered around a training step exits after backward,
+  while the step's hooks are still on top, and takes them instead of its own. `pop_finished` first
+  finds such steps (their hooks gone from the stack) and takes out of the stack the hooks that were
+  right below them when they were pushed: what that exit meant to pop (the entries above are pushed
+  back in their order). Without this, the user's hooks stayed pushed for the rest of the process, one
+  more per step (save_on_cpu offloading every later tensor of the process).
 """
 
 from __future__ import annotations
@@ -33,12 +40,15 @@ class HookedStep(Protocol):
 
 # pack hook -> its step, while pushed (the stack holds the hooks, and so the steps, as strongly)
 _pushed: dict[Callable, HookedStep] = {}
+_below: dict[Callable, Callable | None] = {}  # pack hook -> the pack hook on top when it was pushed
 _orphans: list = []  # modes let go by their owners while other modes were above them
 
 
 def push_hooks(step: HookedStep, pack: Callable, unpack: Callable) -> None:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
     _pushed[pack] = step
+    _below[pack] = top[0] if top is not None else None
 
 
 def hooks_pushed(pack: Callable) -> bool:
@@ -50,7 +60,7 @@ def pop_hooks(pack: Callable) -> None:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is not None and top[0] == pack and pack in _pushed:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        del _pushed[pack]
+        _forget(pack)
 
 
 def orphan(mode) -> None:
@@ -60,7 +70,9 @@ def orphan(mode) -> None:
 
 
 def pop_finished() -> None:
-    """Pop, from the top down, the hooks of regen steps that pack no more and the orphaned modes."""
+    """Pop, from the top down, the hooks of regen steps that pack no more and the orphaned modes (after
+    undoing what a foreign exit that took a step's hooks meant to pop)."""
+    _undo_foreign_pops()
     while _pop_finished_hooks() or _pop_orphan(_get_current_dispatch_mode()) \
             or _pop_orphan(_get_current_function_mode()):
         pass
@@ -75,8 +87,46 @@ def _pop_finished_hooks() -> bool:
     if step is None or not step.packs_no_more():
         return False
     torch._C._autograd._pop_saved_tensors_default_hooks()
-    del _pushed[top[0]]
+    _forget(top[0])
     return True
+
+
+def _forget(pack: Callable) -> None:
+    del _pushed[pack]
+    _below.pop(pack, None)
+
+
+def _hook_stack() -> list[tuple]:
+    """This thread's saved-tensor hooks, bottom first (popped and pushed back: there is no reader)."""
+    popped = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+        popped.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(popped):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return popped[::-1]
+
+
+def _undo_foreign_pops() -> None:
+    """Steps whose hooks someone else popped: forget them, and take out of the stack what that pop
+    meant to take (the hooks right below theirs when they were pushed), wherever it now is; the
+    entries above it are pushed back in their order."""
+    if not _pushed:
+        return
+    on_stack = {id(pack) for pack, _ in _hook_stack()}  # the very objects push_hooks pushed
+    for pack in [p for p in _pushed if id(p) not in on_stack]:
+        below = _below.get(pack)
+        _forget(pack)
+        if below is None or any(below is p for p in _pushed):
+            continue  # nothing below it, or another step's hooks: never taken out
+        stack = _hook_stack()
+        at = max((i for i, (p, _) in enumerate(stack) if p is below), default=None)
+        if at is None:
+            continue
+        for _ in range(len(stack) - at):
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        for p, u in stack[at + 1:]:
+            torch._C._autograd._push_saved_tensors_default_hooks(p, u)
 
 
 def _pop_orphan(mode) -> bool:

@@ -264,3 +264,43 @@ def test_two_handles_trained_in_turn_leave_no_hooks_behind(mode):
     assert _hook_stack_depth() == 0
     assert not any(h.hooks_installed for h in handles)
     assert not _get_current_dispatch_mode_stack() and not _get_current_function_mode_stack()
+
+
+@pytest.mark.parametrize("around", ["each step", "the loop"])
+def test_a_users_saved_tensor_hooks_around_steps_are_popped_as_the_user_meant(around):
+    """A context manager's exit pops the top of the hook stack: a user's `saved_tensors_hooks` entered
+    around a step (or around the whole loop) exits while the step's hooks are still on top (they cannot
+    be popped inside backward) and takes them instead of its own. regen takes the user's entry out at
+    its next step or remove(), so the user's hooks do not pile up or outlive their context; steps stay
+    exact."""
+    from common import make, step
+
+    from regen.runtime.stacks import _hook_stack
+
+    w = make("gpt")
+    expected = run_and_grads(w)
+    plan = _solve_tight(_profile(make("gpt")), "recompute")
+    user_packs = []
+
+    def user_hooks():
+        def pack(x):
+            user_packs.append(1)
+            return x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+
+    handle = regen.apply(w.model, plan)
+    if around == "each step":
+        for _ in range(3):
+            with user_hooks():
+                assert_same(run_and_grads(w), expected)
+            assert len(_hook_stack()) <= 1  # the user's stale entry, taken out at the next step
+    else:
+        with user_hooks():
+            for _ in range(3):
+                assert_same(run_and_grads(w), expected)
+    handle.remove()
+    assert _hook_stack() == []
+    user_packs.clear()
+    step(w)  # no hook of the user's left to see this step's saved tensors
+    assert not user_packs
