@@ -110,23 +110,30 @@ def _hook_stack() -> list[tuple]:
 def _undo_foreign_pops() -> None:
     """Steps whose hooks someone else popped: forget them, and take out of the stack what that pop
     meant to take (the hooks right below theirs when they were pushed), wherever it now is; the
-    entries above it are pushed back in their order."""
+    entries above it are pushed back in their order. The stack is read once (it has no reader: popped
+    and pushed back), and rebuilt only when something is taken out."""
     if not _pushed:
         return
-    on_stack = {id(pack) for pack, _ in _hook_stack()}  # the very objects push_hooks pushed
-    for pack in [p for p in _pushed if id(p) not in on_stack]:
+    stack = _hook_stack()
+    on_stack = {id(pack) for pack, _ in stack}  # the very objects push_hooks pushed
+    gone = [p for p in _pushed if id(p) not in on_stack]
+    meant = set()  # ids of the entries those pops meant to take
+    for pack in gone:
         below = _below.get(pack)
         _forget(pack)
-        if below is None or any(below is p for p in _pushed):
-            continue  # nothing below it, or another step's hooks: never taken out
-        stack = _hook_stack()
-        at = max((i for i, (p, _) in enumerate(stack) if p is below), default=None)
-        if at is None:
-            continue
-        for _ in range(len(stack) - at):
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-        for p, u in stack[at + 1:]:
-            torch._C._autograd._push_saved_tensors_default_hooks(p, u)
+        if below is not None and not any(below is p for p in _pushed):  # never another step's hooks
+            meant.add(id(below))
+    keep = stack[:]
+    for i in range(len(stack) - 1, -1, -1):  # the topmost entry of each, as a LIFO exit would take
+        if id(stack[i][0]) in meant:
+            meant.discard(id(stack[i][0]))
+            del keep[i]
+    if len(keep) == len(stack):
+        return
+    for _ in stack:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in keep:
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _pop_orphan(mode) -> bool:

@@ -134,8 +134,7 @@ class DynamicEngine:
         if step is None:
             return
         step.closed = True
-        stacks.pop_finished()
-        stacks.pop_hooks(step.pack)  # or later, by pop_finished, once it is on top again
+        stacks.pop_hooks(step.pack)  # or later, by pop_finished (the next step's start, remove()), once on top
         self.current = None
         step.maybe_release()
 
