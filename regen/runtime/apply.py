@@ -104,13 +104,17 @@ def _checked_plan_states(model: nn.Module, plan: Plan | str | Path | list | None
         raise RegenError("regen.apply: learn=True adds a plan per call to the set, and a plan given does not "
                          "record how its step called the model (profiled by an older regen); profile and "
                          "solve it again")
+    check_model(model, "regen plans eager execution (its hooks and recipes run op by op), so apply the plan")
+    return states
+
+
+def check_model(model: nn.Module, why: str) -> None:
+    """`model` is an eager nn.Module; `why`: the reason a torch.compile'd one is refused, and what to apply."""
     if not isinstance(model, nn.Module):
         raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        raise RegenError("regen.apply: this module is torch.compile'd; regen plans eager execution (its hooks "
-                         "and recipes run op by op), so apply the plan to the original module "
-                         "(model._orig_mod) and train it without torch.compile")
-    return states
+        raise RegenError(f"regen.apply: this module is torch.compile'd; {why} to the original module "
+                         f"(model._orig_mod) and train it without torch.compile")
 
 
 class RegenHandle:

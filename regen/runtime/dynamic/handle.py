@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from regen.errors import RegenError
-from regen.runtime.apply import _unwrap  # the module a plan would describe: DDP and DataParallel unwrapped
+from regen.runtime.apply import _unwrap, check_model  # _unwrap: DDP and DataParallel unwrapped
 from regen.runtime.dynamic.engine import DynamicEngine
 from regen.runtime.dynamic.policy import POLICIES
 from regen.runtime.regions import module_device
@@ -30,11 +30,7 @@ class DynamicHandle:
 
     def __init__(self, model: nn.Module, memory_cap: int | str, policy: str = "graph",
                  link_gb_s: float | tuple[float, float] | None = None, emulate_link: bool = False):
-        if not isinstance(model, nn.Module):
-            raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
-        if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-            raise RegenError("regen.apply: this module is torch.compile'd; dynamic mode replays ops one by one, so "
-                             "apply it to the original module (model._orig_mod) and train it without torch.compile")
+        check_model(model, "dynamic mode replays ops one by one, so apply it")
         check_policy(policy)
         self.cap_bytes = cap_bytes(memory_cap)
         self.policy = policy
