@@ -163,14 +163,15 @@ class PlanningGraph:
     capture_bytes: dict[int, int] = field(default_factory=dict)
     _tracked_through: list[int] | None = field(default=None, init=False, repr=False)
 
-    def tracked_through(self, op: int) -> int:
-        """The last forward op the runtime's dispatch mode must see for a recipe that replays forward op
-        `op`: `op` itself or the latest forward producer of what it reads (computed once per graph)."""
+    def last_tracked_op(self, recipe) -> int:
+        """The last forward op the runtime's dispatch mode must see for `recipe` (a Recipe): its ops and
+        the latest forward producer of what they read (regen.runtime.forward_ops.FastOps); per op
+        computed once per graph."""
         if self._tracked_through is None:
             fw = self.num_forward_ops
             self._tracked_through = [max([q] + [p for p in self.op_graph.predecessors(q) if p < fw])
                                      for q in range(fw)]
-        return self._tracked_through[op]
+        return max(self._tracked_through[q] for q in recipe.ops)
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime

@@ -170,7 +170,7 @@ def _last_tracked_op(graph: PlanningGraph, choices: dict[int, Choice]) -> int:
     for ch in choices.values():
         if ch.action != ACTION_RECOMPUTE or ch.recipe is None or ch.region is not None:
             continue
-        last = max([last] + [graph.tracked_through(q) for q in ch.recipe.ops])
+        last = max(last, graph.last_tracked_op(ch.recipe))
     return last
 
 

@@ -2,7 +2,7 @@
 
 With per-tensor recipes, a steady-state step keeps the runtime's dispatch mode on from its first
 forward op to the last op a chosen recipe needs (its own ops and the producers of what they read:
-PlanningGraph.tracked_through), and every op it sees costs `costs.dispatch_op_s` (measured on the
+PlanningGraph.last_tracked_op), and every op it sees costs `costs.dispatch_op_s` (measured on the
 profiled workload: about 30 us per op on a CPU, a plan-wide cost that a region-only plan avoids). The
 simulator charges the same (simulator._last_tracked_op).
 
@@ -27,8 +27,8 @@ def add_dispatch_charge(model) -> list:
         return []
     last_op: dict[tuple[int, int], int] = {}  # (candidate, option) -> last forward op it tracks
     for i, v in model.vars.items():
-        for k, _ in enumerate(v.rec):
-            last_op[(i, k)] = max(g.tracked_through(q) for q in v.c.recipes[k].ops)
+        for k in range(len(v.rec)):
+            last_op[(i, k)] = g.last_tracked_op(v.c.recipes[k])
     points = sorted(set(last_op.values()))
     if not points:
         return []
