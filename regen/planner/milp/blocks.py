@@ -41,12 +41,12 @@ FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP
 
 
 def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time_limit_s: float, rel_gap: float,
-                    say: Callable[[str], None], relaxation: Relaxation | None = None,
-                    lp=None) -> tuple[MilpResult | None, dict[str, float] | None, bool]:
+                    say: Callable[[str], None], relaxation: Relaxation,
+                    lp) -> tuple[MilpResult | None, dict[str, float] | None, bool]:
     """Block sweeps from the warm start, judged against the LP bound.
 
-    The LP relaxation runs alongside the sweeps (`relaxation`, when the caller started it already);
-    once it has finished, the sweeps take the blocks where the plan differs most from it first and stop
+    The LP relaxation runs alongside the sweeps (`relaxation`, started by the caller on `lp`, the model as
+    to_highs_lp built it); once it has finished, the sweeps take the blocks where the plan differs most from it first and stop
     within `rel_gap` of its bound. Returns the result judged against the bound ("optimal" means within
     `rel_gap` of it), the values of its discrete variables, and whether the full MILP should continue
     from them (and report its own bound): when the sweeps stop above the gap, or the LP did not finish
@@ -55,10 +55,7 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     """
     t0 = time.perf_counter()
     say(size_message(model.prob))
-    lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
     reserve_s = FINAL_CHECK_TIME_FRACTION * time_limit_s
-    if relaxation is None:
-        relaxation = Relaxation(model, deadline - time.perf_counter() - reserve_s, lp)
     guide = SweepGuide(model, warm, relaxation, rel_gap)
     improved = improve_by_blocks(model, warm, deadline - time.perf_counter() - reserve_s, progress=say, guide=guide,
                                  lp=lp)
