@@ -58,32 +58,52 @@ def other_batch(w):
 
 
 def accumulate_grads(w, interleaved: bool) -> dict[str, torch.Tensor]:
-    """Gradients of two accumulated micro-batches: forward/backward pairs, or (interleaved) two forwards
-    then one backward over both losses."""
-    w.model.zero_grad(set_to_none=True)
-    torch.manual_seed(ACCUMULATE_SEED)
-    if interleaved:
-        l1 = w.loss_fn(w.model(*w.batch), w.batch)
-        l2 = w.loss_fn(w.model(*w.batch), w.batch)
-        (l1 + l2).backward()
-    else:
-        for _ in range(2):
-            w.loss_fn(w.model(*w.batch), w.batch).backward()
-    return grads(w.model)
+    """Gradients and module buffers (`buffer:` names) after two accumulated micro-batches: forward/backward
+    pairs, or (interleaved) two forwards then one backward over both losses; buffers put back after."""
+    def run():
+        torch.manual_seed(ACCUMULATE_SEED)
+        if interleaved:
+            l1 = w.loss_fn(w.model(*w.batch), w.batch)
+            l2 = w.loss_fn(w.model(*w.batch), w.batch)
+            (l1 + l2).backward()
+        else:
+            for _ in range(2):
+                w.loss_fn(w.model(*w.batch), w.batch).backward()
+
+    return _grads_and_buffers(w, run)
 
 
 def retained_graph_grads(w) -> dict[str, torch.Tensor]:
-    """Gradients of two backwards over one retained graph (the second rebuilds what the first dropped again)."""
+    """Gradients and module buffers (`buffer:` names) after two backwards over one retained graph (the
+    second rebuilds what the first dropped again); buffers put back after."""
+    def run():
+        torch.manual_seed(7)
+        loss = w.loss_fn(w.model(*w.batch), w.batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    return _grads_and_buffers(w, run)
+
+
+def _grads_and_buffers(w, run) -> dict[str, torch.Tensor]:
+    """`run()` from zero gradients: its gradients and the module buffers it left, by name (buffers as
+    `buffer:<name>`); the buffers are then put back as they were, so every call starts from one state."""
     w.model.zero_grad(set_to_none=True)
-    torch.manual_seed(7)
-    loss = w.loss_fn(w.model(*w.batch), w.batch)
-    loss.backward(retain_graph=True)
-    loss.backward()
-    return grads(w.model)
+    before = buffers(w.model)
+    run()
+    after = {f"buffer:{n}": b for n, b in buffers(w.model).items()}
+    _restore_buffers(w.model, before)
+    return {**grads(w.model), **after}
 
 
 def buffers(model) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _restore_buffers(model, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(saved[name])
 
 
 def run_and_grads(w, seed: int = STEP_SEED):
@@ -93,9 +113,7 @@ def run_and_grads(w, seed: int = STEP_SEED):
     before = buffers(w.model)
     loss = step(w, seed)
     after = buffers(w.model)
-    with torch.no_grad():
-        for name, b in w.model.named_buffers():
-            b.copy_(before[name])
+    _restore_buffers(w.model, before)
     return loss, grads(w.model), after
 
 

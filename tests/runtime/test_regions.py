@@ -46,16 +46,6 @@ def _region_plan(name: str, kind: str):
     return w, profile, plan
 
 
-def _buffers(model):
-    return {k: v.clone() for k, v in model.named_buffers()}
-
-
-def _set_buffers(model, values):
-    with torch.no_grad():
-        for k, v in values.items():
-            model.get_buffer(k).copy_(v)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2"])
 def test_gradients_and_buffers_are_bitwise_the_unplanned_ones(name, kind):
@@ -149,17 +139,13 @@ def test_exception_inside_a_step_leaves_nothing_behind(where):
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
 def test_gradient_accumulation_pairs_and_interleaved(name):
     w, _, plan = _region_plan(name, "milp")
-    start = _buffers(w.model)
-    for interleaved in (False, True):
-        _set_buffers(w.model, start)
+    for interleaved in (False, True):  # gradients and the buffers each run left (from one start)
         reference = accumulate_grads(w, interleaved)
-        ref_buffers = _buffers(w.model)
-        _set_buffers(w.model, start)
         with regen.apply(w.model, plan) as handle:
             planned = accumulate_grads(w, interleaved)
         assert reference.keys() == planned.keys()
+        assert name != "cnn" or any(k.startswith("buffer:") for k in reference)  # BatchNorm's statistics
         assert all(torch.equal(reference[k], planned[k]) for k in reference)
-        assert all(torch.equal(ref_buffers[k], v) for k, v in _buffers(w.model).items())
         assert handle.stats.steps == 2 and handle.stats.planned_steps == 2
         assert_nothing_left(handle, w.model)
 
