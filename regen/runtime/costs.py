@@ -17,8 +17,10 @@ since the runtime's work per op grows with the op's arguments and outputs:
 * `replay_op_s`: one recipe op replayed in backward, beyond the op itself;
 * `recipe_s`: one replayed recipe, besides its ops (its tables and the checks of its result).
 
-Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus
-2 x FORWARD_PROBE_PAIRS forward+backward steps of the workload when it is given.
+Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus,
+when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
+take less than FORWARD_PROBE_BUDGET_S (at least one pair: on a large model, where regen's per-op work
+matters least, the probe stays short).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ PROBE_MIX = (
     (_aten.gelu.default, lambda y, x: (y,), {"approximate": "tanh"}),
 )
 RECIPE_LENGTH = len(PROBE_MIX)  # ops per recipe in the recipe_s probe: the mix once
-FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved
+FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved, at most...
+FORWARD_PROBE_BUDGET_S = 2.0  # ... while they have taken less than this (a large model's steps: one pair)
 WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
 
 
@@ -83,7 +86,8 @@ def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float]) -> f
     tracker = ForwardTracker()
     step = tracker.step = _ProbeStep()
     plain_s, tracked_s = [], []
-    for _ in range(FORWARD_PROBE_PAIRS):
+    t0 = time.perf_counter()
+    while len(plain_s) < FORWARD_PROBE_PAIRS and (not plain_s or time.perf_counter() - t0 < FORWARD_PROBE_BUDGET_S):
         plain_s.append(timed_forward(nullcontext()))
         step.count = 0
         tracked_s.append(timed_forward(tracker))

@@ -43,3 +43,22 @@ def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
     assert math.isfinite(costs.dispatch_op_s) and 0.0 <= costs.dispatch_op_s < 0.01
     assert costs.method.endswith(WORKLOAD_METHOD)
     assert not measure_runtime_costs(torch.device("cpu")).method.endswith(WORKLOAD_METHOD)
+
+
+def test_the_workload_probe_stops_at_its_time_budget_after_one_pair(monkeypatch):
+    """A slow workload (a large model's steps) is timed for one plain and one tracked forward, not for
+    FORWARD_PROBE_PAIRS of each."""
+    from regen.runtime import costs
+
+    monkeypatch.setattr(costs, "FORWARD_PROBE_BUDGET_S", 0.05)
+    calls = []
+
+    def slow_forward(context) -> float:
+        calls.append(type(context))
+        with context:
+            torch.ones(4).add(1)
+        time.sleep(0.03)
+        return 0.03
+
+    measure_runtime_costs(torch.device("cpu"), slow_forward)
+    assert len(calls) == 2 < 2 * costs.FORWARD_PROBE_PAIRS
