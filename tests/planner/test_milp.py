@@ -12,6 +12,7 @@ import pytest
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
+from regen.planner.milp.highs import constraints_of
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, MilpOptions, Model
 from regen.planner.milp.solution import solve_model
@@ -106,6 +107,8 @@ def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_
     choices, values, objective = improve_by_blocks(model, recompute_only.choices, 30, block_candidates=10)
     blocks_objective_s = pulp.value(model.prob.objective) * model.time_unit
     assert objective * model.time_unit == pytest.approx(blocks_objective_s, rel=1e-6)
+    # the blocks solved sub-models: their solution, with every fixed value, satisfies the whole model
+    assert all(con.valid(1e-6) for con in constraints_of(model.prob))
     exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
     assert exact.objective_s * (1 - 1e-6) <= blocks_objective_s <= recompute_only.objective_s * (1 + 1e-6)
     sim = simulate(graph, choices)

@@ -3,9 +3,9 @@
 On a few hundred candidates and more, HiGHS's branch and bound spends the whole time limit at the
 root (identical layers make many equivalent plans, so branching does not move the bound) and rarely
 improves a warm start, while block sub-MIPs of about BLOCK_CANDIDATES candidates solve to a small gap
-in a second or two each. So `solve_by_blocks` re-solves the MILP one block of candidates at a time
-with every other candidate's action fixed to the incumbent's (`improve_by_blocks`), keeping each
-improvement, while the LP relaxation (a valid lower bound; regen.planner.milp.relaxation) solves on the
+in a tenth of a second or so. So `solve_by_blocks` re-solves the MILP one block of candidates at a time,
+as a model of its own with every other candidate fixed at the incumbent (`improve_by_blocks`,
+regen.planner.milp.submodel), keeping each improvement, while the LP relaxation (a valid lower bound; regen.planner.milp.relaxation) solves on the
 other core; once it has, the blocks where the plan differs most from the LP solution go first, and the
 sweeps stop when the plan is within the gap of the bound or the time is up.
 docs/milp.md describes the search; regen.planner.milp.search decides when it runs.
@@ -20,14 +20,15 @@ from typing import Callable
 
 import pulp
 
-from regen.planner.milp.highs import new_highs, require_highspy, size_message, solver_output_to_stderr, to_highs_lp
+from regen.planner.milp.highs import new_highs, size_message, solver_output_to_stderr, to_highs_lp
 from regen.planner.milp.model import Model
 from regen.planner.milp.relaxation import Relaxation, lp_disagreement
+from regen.planner.milp.submodel import RowwiseModel, SubModel, restrict
 from regen.planner.milp.solution import MilpResult, read_choices, result_from_values, warm_start_values
 from regen.planner.result import Choice
 from regen.units import format_duration
 
-BLOCK_CANDIDATES = 70  # candidates re-optimised together
+BLOCK_CANDIDATES = 20  # candidates re-optimised together
 MIN_BLOCK_TIME_S = 0.5
 # a block's sub-MIP stops at this gap, relative to the *whole* step time: a block can only move the
 # objective by a fraction of a percent, so the planner's 1% would stop every block at its warm start
@@ -113,17 +114,20 @@ class SweepGuide:
 
 @dataclass
 class _Search:
-    """One HiGHS model of the MILP whose column bounds change between blocks, and the best solution."""
+    """The whole model in row-wise form, which columns each block frees, and the best solution so far."""
 
-    h: object
+    full: RowwiseModel
     variables: list
-    lower: object  # column bounds of the full model (numpy arrays)
-    upper: object
     values: dict[str, float]  # discrete variables of the best plan, by name
-    actions: dict[int, list]  # candidate -> its action binaries
-    integer_idx: object
+    shared: object  # bool by column: columns of no candidate (savings chain, stalls, regions), free in every block
+    owned: dict[int, object]  # candidate -> its columns
+    copies: dict[int, object]  # candidate -> its copy fractions (continuous)
+    window_steps: dict[int, set[int]]  # candidate -> the steps of its copy windows
+    by_step: dict[int, list[int]]  # step -> candidates with a copy window there
+    rel_gap: float
     best_obj: float = math.inf
-    solution: list[float] | None = None  # every column of the best solution
+    solution: object | None = None  # every column of the best solution (numpy, integers rounded)
+    activity: object | None = None  # every row's activity at `solution`
     improved: bool = False
     by_name: dict = field(default_factory=dict)
     stop_at_objective: float | None = None  # a block's sub-MIP stops once its plan is this good
@@ -132,6 +136,24 @@ class _Search:
         """HiGHS's MIP interrupt callback: stop the block once its incumbent reaches `stop_at_objective`."""
         if self.stop_at_objective is not None and event.data_out.mip_primal_bound <= self.stop_at_objective:
             event.interrupt()
+
+    def keep(self, sub: SubModel, col_value, objective: float) -> None:
+        """Take a sub-model's solution if it improves."""
+        import numpy as np
+
+        if not objective < self.best_obj - 1e-9:
+            return
+        if math.isfinite(self.best_obj):
+            self.improved = True
+        self.best_obj = objective
+        change = np.zeros(len(self.solution))
+        new = np.asarray(col_value)
+        new = np.where(self.full.is_integer[sub.columns], np.round(new), new)
+        change[sub.columns] = new - self.solution[sub.columns]
+        self.activity += self.full.activity_change(sub.nonzeros, change)
+        self.solution[sub.columns] = new
+        for c in sub.columns[self.full.is_integer[sub.columns]]:
+            self.values[self.variables[c].name] = float(self.solution[c])
 
 
 def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
@@ -164,7 +186,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         guide.poll()
         return guide.target_objective is not None and search.best_obj <= guide.target_objective
 
-    while time.perf_counter() < deadline:
+    while search.solution is not None and time.perf_counter() < deadline:
         guide.poll()
         blocks = _sweep_blocks(order, block_candidates, sweeps, guide.priority)
         guided = guide.priority is not None
@@ -191,7 +213,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     if search.solution is None:
         return None
     for v in search.variables:
-        v.varValue = search.solution[v.index]
+        v.varValue = float(search.solution[v.index])
     binaries = {v.name: float(round(search.solution[v.index])) for v in search.variables if v.cat == pulp.LpInteger}
     return read_choices(model), binaries, search.best_obj
 
@@ -199,20 +221,21 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
 def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) -> _Search:
     import numpy as np
 
-    highspy = require_highspy()
     variables = model.prob.variables()
-    h = new_highs(rel_gap=rel_gap)
-    h.passModel(lp if lp is not None else to_highs_lp(model.prob, variables))
-    inf = highspy.kHighsInf
-    lower = np.array([-inf if v.lowBound is None else v.lowBound for v in variables], dtype=float)
-    upper = np.array([inf if v.upBound is None else v.upBound for v in variables], dtype=float)
+    full = RowwiseModel.of(lp if lp is not None else to_highs_lp(model.prob, variables))
     values = {name: float(x) for name, x in warm_start_values(model, incumbent).items()}
-    search = _Search(h=h, variables=variables, lower=lower, upper=upper, values=values,
-                     actions={i: v.actions() for i, v in model.vars.items()},
-                     integer_idx=np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int64),
-                     by_name={v.name: v for v in variables})
-    h.cbMipInterrupt.subscribe(search.stop_when_good_enough)
-    return search
+    shared = np.ones(len(variables), dtype=bool)
+    owned, copies, window_steps, by_step = {}, {}, {}, {}
+    for i, v in model.vars.items():
+        cols = v.actions() + list(v.od.values()) + list(v.is_.values()) + list(v.yout.values()) + list(v.yin.values())
+        owned[i] = np.array([x.index for x in cols], dtype=np.int64)
+        copies[i] = np.array([x.index for x in list(v.yout.values()) + list(v.yin.values())], dtype=np.int64)
+        shared[owned[i]] = False
+        window_steps[i] = set(v.yout) | set(v.yin)
+        for s in window_steps[i]:
+            by_step.setdefault(s, []).append(i)
+    return _Search(full=full, variables=variables, values=values, shared=shared, owned=owned, copies=copies,
+                   window_steps=window_steps, by_step=by_step, rel_gap=rel_gap, by_name={v.name: v for v in variables})
 
 
 def _solve_warm_plan(search: _Search, deadline: float) -> None:
@@ -220,21 +243,15 @@ def _solve_warm_plan(search: _Search, deadline: float) -> None:
     start from it and keep only what improves on it."""
     import numpy as np
 
-    h, values = search.h, search.values
-    known = [search.by_name[n] for n in values if n in search.by_name]
-    if not known:
-        return
-    idx = np.array([v.index for v in known], dtype=np.int32)
-    fixed = np.array([values[v.name] for v in known], dtype=float)
-    h.changeColsBounds(len(known), idx, fixed, fixed)
-    h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, deadline - time.perf_counter())))
-    with solver_output_to_stderr():
-        h.run()
-    info = h.getInfo()
-    if info.primal_solution_status == 2:
-        search.best_obj, search.solution = info.objective_function_value, list(h.getSolution().col_value)
-    h.changeColsBounds(len(known), idx, np.array([search.lower[v.index] for v in known], dtype=float),
-                       np.array([search.upper[v.index] for v in known], dtype=float))
+    x = np.zeros(len(search.variables))
+    for name, val in search.values.items():
+        if name in search.by_name:
+            x[search.by_name[name].index] = val
+    search.solution, search.activity = x, search.full.activity(x)
+    _run_sub_model(search, np.flatnonzero(~search.full.is_integer),
+                   max(MIN_BLOCK_TIME_S, deadline - time.perf_counter()), start=False)
+    if not math.isfinite(search.best_obj):  # the blocks' sub-models need a feasible solution to fix others at
+        search.solution = None
 
 
 def _sweep_blocks(order: list[int], block_candidates: int, sweeps: int,
@@ -253,39 +270,35 @@ def _by_priority(blocks: list[list[int]], priority: dict[int, float]) -> list[li
     return sorted(blocks, key=lambda blk: -sum(priority.get(i, 0.0) for i in blk))
 
 
-def _solve_block(search: _Search, free: set[int], time_limit_s: float) -> None:
-    """Re-solve with only the candidates in `free` unfixed, from the best solution; keep an improvement."""
+def _solve_block(search: _Search, free_candidates: set[int], time_limit_s: float) -> None:
+    """Re-solve the block's own sub-model (every other candidate's action fixed at the best solution's,
+    the copy fractions of candidates whose windows share a step with the block's left free); keep an
+    improvement."""
     import numpy as np
 
-    h, values = search.h, search.values
-    idx, lo, up = [], [], []
-    for i, xs in search.actions.items():
-        for x in xs:
-            fixed = i not in free
-            val = values.get(x.name, 0.0)
-            idx.append(x.index)
-            lo.append(round(val) if fixed else search.lower[x.index])
-            up.append(round(val) if fixed else search.upper[x.index])
-    h.changeColsBounds(len(idx), np.array(idx, dtype=np.int32), np.array(lo, dtype=float), np.array(up, dtype=float))
-    if search.solution is not None:  # the best complete solution so far is feasible for this block
-        start = np.array(search.solution, dtype=float)
-        start[search.integer_idx] = np.round(start[search.integer_idx])
-        h.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
-    else:
-        names = [n for n in values if n in search.by_name]
-        h.setSolution(len(names), np.array([search.by_name[n].index for n in names], dtype=np.int32),
-                      np.array([values[n] for n in names], dtype=float))
-    h.setOptionValue("time_limit", float(max(MIN_BLOCK_TIME_S, time_limit_s)))
+    free = search.shared.copy()
+    for i in free_candidates:
+        free[search.owned[i]] = True
+    steps = set().union(*(search.window_steps[i] for i in free_candidates))
+    for j in {j for s in steps for j in search.by_step[s]}:
+        free[search.copies[j]] = True
+    _run_sub_model(search, np.flatnonzero(free), time_limit_s, start=True)
+
+
+def _run_sub_model(search: _Search, columns, time_limit_s: float, start: bool) -> None:
+    """Solve the sub-model over `columns` (sorted) from the best solution (`start`: as a warm start)."""
+    import numpy as np
+
+    sub = restrict(search.full, columns, search.solution, search.activity)
+    h = new_highs(rel_gap=search.rel_gap, time_limit_s=max(MIN_BLOCK_TIME_S, time_limit_s))
+    h.passModel(sub.lp)
+    if start:
+        x = search.solution[sub.columns]
+        h.setSolution(len(x), np.arange(len(x), dtype=np.int32), x)
+    h.cbMipInterrupt.subscribe(search.stop_when_good_enough)
     with solver_output_to_stderr():
         h.run()
     info = h.getInfo()
     if info.primal_solution_status != 2:  # no feasible solution
         return
-    obj = info.objective_function_value
-    if obj < search.best_obj - 1e-9:
-        if math.isfinite(search.best_obj):
-            search.improved = True
-        search.best_obj, search.solution = obj, list(h.getSolution().col_value)
-        for v in search.variables:
-            if v.cat == pulp.LpInteger:
-                values[v.name] = float(round(search.solution[v.index]))
+    search.keep(sub, h.getSolution().col_value, info.objective_function_value)
