@@ -40,6 +40,16 @@ def new_var(name: str, low=None, up=None, cat: str = pulp.LpContinuous):
     return pulp.LpVariable(name, low, up, cat=cat)
 
 
+def linear(pairs, constant: float = 0.0) -> pulp.LpAffineExpression:
+    """sum(coef * x) + constant over (coef, variable) pairs, a variable's repeats added up: one dict
+    built in one pass, where PuLP's operators copy an expression per term (most of a large model's
+    build time)."""
+    acc: dict = {}
+    for coef, x in pairs:
+        acc[x] = acc.get(x, 0.0) + coef
+    return pulp.LpAffineExpression(acc, constant=constant)
+
+
 def constraints_of(prob: pulp.LpProblem) -> list:
     cons = prob.constraints
     return cons() if callable(cons) else list(cons.values())

@@ -48,6 +48,8 @@ def add_host_memory_constraints(model) -> None:
         if previous is not None:
             change.append((previous, 1.0))
         model.prob += h == pulp.LpAffineExpression(change), f"host_sum_{s}"
+        model.rows_not_in_relaxation.append(f"host_sum_{s}")
         if alive_bytes > cap:
             model.prob += h <= cap / mu, f"host_{s}"
+            model.rows_not_in_relaxation.append(f"host_{s}")
         previous = h

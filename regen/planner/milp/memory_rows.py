@@ -9,10 +9,9 @@ nonzeros; segments already under the cap get no row.
 
 from __future__ import annotations
 
-import pulp
 
 from regen.planner.milp.captures import CaptureTerms
-from regen.planner.milp.highs import new_var
+from regen.planner.milp.highs import linear, new_var
 from regen.planner.milp.region_vars import region_transients
 from regen.planner.residency import unplanned_step_bytes
 
@@ -46,8 +45,8 @@ def add_memory_constraints(model) -> None:
     for k, s0 in enumerate(points):
         s1 = bounds[k + 2] - 1
         var = new_var(f"S_{s0}")
-        expr = pulp.lpSum(coef * x for coef, x in changes[s0])
-        prob += var - (prev_var if prev_var is not None else 0) - expr == 0, f"run_{s0}"
+        chain = [(1.0, var)] + ([(-1.0, prev_var)] if prev_var is not None else [])
+        prob += linear(chain + [(-coef, x) for coef, x in changes[s0]]) == 0, f"run_{s0}"
         prev_var = var
         margin = max((margin_at.get(s, 0) for s in range(s0, s1 + 1)), default=0)
         held = captures.worst_bytes_until(s1)  # a bound: the exact amount is in S
@@ -58,13 +57,13 @@ def add_memory_constraints(model) -> None:
         if model.cap_var is not None:
             prob += var + model.cap_var >= seg_peak / mu, f"mem_{s0}"
             if trans:
-                prob += (var + model.cap_var - pulp.lpSum(cf * x for cf, x in trans)
+                prob += (linear([(1.0, var), (1.0, model.cap_var)] + [(-cf, x) for cf, x in trans])
                          >= (g.peak_bytes[s0] + margin) / mu), f"memt_{s0}"
             continue
         if seg_peak + held > cap:
             prob += var >= (seg_peak - cap) / mu, f"mem_{s0}"
         if trans and g.peak_bytes[s0] + margin + worst_trans + held > cap:
-            prob += (var - pulp.lpSum(cf * x for cf, x in trans)
+            prob += (linear([(1.0, var)] + [(-cf, x) for cf, x in trans])
                      >= (g.peak_bytes[s0] + margin - cap) / mu), f"memt_{s0}"
 
 def savings_changes(model) -> tuple[dict[int, list], dict[int, list]]:

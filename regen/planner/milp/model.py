@@ -42,7 +42,7 @@ import pulp
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import Candidate, PlanningGraph
-from regen.planner.milp.highs import new_var
+from regen.planner.milp.highs import linear, new_var
 from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
                                             region_time_terms)
 from regen.planner.milp.host_memory import add_host_memory_constraints
@@ -142,6 +142,9 @@ class Model:
         self.stall: dict[int, object] = {}
         self.segments: list[tuple[int, int, object]] = []  # (first step, last step, S variable)
         self.regions: dict[int, RegionVars] = {}  # region index -> its variables (milp/region_vars.py)
+        # rows the LP relaxation leaves out (milp/relaxation.py): the host-memory rows and the copy-in
+        # start rows, by name
+        self.rows_not_in_relaxation: list[str] = []
         self.cap_var = None
         self._build()
 
@@ -229,21 +232,21 @@ class Model:
 
     def _swap_constraints(self, v: CandidateVars) -> None:
         prob, c, i = self.prob, v.c, v.c.index
-        prob += pulp.lpSum(v.yout.values()) == v.swap, f"out_all_{i}"
-        prob += pulp.lpSum(v.yin.values()) == v.swap, f"in_all_{i}"
+        prob += linear([(1.0, y) for y in v.yout.values()] + [(-1.0, v.swap)]) == 0, f"out_all_{i}"
+        prob += linear([(1.0, y) for y in v.yin.values()] + [(-1.0, v.swap)]) == 0, f"in_all_{i}"
         ob, ib = c.out_breaks, c.in_breaks
         for k, j in enumerate(ob[:-1]):
-            prob += pulp.lpSum(y for s, y in v.yout.items() if s <= j) >= v.od[j], f"od_frac_{i}_{j}"
-            prob += v.od[j] <= v.od_expr(ob[k + 1]), f"od_mono_{i}_{j}"
+            prob += linear([(1.0, y) for s, y in v.yout.items() if s <= j] + [(-1.0, v.od[j])]) >= 0, f"od_frac_{i}_{j}"
+            prob += linear([(1.0, v.od[j]), (-1.0, v.od_expr(ob[k + 1]))]) <= 0, f"od_mono_{i}_{j}"
         for k, s in enumerate(ib):
             started = v.is_expr(s)
             if k + 1 < len(ib):
-                prob += v.is_[s] <= v.is_expr(ib[k + 1]), f"is_mono_{i}_{s}"
+                prob += linear([(1.0, v.is_[s]), (-1.0, v.is_expr(ib[k + 1]))]) <= 0, f"is_mono_{i}_{s}"
             done = v.od_expr(s - 1)
             if done is None:
-                prob += started == 0, f"in_after_out_{i}_{s}"
+                prob += linear([(1.0, started)]) == 0, f"in_after_out_{i}_{s}"
             elif done is not started:
-                prob += started <= done, f"in_after_out_{i}_{s}"
+                prob += linear([(1.0, started), (-1.0, done)]) <= 0, f"in_after_out_{i}_{s}"
         # nothing flows before the copy-in starts: the fraction copied in by the end of a segment where
         # "started" is constant is at most that indicator (aggregated over the segment, which is what
         # keeps the LP relaxation tight: a half-started copy-in cannot free memory it has not copied yet)
@@ -252,9 +255,10 @@ class Model:
             s1 = ib[k + 1] - 1 if k + 1 < len(ib) else None
             if s1 is None:
                 break  # from the last break on, "started" is swap_t itself: implied by in_all
-            upto = [v.yin[s] for s in in_steps if s <= s1]
+            upto = [(1.0, v.yin[s]) for s in in_steps if s <= s1]
             if upto:
-                prob += pulp.lpSum(upto) <= v.is_expr(s0), f"in_started_{i}_{s0}"
+                prob += linear(upto + [(-1.0, v.is_expr(s0))]) <= 0, f"in_started_{i}_{s0}"
+                self.rows_not_in_relaxation.append(f"in_started_{i}_{s0}")
 
     def _anchor_constraints(self) -> None:
         g, prob = self.graph, self.prob
@@ -267,10 +271,10 @@ class Model:
                     av = self.vars.get(a_idx)
                     if av is None:
                         continue  # always kept
-                    keep = 1 - pulp.lpSum(av.actions())  # a rebuilt-with anchor counts as gone (conservative)
-                    # the fraction of a's copy-in done before b starts
-                    back = [av.yin[s] for s in av.c.in_window if s < b] if av.swap is not None else []
-                    prob += r <= keep + pulp.lpSum(back), f"anchor_{i}_{k}_{a_idx}"
+                    # r <= keep_a + the fraction of a's copy-in done before b starts, keep_a = 1 - a's actions
+                    # (a rebuilt-with anchor counts as gone: conservative)
+                    back = [(-1.0, av.yin[s]) for s in av.c.in_window if s < b] if av.swap is not None else []
+                    prob += linear([(1.0, r)] + [(1.0, x) for x in av.actions()] + back) <= 1, f"anchor_{i}_{k}_{a_idx}"
 
     def _fifo_constraint(self, first: int, later: int) -> None:
         """Copy-outs complete in issue order: `later` done by j implies `first` done by j."""
@@ -294,19 +298,20 @@ class Model:
         rec_at: dict[int, list] = region_time_terms(self)  # region replays, then recipes, at their steps
         for v in self.vars.values():
             for s, y in v.yout.items():
-                out_at.setdefault(s, []).append((v.c.bytes / mu) * y)
+                out_at.setdefault(s, []).append((v.c.bytes / mu, y))
             for s, y in v.yin.items():
-                in_at.setdefault(s, []).append((v.c.bytes / mu) * y)
+                in_at.setdefault(s, []).append((v.c.bytes / mu, y))
             for k, r in enumerate(v.rec):
                 rec_at.setdefault(v.c.first_backward, []).append((v.c.recipes[k].time_s / tu) * r)
         for s, terms in out_at.items():
-            prob += pulp.lpSum(terms) <= g.d2h_bytes_per_s * g.time_s[s] / mu, f"d2h_{s}"
+            prob += linear(terms) <= g.d2h_bytes_per_s * g.time_s[s] / mu, f"d2h_{s}"
         stalls = []
+        rate = g.h2d_bytes_per_s * tu / mu  # memory units per time unit
         for s, terms in in_at.items():
             st = new_var(f"stall_{s}", 0)
             self.stall[s] = st
             stalls.append(st)
-            rate = g.h2d_bytes_per_s * tu / mu  # memory units per time unit
-            prob += (pulp.lpSum(terms) - rate * st - rate * pulp.lpSum(rec_at.get(s, []))
+            recomputes = linear([(-rate * coef, x) for term in rec_at.get(s, []) for x, coef in term.items()])
+            prob += (linear(terms + [(-rate, st)]) + recomputes
                      <= g.h2d_bytes_per_s * g.time_s[s] / mu), f"h2d_{s}"
         return stalls
