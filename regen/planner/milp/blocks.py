@@ -32,7 +32,7 @@ BLOCK_CANDIDATES = 20  # candidates re-optimised together
 MIN_BLOCK_TIME_S = 0.5
 # a block's sub-MIP stops at this gap, relative to the *whole* step time: a block can only move the
 # objective by a fraction of a percent, so the planner's 1% would stop every block at its warm start
-BLOCK_REL_GAP = 3e-4
+BLOCK_REL_GAP = 1e-4
 MAX_BLOCK_SWEEPS = 8
 SWEEP_MIN_GAIN = 1e-4  # another sweep only after one that lowered the objective by this fraction
 MIN_SOLVER_TIME_S = 1e-3
@@ -55,7 +55,7 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     no block found a solution.
     """
     t0 = time.perf_counter()
-    say(size_message(model.prob))
+    say(size_message(model.prob, lp))
     reserve_s = FINAL_CHECK_TIME_FRACTION * time_limit_s
     guide = SweepGuide(model, warm, relaxation, rel_gap)
     improved = improve_by_blocks(model, warm, deadline - time.perf_counter() - reserve_s, progress=say, guide=guide,
@@ -197,7 +197,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
                 break
             if not guided and guide.priority is not None:  # the bound came mid-sweep: its order for the rest
                 blocks, guided = _by_priority(blocks, guide.priority), True
-            limit_s = min(remaining, 2 * remaining / len(blocks))
+            limit_s = min(remaining, max(MIN_BLOCK_TIME_S, 2 * remaining / len(blocks)))
             if not guided:  # back soon to see whether the bound has come
                 limit_s = min(limit_s, UNGUIDED_BLOCK_TIME_S)
             search.stop_at_objective = guide.target_objective
@@ -290,7 +290,7 @@ def _run_sub_model(search: _Search, columns, time_limit_s: float, start: bool) -
     import numpy as np
 
     sub = restrict(search.full, columns, search.solution, search.activity)
-    h = new_highs(rel_gap=search.rel_gap, time_limit_s=max(MIN_BLOCK_TIME_S, time_limit_s))
+    h = new_highs(rel_gap=search.rel_gap, time_limit_s=max(MIN_SOLVER_TIME_S, time_limit_s))
     h.passModel(sub.lp)
     if start:
         x = search.solution[sub.columns]

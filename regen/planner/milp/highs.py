@@ -64,7 +64,12 @@ def value_of(x) -> float:
     return float(x.varValue or 0.0)
 
 
-def size_message(prob: pulp.LpProblem) -> str:
+def size_message(prob: pulp.LpProblem, lp=None) -> str:
+    """The model's size in one line (`lp`: the model as to_highs_lp built it, which has the counts)."""
+    if lp is not None:
+        binaries = sum(1 for t in lp.integrality_ if t == require_highspy().HighsVarType.kInteger)
+        return (f"MILP: {lp.num_col_} variables ({binaries} binary), {lp.num_row_} constraints, "
+                f"{len(lp.a_matrix_.value_)} nonzeros")
     cons = constraints_of(prob)
     binaries = sum(1 for v in prob.variables() if v.cat == pulp.LpInteger)
     return (f"MILP: {len(prob.variables())} variables ({binaries} binary), {len(cons)} constraints, "
