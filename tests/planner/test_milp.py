@@ -138,6 +138,31 @@ def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
     assert acting and {i for i, p in priority.items() if p > 0} == acting
 
 
+def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
+    """The LP leaves out the copy-in start and host-memory rows: its optimum is at most the LP's with
+    them, which is at most the MILP's, and it still sees the cap."""
+    from regen.planner.milp.highs import new_highs, to_highs_lp
+    from regen.planner.milp.relaxation import lp_bound
+
+    graph = build_graph(small_transformer)
+    graph.host_memory_cap_bytes = small_transformer.peak_bytes // 8  # binds: most swaps cannot go at once
+    cap = int(small_transformer.peak_bytes * 0.5)
+    model = Model(graph, cap, MilpOptions())
+    left_out = set(model.rows_not_in_relaxation)
+    assert any(n.startswith("in_started_") for n in left_out) and any(n.startswith("host_") for n in left_out)
+    bound, _ = lp_bound(model, 30)
+    lp = to_highs_lp(model.prob, model.prob.variables())
+    lp.integrality_ = []
+    h = new_highs()
+    h.passModel(lp)
+    h.run()
+    with_every_row = h.getInfo().objective_function_value
+    exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
+    assert bound <= with_every_row * (1 + 1e-9)
+    assert with_every_row * model.time_unit <= exact.objective_s * (1 + 1e-9)
+    assert bound * model.time_unit > graph.compute_time_s
+
+
 def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transformer, monkeypatch):
     """The large-graph path (forced here on a small graph): a plan within the cap, no better than the
     exact optimum, and a gap measured against a bound that is below that optimum."""
