@@ -17,7 +17,7 @@ from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, MilpOptions, Model
 from regen.planner.milp.solution import solve_model
 from regen.planner.simulator import simulate
-from regen.graphs.synthetic import chain_profile
+from regen.graphs.synthetic import chain_profile, transformer_profile
 
 EXACT_GAP = 1e-9
 
@@ -263,3 +263,25 @@ def test_recompute_only_warm_starts_share_work_no_worse_than_without(small_trans
     assert plain.fits(cap) and shared.fits(cap)
     assert shared.step_time_s <= plain.step_time_s * (1 + 1e-6)
     assert any(ch.rebuilt_with is not None for ch in plans["recompute-only MILP"].values())
+
+
+def test_without_a_heuristic_plan_the_solver_starts_from_any_feasible_one():
+    """Every greedy plan and the recompute-only MILP fail at this cap; HiGHS with the step-time objective
+    found no plan in 10 s (16.7 s to its first). With the objective dropped it finds one in about a
+    second, and the solve goes on from it."""
+    from regen.planner import solve
+    from regen.planner.milp.feasibility import feasible_values
+    from regen.planner.milp.search import warm_start
+
+    profile = transformer_profile(n_layers=3)
+    cap = int(profile.peak_bytes * 0.5)
+    graph = build_graph(profile)
+    assert warm_start(graph, cap, True, True, 10, lambda _m: None) is None
+    values = feasible_values(Model(graph, cap, MilpOptions()), 30)
+    assert values and set(values.values()) <= {0.0, 1.0}
+    plan = solve(profile, cap, "hybrid", time_limit_s=10)
+    assert plan.simulated.peak_bytes <= cap
+    assert plan.predicted.step_time_s > plan.baseline.step_time_s
+    under = Model(graph, int(profile.peak_bytes * 0.3), MilpOptions())  # builds, but no plan fits
+    with pytest.raises(CapInfeasible):
+        feasible_values(under, 30)

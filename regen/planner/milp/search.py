@@ -6,7 +6,8 @@ regen.planner.milp.neighbourhood; on large graphs first by blocks against the LP
 regen.planner.milp.blocks), and replays the plan in the simulator. The MILP's copy channel is a
 per-step relaxation of the runtime's FIFO streams, so a plan whose simulated peak is over the cap is
 repaired: FIFO-order constraints between the swaps whose copy-out windows overlap, and once those are
-all in, headroom at the steps where the simulator went over; then the MILP is solved again. When no
+all in, headroom at the steps where the simulator went over; then the MILP is solved again. Without a
+warm start, the MILP starts from any feasible solution (regen.planner.milp.feasibility). When no
 MILP plan passes, the warm start (simulator-feasible by construction) is the plan. An infeasible cap
 is an InfeasibleCapError naming the smallest feasible cap found (`smallest_feasible_cap`).
 """
@@ -24,6 +25,7 @@ from regen.planner.graph import PlanningGraph
 from regen.planner.milp.blocks import (FINAL_CHECK_TIME_FRACTION, MIN_SOLVER_TIME_S, solve_by_blocks,
                                        time_for_full_solve)
 from regen.planner.milp.highs import require_highspy, to_highs_lp
+from regen.planner.milp.feasibility import FEASIBILITY_TIME_FRACTION, feasible_values
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
@@ -113,6 +115,10 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             model = first.model if round_ == 0 else Model(graph, cap, options)
             if round_ == 0 and warm is not None and not is_large(graph):
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
+            if warm_values is None and start is None:  # no plan to start from: any feasible one first
+                warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()))
+                say("feasibility start: " + ("a plan under the cap found" if warm_values is not None
+                                              else "none found"))
             if round_ == 0 and warm is not None and is_large(graph):
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
                                                              say, first.relaxation, first.lp)

@@ -1,0 +1,39 @@
+"""A first feasible solution of the MILP when no heuristic plan fits under the cap.
+
+With its step-time objective, HiGHS can search a long time before its first feasible plan: on a
+3-layer synthetic transformer at 50% of its peak (47 candidates, where every greedy plan and the
+recompute-only MILP fail), 16.7 s. With the objective dropped, any feasible plan is optimal, and
+HiGHS finds one in 0.9 s; its discrete values then warm-start the real solve
+(regen.planner.milp.search).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from regen.planner.milp.highs import new_highs, require_highspy, solver_output_to_stderr, to_highs_lp
+from regen.planner.milp.memory_rows import CapInfeasible
+from regen.planner.milp.model import Model
+
+FEASIBILITY_TIME_FRACTION = 0.25  # of the time left, at most
+
+
+def feasible_values(model: Model, time_limit_s: float) -> dict[str, float] | None:
+    """The values of the discrete variables of some solution of `model` (by name), or None when HiGHS
+    finds none within `time_limit_s`; CapInfeasible when it proves there is none."""
+    highspy = require_highspy()
+    variables = model.prob.variables()
+    lp = to_highs_lp(model.prob, variables)
+    lp.col_cost_ = np.zeros(lp.num_col_)
+    lp.offset_ = 0.0
+    h = new_highs(time_limit_s=max(time_limit_s, 1e-3))
+    with solver_output_to_stderr():
+        h.passModel(lp)
+        h.run()
+    if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+        raise CapInfeasible()
+    if h.getInfo().primal_solution_status != 2:  # no feasible solution
+        return None
+    values = h.getSolution().col_value
+    integer = highspy.HighsVarType.kInteger
+    return {v.name: float(round(values[j])) for j, v in enumerate(variables) if lp.integrality_[j] == integer}
