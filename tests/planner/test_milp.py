@@ -172,12 +172,16 @@ def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transforme
 
     search_module = importlib.import_module("regen.planner.milp.search")
     monkeypatch.setattr(search_module, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    monkeypatch.setattr(importlib.import_module("regen.planner.milp.blocks"), "SWEEP_PROGRESS_INTERVAL_S", 0.0)
     messages = []
     graph = build_graph(small_transformer)
     cap = int(small_transformer.peak_bytes * 0.5)
     plan = solve(small_transformer, cap, "hybrid", time_limit_s=20, progress=messages.append)
     assert any(m.startswith("LP relaxation: bound") for m in messages)
-    assert any(m.startswith("block improvement:") for m in messages)
+    assert any(m.startswith("block improvement:") and " ms" in m for m in messages)
+    # the sweeps say where they are: blocks done, the plan's step time, the bound once it is in
+    sweeps = [m for m in messages if m.strip().startswith("sweep 1:")]
+    assert sweeps and all(" of " in m and " blocks, plan " in m for m in sweeps)
     exact = solve_model(Model(graph, cap, MilpOptions()), 60, rel_gap=1e-6)
     assert plan.solver.bound_s <= exact.objective_s * (1 + 1e-9) <= plan.solver.objective_s * (1 + 1e-6)
     assert plan.solver.gap == pytest.approx(1 - plan.solver.bound_s / plan.solver.objective_s, abs=1e-9)

@@ -39,6 +39,7 @@ MIN_SOLVER_TIME_S = 1e-3
 UNGUIDED_BLOCK_TIME_S = 2.0  # at most, per block, while the LP bound is not known yet
 FINAL_CHECK_TIME_FRACTION = 0.05  # of the time limit, kept back from the sweeps for the simulator check
 FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
+SWEEP_PROGRESS_INTERVAL_S = 2.0  # at most one progress line per this many seconds during the sweeps
 
 
 def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time_limit_s: float, rel_gap: float,
@@ -186,12 +187,15 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         guide.poll()
         return guide.target_objective is not None and search.best_obj <= guide.target_objective
 
+    report = _SweepProgress(model, progress)
     while search.solution is not None and time.perf_counter() < deadline:
         guide.poll()
         blocks = _sweep_blocks(order, block_candidates, sweeps, guide.priority)
         guided = guide.priority is not None
         sweep_start_obj = search.best_obj
+        report.sweep(sweeps + 1, len(blocks))
         while blocks:
+            report.now(len(blocks), search.best_obj, guide.bound)
             remaining = deadline - time.perf_counter()
             if remaining <= 0 or reached():
                 break
@@ -208,14 +212,42 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
             break
     if progress:
-        progress(f"block improvement: {sweeps} sweep(s) over blocks of {block_candidates} candidates, objective "
-                 f"{search.best_obj:.6g}" + ("" if search.improved else " (no improvement)"))
+        plan = format_duration(search.best_obj * model.time_unit, model.graph.time_unit) if search.solution is not None \
+            else "none"
+        progress(f"block improvement: {sweeps} sweep(s) over blocks of {block_candidates} candidates, plan {plan}"
+                 + ("" if search.improved else " (no improvement)"))
     if search.solution is None:
         return None
     for v in search.variables:
         v.varValue = float(search.solution[v.index])
     binaries = {v.name: float(round(search.solution[v.index])) for v in search.variables if v.cat == pulp.LpInteger}
     return read_choices(model), binaries, search.best_obj
+
+
+class _SweepProgress:
+    """A progress line every SWEEP_PROGRESS_INTERVAL_S while the sweeps run: they can take most of the
+    time limit on thousands of candidates."""
+
+    def __init__(self, model: Model, say: Callable[[str], None] | None):
+        self._model, self._say = model, say
+        self._last = time.perf_counter()
+        self._sweep, self._blocks = 0, 0
+
+    def sweep(self, number: int, blocks: int) -> None:
+        self._sweep, self._blocks = number, blocks
+
+    def now(self, blocks_left: int, objective: float, bound: float | None) -> None:
+        if self._say is None or time.perf_counter() - self._last < SWEEP_PROGRESS_INTERVAL_S:
+            return
+        self._last = time.perf_counter()
+        unit, time_unit = self._model.time_unit, self._model.graph.time_unit
+        line = (f"  sweep {self._sweep}: {self._blocks - blocks_left} of {self._blocks} blocks, plan "
+                f"{format_duration(objective * unit, time_unit)}")
+        if bound is None:
+            self._say(line + ", LP bound still solving")
+        else:
+            self._say(line + f", LP bound {format_duration(bound * unit, time_unit)} "
+                             f"(gap {100 * (1 - bound / objective):.2f}%)")
 
 
 def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) -> _Search:
