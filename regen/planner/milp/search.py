@@ -22,10 +22,10 @@ from regen.errors import InfeasibleCapError, SolverError
 from regen.formats.plan import ACTION_SWAP, SolverReport
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph
-from regen.planner.milp.blocks import (FINAL_CHECK_TIME_FRACTION, MIN_SOLVER_TIME_S, solve_by_blocks,
+from regen.planner.milp.blocks import (MIN_SOLVER_TIME_S, final_check_reserve_s, solve_by_blocks,
                                        time_for_full_solve)
-from regen.planner.milp.highs import require_highspy, to_highs_lp
 from regen.planner.milp.feasibility import FEASIBILITY_TIME_FRACTION, feasible_values
+from regen.planner.milp.highs import require_highspy, to_highs_lp
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
@@ -98,7 +98,7 @@ class _FirstModel:
         if not is_large(graph):
             return cls(model, None, None)
         lp = to_highs_lp(model.prob, model.prob.variables())
-        reserve_s = FINAL_CHECK_TIME_FRACTION * time_limit_s
+        reserve_s = final_check_reserve_s(model, time_limit_s)
         return cls(model, Relaxation(model, deadline - time.perf_counter() - reserve_s, lp), lp)
 
 
