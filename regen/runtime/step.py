@@ -147,25 +147,12 @@ class Step:
         if self.phase == PHASE_CLOSED:
             return
         self.phase = PHASE_CLOSED
-        findings = self._findings()
+        findings = findings_of(self)
         self.ops.end_forward()
         self.matcher = None
         self.ctx.stats.copy_outs_held_at_end_forward += self.swaps.held_copy_outs()
         self.ctx.forward_ended(self, findings, in_pack_hook)
         self._maybe_release()
-
-    def _findings(self) -> StepFindings:
-        """What later steps may use: the recorded packs once the forward ran in full, as planned and
-        verified (with recompute decisions, only if every recipe op was captured)."""
-        verified = self.was_verified or self.verified
-        if self.matcher is None or not self.planned or self.failed or not verified or not self.ops.all_ran:
-            return StepFindings(verified=self.verified)
-        if not self.index.has_recipes:  # keep, swap and region decisions: packs by order, no dispatch mode
-            return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording))
-        fast_ops = self.ops.fast_ops_for_later_steps()
-        if fast_ops is None:
-            return StepFindings(verified=self.verified)
-        return StepFindings(verified=self.verified, pack_sequence=tuple(self.matcher.recording), fast_ops=fast_ops)
 
     # ---- region module calls (the handle's module hooks) --------------------------------------------
     def region_called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -337,3 +324,17 @@ class Step:
         self.swaps.clear()
         self.released = True
         self.ctx.released(self, self.planned and not self.failed and not self.aborted)
+
+
+def findings_of(step: Step) -> StepFindings:
+    """What later steps may use: the recorded packs once the forward ran in full, as planned and
+    verified (with recompute decisions, only if every recipe op was captured)."""
+    verified = step.was_verified or step.verified
+    if step.matcher is None or not step.planned or step.failed or not verified or not step.ops.all_ran:
+        return StepFindings(verified=step.verified)
+    if not step.index.has_recipes:  # keep, swap and region decisions: packs by order, no dispatch mode
+        return StepFindings(verified=step.verified, pack_sequence=tuple(step.matcher.recording))
+    fast_ops = step.ops.fast_ops_for_later_steps()
+    if fast_ops is None:
+        return StepFindings(verified=step.verified)
+    return StepFindings(verified=step.verified, pack_sequence=tuple(step.matcher.recording), fast_ops=fast_ops)
