@@ -3,11 +3,12 @@
 On a few hundred candidates and more, HiGHS's branch and bound spends the whole time limit at the
 root (identical layers make many equivalent plans, so branching does not move the bound) and rarely
 improves a warm start, while block sub-MIPs of about BLOCK_CANDIDATES candidates solve to a small gap
-in a tenth of a second or so. So `solve_by_blocks` re-solves the MILP one block of candidates at a time,
-as a model of its own with every other candidate fixed at the incumbent (`improve_by_blocks`,
-regen.planner.milp.submodel), keeping each improvement, while the LP relaxation (a valid lower bound; regen.planner.milp.relaxation) solves on the
-other core; once it has, the blocks where the plan differs most from the LP solution go first, and the
-sweeps stop when the plan is within the gap of the bound or the time is up.
+in a tenth of a second or so. So `solve_by_blocks` re-solves the MILP one block of candidates at a
+time, as a model of its own with every other candidate fixed at the incumbent (`improve_by_blocks`,
+regen.planner.milp.submodel), keeping each improvement, while the LP relaxation (a valid lower bound;
+regen.planner.milp.relaxation) solves on the other core; once it has, the blocks where the plan
+differs most from the LP solution go first, and the sweeps stop when the plan is within the gap of the
+bound or the time is up.
 docs/milp.md describes the search; regen.planner.milp.search decides when it runs.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import pulp
@@ -50,13 +51,13 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
                     lp) -> tuple[MilpResult | None, dict[str, float] | None, bool]:
     """Block sweeps from the warm start, judged against the LP bound.
 
-    The LP relaxation runs alongside the sweeps (`relaxation`, started by the caller on `lp`, the model as
-    to_highs_lp built it); once it has finished, the sweeps take the blocks where the plan differs most from it first and stop
-    within `rel_gap` of its bound. Returns the result judged against the bound ("optimal" means within
-    `rel_gap` of it), the values of its discrete variables, and whether the full MILP should continue
-    from them (and report its own bound): when the sweeps stop above the gap, or the LP did not finish
-    within the time limit, and enough of the time limit is left. The result and values are None when
-    no block found a solution.
+    The LP relaxation runs alongside the sweeps (`relaxation`, started by the caller on `lp`, the model
+    as to_highs_lp built it); once it has finished, the sweeps take the blocks where the plan differs
+    most from it first and stop within `rel_gap` of its bound. Returns the result judged against the
+    bound ("optimal" means within `rel_gap` of it), the values of its discrete variables, and whether the
+    full MILP should continue from them (and report its own bound): when the sweeps stop above the gap,
+    or the LP did not finish within the time limit, and enough of the time limit is left. The result and
+    values are None when no block found a solution.
     """
     t0 = time.perf_counter()
     say(size_message(model.prob, lp))
@@ -127,7 +128,6 @@ class _Search:
 
     full: RowwiseModel
     variables: list
-    values: dict[str, float]  # discrete variables of the best plan, by name
     shared: object  # bool by column: columns of no candidate (savings chain, stalls, regions), free in every block
     owned: dict[int, object]  # candidate -> its columns
     copies: dict[int, object]  # candidate -> its copy fractions (continuous)
@@ -138,7 +138,6 @@ class _Search:
     solution: object | None = None  # every column of the best solution (numpy, integers rounded)
     activity: object | None = None  # every row's activity at `solution`
     improved: bool = False
-    by_name: dict = field(default_factory=dict)
     stop_at_objective: float | None = None  # a block's sub-MIP stops once its plan is this good
 
     def stop_when_good_enough(self, event) -> None:
@@ -161,8 +160,6 @@ class _Search:
         change[sub.columns] = new - self.solution[sub.columns]
         self.activity += self.full.activity_change(sub.nonzeros, change)
         self.solution[sub.columns] = new
-        for c in sub.columns[self.full.is_integer[sub.columns]]:
-            self.values[self.variables[c].name] = float(self.solution[c])
 
 
 def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s: float,
@@ -220,8 +217,8 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
             break
     if progress:
-        plan = format_duration(search.best_obj * model.time_unit, model.graph.time_unit) if search.solution is not None \
-            else "none"
+        plan = ("none" if search.solution is None
+                else format_duration(search.best_obj * model.time_unit, model.graph.time_unit))
         progress(f"block improvement: {sweeps} sweep(s) over blocks of {block_candidates} candidates, plan {plan}"
                  + ("" if search.improved else " (no improvement)"))
     if search.solution is None:
@@ -263,7 +260,6 @@ def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) 
 
     variables = model.prob.variables()
     full = RowwiseModel.of(lp if lp is not None else to_highs_lp(model.prob, variables))
-    values = {name: float(x) for name, x in warm_start_values(model, incumbent).items()}
     shared = np.ones(len(variables), dtype=bool)
     owned, copies, window_steps, by_step = {}, {}, {}, {}
     for i, v in model.vars.items():
@@ -274,8 +270,15 @@ def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) 
         window_steps[i] = set(v.yout) | set(v.yin)
         for s in window_steps[i]:
             by_step.setdefault(s, []).append(i)
-    return _Search(full=full, variables=variables, values=values, shared=shared, owned=owned, copies=copies,
-                   window_steps=window_steps, by_step=by_step, rel_gap=rel_gap, by_name={v.name: v for v in variables})
+    search = _Search(full=full, variables=variables, shared=shared, owned=owned, copies=copies,
+                     window_steps=window_steps, by_step=by_step, rel_gap=rel_gap)
+    # the warm plan's discrete values; its continuous ones come from _solve_warm_plan
+    search.solution = np.zeros(len(variables))
+    by_name = {v.name: v for v in variables}
+    for name, value in warm_start_values(model, incumbent).items():
+        if name in by_name:
+            search.solution[by_name[name].index] = value
+    return search
 
 
 def _solve_warm_plan(search: _Search, deadline: float) -> None:
@@ -283,11 +286,7 @@ def _solve_warm_plan(search: _Search, deadline: float) -> None:
     start from it and keep only what improves on it."""
     import numpy as np
 
-    x = np.zeros(len(search.variables))
-    for name, val in search.values.items():
-        if name in search.by_name:
-            x[search.by_name[name].index] = val
-    search.solution, search.activity = x, search.full.activity(x)
+    search.activity = search.full.activity(search.solution)
     _run_sub_model(search, np.flatnonzero(~search.full.is_integer),
                    max(MIN_BLOCK_TIME_S, deadline - time.perf_counter()), start=False)
     if not math.isfinite(search.best_obj):  # the blocks' sub-models need a feasible solution to fix others at
