@@ -142,7 +142,7 @@ def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
     """The LP leaves out the copy-in start and host-memory rows: its optimum is at most the LP's with
     them, which is at most the MILP's, and it still sees the cap."""
     from regen.planner.milp.highs import new_highs, to_highs_lp
-    from regen.planner.milp.relaxation import lp_bound
+    from regen.planner.milp.relaxation import Relaxation
 
     graph = build_graph(small_transformer)
     graph.host_memory_cap_bytes = small_transformer.peak_bytes // 8  # binds: most swaps cannot go at once
@@ -150,8 +150,10 @@ def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
     model = Model(graph, cap, MilpOptions())
     left_out = set(model.rows_not_in_relaxation)
     assert any(n.startswith("in_started_") for n in left_out) and any(n.startswith("host_") for n in left_out)
-    bound, _ = lp_bound(model, 30)
+    relaxation = Relaxation(model, 30)
+    bound, _ = relaxation.result()
     lp = to_highs_lp(model.prob, model.prob.variables())
+    assert relaxation.num_rows == lp.num_row_ - len(left_out)
     lp.integrality_ = []
     h = new_highs()
     h.passModel(lp)

@@ -50,6 +50,11 @@ class Relaxation:
         self._thread = threading.Thread(target=self._h.run, name="regen-lp-relaxation", daemon=True)
         self._thread.start()
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the LP being solved (the model's, less those it leaves out)."""
+        return self._h.getNumRow()
+
     def done(self) -> bool:
         return not self._thread.is_alive()
 
