@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan
@@ -333,8 +333,7 @@ class RegenHandle:
             self.tracker.__exit__(None, None, None)
             self.tracker_pushed = False
         elif force:  # let go: popped once it is on top (regen.runtime.stacks)
-            if any(m is self.tracker for m in _get_current_dispatch_mode_stack()):
-                stacks.orphan(self.tracker)
+            stacks.orphan(self.tracker)
             self.tracker_pushed = False
         if not self.tracker_pushed:
             self.tracker.step = None

@@ -30,8 +30,8 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
-from torch.overrides import _get_current_function_mode
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.overrides import _get_current_function_mode, _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 
 class HookedStep(Protocol):
@@ -64,8 +64,11 @@ def pop_hooks(pack: Callable) -> None:
 
 
 def orphan(mode) -> None:
-    """`mode` (a dispatch or function mode on this thread's stack, not on top) is no longer wanted."""
-    if not any(m is mode for m in _orphans):
+    """`mode` (a dispatch or function mode, not on top) is no longer wanted: popped once it is on top;
+    nothing to do when it is on neither of this thread's stacks."""
+    on_stack = (any(m is mode for m in _get_current_dispatch_mode_stack())
+                or any(m is mode for m in _get_current_function_mode_stack()))
+    if on_stack and not any(m is mode for m in _orphans):
         _orphans.append(mode)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode, _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen.opinfo import is_counted
@@ -87,8 +87,7 @@ class ForwardTracker(TorchDispatchMode):
             self.closer.__exit__(None, None, None)
             self.closer_pushed = False
         elif force:  # let go: popped once it is on top (regen.runtime.stacks)
-            if any(m is self.closer for m in _get_current_function_mode_stack()):
-                stacks.orphan(self.closer)
+            stacks.orphan(self.closer)
             self.closer_pushed = False
 
 

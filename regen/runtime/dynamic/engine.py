@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from regen.opinfo import is_counted
 from regen.runtime import stacks
@@ -145,8 +145,7 @@ class DynamicEngine:
             self.mode.__exit__(None, None, None)
             self.mode_pushed = False
         elif force and self.mode_pushed:  # let go: popped once it is on top (regen.runtime.stacks)
-            if any(m is self.mode for m in _get_current_dispatch_mode_stack()):
-                stacks.orphan(self.mode)
+            stacks.orphan(self.mode)
             self.mode_pushed = False
         if not self.mode_pushed:
             self.mode.step = None
