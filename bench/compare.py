@@ -58,6 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from regen.cli import DEFAULT_WARMUP_S  # noqa: E402
 from regen.errors import InfeasibleCapError  # noqa: E402
 from regen.measure import measure_memory  # noqa: E402
 from regen.models import repeated_blocks  # noqa: E402
@@ -72,7 +73,7 @@ MODELS = {
 }
 TIMED_STEPS = 7
 WARMUP_STEPS = 2
-PROFILE_WARMUP_S = 2.0  # as `regen profile`: the step time settles before the profile measures it
+PROFILE_WARMUP_S = DEFAULT_WARMUP_S  # as `regen profile`: the step time settles before the profile measures it
 SOLVE_TIME_LIMIT_S = 30.0
 COMPILE_MEMORY_BUDGET = 0.5
 SEED = 0
