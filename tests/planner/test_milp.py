@@ -174,6 +174,7 @@ def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transforme
 
     search_module = importlib.import_module("regen.planner.milp.search")
     monkeypatch.setattr(search_module, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    monkeypatch.setattr(search_module, "SWAP_BLOCK_IMPROVE_MIN_CANDIDATES", 10)
     monkeypatch.setattr(importlib.import_module("regen.planner.milp.blocks"), "SWEEP_PROGRESS_INTERVAL_S", 0.0)
     messages = []
     graph = build_graph(small_transformer)
@@ -191,6 +192,23 @@ def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transforme
     assert plan.simulated.peak_bytes <= cap
 
 
+
+def test_swaps_take_the_block_search_from_fewer_candidates_than_recompute_only():
+    """91 decidable candidates: the hybrid MILP (copy-channel rows) goes to the block sweeps, the
+    recompute-only MILP stays with branch and bound; both plans fit."""
+    from regen.graphs.synthetic import transformer_profile
+    from regen.planner import solve
+    from regen.planner.milp.search import (BLOCK_IMPROVE_MIN_CANDIDATES, SWAP_BLOCK_IMPROVE_MIN_CANDIDATES,
+                                           decidable_count)
+
+    profile = transformer_profile(n_layers=6, batch=4, seq=256, d_model=256, n_head=4, copy_bytes_per_s=20e9)
+    assert SWAP_BLOCK_IMPROVE_MIN_CANDIDATES < decidable_count(build_graph(profile)) <= BLOCK_IMPROVE_MIN_CANDIDATES
+    cap = int(profile.peak_bytes * 0.5)
+    for strategy, by_blocks in (("hybrid", True), ("recompute", False)):
+        messages = []
+        plan = solve(profile, cap, strategy, time_limit_s=8, progress=messages.append)
+        assert any(m.startswith("block improvement:") for m in messages) == by_blocks, strategy
+        assert plan.simulated.peak_bytes <= cap
 def test_rebuilt_with_options_share_recompute_work(small_transformer):
     """Recompute-only on a transformer: letting a tensor that another recipe rebuilds on the way be
     kept until its own use never costs more, is used, and the simulator (which charges no recipe run
@@ -227,6 +245,7 @@ def test_large_graphs_without_time_for_the_full_milp_keep_the_block_plan(small_t
     blocks = importlib.import_module("regen.planner.milp.blocks")
     relaxation = importlib.import_module("regen.planner.milp.relaxation")
     monkeypatch.setattr(search, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    monkeypatch.setattr(search, "SWAP_BLOCK_IMPROVE_MIN_CANDIDATES", 10)
     monkeypatch.setattr(relaxation.Relaxation, "result", lambda self: None)
     monkeypatch.setattr(blocks, "FULL_SOLVE_MIN_TIME_FRACTION", 1.0)
     messages = []

@@ -40,6 +40,10 @@ MAX_REPAIR_ROUNDS = 4
 MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
 WARM_START_TIME_FRACTION = 0.2  # of the time limit, for the recompute-only warm start of hybrid
 BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are solved block by block
+# with swaps, from this many: the copy-channel rows make branch and bound stall far sooner (the built-in
+# GPT's 88 candidates at R = 0.9 and a 50% cap: 13.8% from its bound after 30 s, a plan of 151.8 ms of
+# op time, where the block sweeps reach 140.2 ms in 15 s; the 39 of the CNN solve alike either way)
+SWAP_BLOCK_IMPROVE_MIN_CANDIDATES = 60
 # hybrid's recompute-only MILP warm start, up to this many decidable candidates: above, the block sweeps
 # improve on the greedy plans faster than it does (3,000 candidates: it took 6.7 s of 30, and the sweeps
 # then ended 1.65% from the LP bound where from the greedy plan they ended 1.03% from it)
@@ -95,7 +99,7 @@ class _FirstModel:
     def build(cls, graph: PlanningGraph, cap: int, options: MilpOptions, deadline: float,
               time_limit_s: float) -> _FirstModel:
         model = Model(graph, cap, options)
-        if not is_large(graph):
+        if not is_large(graph, options.allow_swap):
             return cls(model, None, None)
         lp = to_highs_lp(model.prob, model.prob.variables())
         reserve_s = final_check_reserve_s(model, time_limit_s)
@@ -113,13 +117,14 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         try:
             model = first.model if round_ == 0 else Model(graph, cap, options)
-            if round_ == 0 and warm is not None and not is_large(graph):
+            large = is_large(graph, options.allow_swap)
+            if round_ == 0 and warm is not None and not large:
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if warm_values is None and start is None:  # no plan to start from: any feasible one first
                 warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()))
                 say("feasibility start: " + ("a plan under the cap found" if warm_values is not None
                                               else "none found"))
-            if round_ == 0 and warm is not None and is_large(graph):
+            if round_ == 0 and warm is not None and large:
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
                                                              say, first.relaxation, first.lp)
                 if result is not None and simulate(graph, result.choices).fits(cap):
@@ -155,9 +160,9 @@ def decidable_count(graph: PlanningGraph) -> int:
     return sum(1 for c in graph.candidates if c.can_swap or c.can_recompute)
 
 
-def is_large(graph: PlanningGraph) -> bool:
+def is_large(graph: PlanningGraph, allow_swap: bool) -> bool:
     """More decidable candidates than branch and bound handles well: solved by blocks first."""
-    return decidable_count(graph) > BLOCK_IMPROVE_MIN_CANDIDATES
+    return decidable_count(graph) > (SWAP_BLOCK_IMPROVE_MIN_CANDIDATES if allow_swap else BLOCK_IMPROVE_MIN_CANDIDATES)
 
 
 def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
