@@ -139,6 +139,30 @@ def test_a_copy_takes_its_time_and_lands_at_the_end():
     assert not thread.running and not _link_threads()
 
 
+def test_a_large_copy_lands_when_due_not_a_memcpy_later():
+    """The thread starts moving the bytes ahead of the due time by its measured memcpy rate, so waiters
+    are released at the due time; after the copy, not before."""
+    thread = CopyThread("regen-link-test", bytes_per_s=2e9)
+    try:
+        nbytes = 64 * 2**20
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        thread.submit(src, dst).wait()  # the first copy measures the thread's memcpy rate
+        memcpy_s = thread._memcpy_s(nbytes)
+        assert memcpy_s > 0
+        lateness_s = []
+        for _ in range(3):
+            dst.zero_()
+            done = thread.submit(src, dst)
+            assert not done.query()
+            done.wait()
+            lateness_s.append(time.perf_counter() - done.landed_at)
+            assert torch.equal(dst, src)
+        assert min(lateness_s) >= 0  # never before it is due
+        assert sorted(lateness_s)[1] < 0.5 * memcpy_s, (lateness_s, memcpy_s)
+    finally:
+        thread.close()
+
+
 def test_copy_in_buffers_start_as_poison():
     pool = HostPool(0)
     engine = EmulatedEngine(torch.device("cpu"), pool, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e6)
