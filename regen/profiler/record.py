@@ -15,7 +15,9 @@ Phases, in order (each announced through `progress`):
    holds each saved storage (`SavedTensor.held_until_op`, regen.profiler.liveness);
 5. op timing: `repeats` steps under a timing-only mode (and pass-through saved-tensor hooks, so the op
    sequence is the recorded one); each must dispatch exactly the recorded op sequence, and every op's
-   `time_s` is the median over them;
+   `time_s` is the median over them. Each is followed by one more plain step, and `step_time_s` is the
+   median over all plain steps of phases 2 and 5, so that a burst of load on a shared machine during
+   either phase moves it little;
 6. a check that the plain step time and the summed op times agree: when they are far apart (another
    process ran during one of them), a warning, and phases 2 and 5 again (at most 3 times in all; a
    disagreement that persists is kept and noted in the profile);
@@ -194,7 +196,7 @@ def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[
     in all). Under torch.distributed every rank measures again when any rank's disagree, so all ranks run
     the same steps (FSDP's collectives)."""
     any_rank = rank_agreement()
-    op_times_s = timer.op_times(capture.op_names)
+    op_times_s = timer.op_times(capture.op_names, step_times_s, optimizer_times_s)
     for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
         problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
         if any_rank is not None and any_rank(problem is not None) and problem is None:
@@ -207,7 +209,7 @@ def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[
             break
         timer.say(f"warning: {problem} (another process?); measuring again")
         step_times_s, optimizer_times_s = timer.plain_steps()
-        op_times_s = timer.op_times(capture.op_names)
+        op_times_s = timer.op_times(capture.op_names, step_times_s, optimizer_times_s)
     return step_times_s, optimizer_times_s, op_times_s
 
 
@@ -256,7 +258,7 @@ class _StepTimer:
         self.workload, self.optimizer, self.device, self.repeats, self.say = workload, optimizer, device, repeats, say
         self.cuda = device.type == "cuda"
         self.park = park
-        self.forward_times_s: list[float] = []  # of the plain steps of the last plain_steps()
+        self.forward_times_s: list[float] = []  # of the plain steps since the last plain_steps()
 
     def parking_hooks(self) -> ParkingHooks:
         """Hooks parking this step's saved activations (parameters, buffers and the batch stay)."""
@@ -317,8 +319,13 @@ class _StepTimer:
             optimizer_times_s.append(optimizer_s)
         return step_times_s, optimizer_times_s
 
-    def op_times(self, recorded_names: list[str]) -> list[float]:
-        """Each recorded op's median time over `repeats` timed steps of the same op sequence."""
+    def op_times(self, recorded_names: list[str], step_times_s: list[float],
+                 optimizer_times_s: list[float]) -> list[float]:
+        """Each recorded op's median time over `repeats` timed steps of the same op sequence. A plain step
+        follows each, its times appended to `step_times_s` and `optimizer_times_s`: the step time is then
+        a median over plain steps spread over the whole timing, so a burst of load on a shared machine
+        moves it no more than the op times (on 2 shared cores, the 3 plain steps right after the warm-up
+        once read 85 ms where the same model measured 64-74 ms in the minute after)."""
         per_step_times = []
         for k in range(self.repeats):
             self.say(f"timing ops: step {k + 1}/{self.repeats}")
@@ -326,6 +333,9 @@ class _StepTimer:
             _zero_grad(self.optimizer, self.workload)
             _check_same_sequence(self.workload.name, recorded_names, names)
             per_step_times.append(times)
+            step_s, optimizer_s = self.plain_step()
+            step_times_s.append(step_s)
+            optimizer_times_s.append(optimizer_s)
         return [statistics.median(times[i] for times in per_step_times) for i in range(len(recorded_names))]
 
 

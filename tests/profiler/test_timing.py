@@ -15,20 +15,21 @@ SLEEP_S = 0.08  # outside any op: step time only
 class SometimesBusy(nn.Module):
     """A small MLP whose first `busy_calls` forwards also wait, as if another process held the CPU."""
 
-    def __init__(self, busy_calls: int):
+    def __init__(self, busy_calls: int, sleep_s: float = SLEEP_S):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
         self.busy_calls = busy_calls
+        self.sleep_s = sleep_s
 
     def forward(self, x):
         if self.busy_calls > 0:
             self.busy_calls -= 1
-            time.sleep(SLEEP_S)
+            time.sleep(self.sleep_s)
         return self.net(x).pow(2).mean()
 
 
-def profile_busy(busy_calls: int):
-    model = SometimesBusy(busy_calls)
+def profile_busy(busy_calls: int, sleep_s: float = SLEEP_S):
+    model = SometimesBusy(busy_calls, sleep_s)
     workload = Workload(name="busy", model=model, batch=(torch.randn(8, 16),), loss_fn=None, args={}, batch_size=8)
     messages = []
     profile = profile_workload(workload, "cpu", repeats=2, warmup_steps=1, progress=messages.append)
@@ -49,6 +50,16 @@ def test_a_disagreement_that_persists_is_kept_and_noted():
     assert any(m.startswith("warning:") and "kept as measured" in m for m in messages)
     assert profile.step_time_s >= SLEEP_S
     assert any(n.startswith("timing:") and "after 3 measurements" in n for n in profile.notes)
+
+
+def test_the_step_time_is_a_median_over_plain_steps_spread_over_the_timing():
+    """Busy for the warm-up and the first plain step only, too briefly for the op-time check to object:
+    the plain steps taken after each op-timed step outvote it (a median of the first two alone would
+    be half the wait)."""
+    wait_s = 0.012  # under the disagreement check's 20 ms
+    profile, messages = profile_busy(busy_calls=2, sleep_s=wait_s)
+    assert not any("disagree" in m for m in messages)
+    assert profile.step_time_s < wait_s / 4
 
 
 def test_a_quiet_profile_is_measured_once():
