@@ -39,8 +39,9 @@ them load as before; the planner then has no region candidates.
 Runtime costs (optional)
 ------------------------
 `Profile.runtime_costs` holds what regen's runtime adds per event on the profiled machine (a dispatch
-round trip per tracked forward op, capturing and replaying a recipe op, a recipe's fixed cost), which
-the planner adds to a plan's predicted time. Profiles without it are planned without those costs.
+round trip per tracked forward op, capturing and replaying a recipe op, a recipe's fixed cost, the
+compute thread's share of a swap), which the planner adds to a plan's predicted time. Profiles without
+it are planned without those costs; profiles written before `swap_s` existed load with 0 for it.
 """
 
 from __future__ import annotations
@@ -177,6 +178,9 @@ class RuntimeCosts:
     replay_op_s: float  # replaying a recipe op in backward, beyond the op's own time
     recipe_s: float  # one replayed recipe, besides its ops
     method: str
+    # one swap's calls on the compute thread (issue the copy-out, release its source, issue the copy-in,
+    # wait for it), not the transfers themselves
+    swap_s: float = 0.0
 
 
 @dataclass
@@ -348,10 +352,11 @@ def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
     if costs is None:
         return None
     built = build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")
-    figures = [float(v) for v in (built.dispatch_op_s, built.capture_op_s, built.replay_op_s, built.recipe_s)]
+    figures = [float(v) for v in (built.dispatch_op_s, built.capture_op_s, built.replay_op_s, built.recipe_s,
+                                  built.swap_s)]
     if any(not (v >= 0) for v in figures):
         raise FormatError(f"{where}: runtime_costs must be non-negative seconds")
-    return RuntimeCosts(*figures, method=str(built.method))
+    return RuntimeCosts(*figures[:4], method=str(built.method), swap_s=figures[4])
 
 
 def _check_consistency(profile: Profile, where: str) -> None:

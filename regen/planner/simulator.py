@@ -227,6 +227,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         if s <= ev.tracked_until:
             now += graph.costs.dispatch_op_s
         for c in ev.swap_out_at.get(s, []):
+            now += graph.costs.swap_s  # the swap's calls on the compute thread, all charged at its copy-out
             t0 = max(now, d2h_free)
             d2h_free = t0 + c.bytes / graph.d2h_bytes_per_s
             releases.copied_out(c, d2h_free)

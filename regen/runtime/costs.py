@@ -15,7 +15,13 @@ since the runtime's work per op grows with the op's arguments and outputs:
 * `capture_op_s`: what a tracked forward op adds: its name checked, its arguments captured, the
   storages it wrote noted;
 * `replay_op_s`: one recipe op replayed in backward, beyond the op itself;
-* `recipe_s`: one replayed recipe, besides its ops (its tables and the checks of its result).
+* `recipe_s`: one replayed recipe, besides its ops (its tables and the checks of its result);
+* `swap_s`: one swap's calls on the compute thread, on a tiny tensor through the device's swap engine
+  (CUDA streams; on a CPU device the emulated link's copy threads, at a bandwidth that makes the
+  transfers instant): issuing the copy-out, releasing its source once the copy landed, issuing the
+  copy-in, waiting for it once landed, with the host range given back. The transfers and the copy
+  threads' wake-ups are left out (waiting for them is the simulator's business); about 50 us on 2 CPU
+  cores.
 
 Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus,
 when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
@@ -53,6 +59,8 @@ PROBE_MIX = (
     (_aten.gelu.default, lambda y, x: (y,), {"approximate": "tanh"}),
 )
 RECIPE_LENGTH = len(PROBE_MIX)  # ops per recipe in the recipe_s probe: the mix once
+SWAP_PROBE_SWAPS = 20  # swaps per timed batch...
+SWAP_PROBE_NUMEL = 16  # ... of tensors this small: the calls, not the bytes
 FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved, at most...
 FORWARD_PROBE_BUDGET_S = 2.0  # ... while they have taken less than this (a large model's steps: one pair)
 WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
@@ -78,7 +86,55 @@ def measure_runtime_costs(device: torch.device,
     if on_workload is not None:
         dispatch_s, method = on_workload, METHOD + WORKLOAD_METHOD
     return RuntimeCosts(dispatch_op_s=max(0.0, dispatch_s), capture_op_s=max(0.0, capture_s),
-                        replay_op_s=max(0.0, replay_s), recipe_s=max(0.0, recipe_s), method=method)
+                        replay_op_s=max(0.0, replay_s), recipe_s=max(0.0, recipe_s), method=method,
+                        swap_s=_swap_calls_s(device))
+
+
+def _swap_calls_s(device: torch.device) -> float:
+    """Median compute-thread seconds of one swap's engine calls (see the module doc)."""
+    from regen.runtime.swap import HostPool, new_engine
+
+    instant_link = (1e15, 1e15)  # bytes/s: every copy lands as soon as its thread runs it
+    pool = HostPool(0)
+    engine = new_engine(device, pool, instant_link)
+    tensors = [torch.ones(SWAP_PROBE_NUMEL, device=device) for _ in range(SWAP_PROBE_SWAPS)]
+    try:
+        per_swap_s = [_swap_batch_s(engine, pool, tensors) / len(tensors) for _ in range(PROBE_REPEATS + 1)]
+    finally:
+        engine.close()
+    return statistics.median(per_swap_s[1:])
+
+
+def _swap_batch_s(engine, pool, tensors: list[torch.Tensor]) -> float:
+    """Compute-thread seconds of swapping `tensors` out and back in, each phase timed after the copies of
+    the one before have landed."""
+    t0 = time.perf_counter()
+    outs = [engine.copy_out(t) for t in tensors]
+    spent_s = time.perf_counter() - t0
+    _landed(engine, [o.done_event for o in outs])
+    t0 = time.perf_counter()
+    for out in outs:
+        engine.release_source(out)
+    ins = [engine.copy_in(out) for out in outs]
+    spent_s += time.perf_counter() - t0
+    _landed(engine, [c.done_event for c in ins])
+    t0 = time.perf_counter()
+    for cin, out in zip(ins, outs):
+        engine.wait_copy_in(cin)
+        engine.drop_copy_in(cin)
+        pool.release(out.slot)
+        engine.retire(out)
+    return spent_s + time.perf_counter() - t0
+
+
+def _landed(engine, events) -> None:
+    """Wait, untimed, until every copy of `events` has landed."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        return
+    for event in events:
+        if event is not None:
+            event.wait()
 
 
 def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float]) -> float | None:

@@ -59,7 +59,8 @@ def profile_summary(profile: Profile) -> str:
     rc = profile.runtime_costs
     if rc is not None:
         lines.append(f"runtime costs: dispatch {rc.dispatch_op_s * 1e6:.1f} us/op, capture {rc.capture_op_s * 1e6:.1f} "
-                     f"us/op, replay {rc.replay_op_s * 1e6:.1f} us/op, recipe {rc.recipe_s * 1e6:.1f} us [{rc.method}]")
+                     f"us/op, replay {rc.replay_op_s * 1e6:.1f} us/op, recipe {rc.recipe_s * 1e6:.1f} us, swap "
+                     f"{rc.swap_s * 1e6:.1f} us [{rc.method}]")
     largest = _largest(profile)
     if largest:
         names = {op.index: op.name for op in profile.ops}

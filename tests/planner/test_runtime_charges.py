@@ -1,5 +1,6 @@
 """What a plan's predicted time charges for regen's own work: recipe captures and replays, the dispatch
-mode that follows the forward up to the last tracked op, and the Python a module replay runs again."""
+mode that follows the forward up to the last tracked op, the Python a module replay runs again, and a
+swap's calls on the compute thread."""
 
 from dataclasses import replace
 
@@ -89,3 +90,31 @@ def test_the_milp_charges_the_dispatch_mode_as_the_simulator_does(small_transfor
     assert sim.step_time_s <= simulate(charged, unaware).step_time_s * (1 + 1e-3)
     if dispatch_op_s >= 1e-2:  # 10 ms per forward op: far dearer than any recipe's own ops
         assert 0 <= _last_tracked_op(charged, result.choices) < _last_tracked_op(charged, unaware)
+
+
+def test_each_swap_is_charged_its_calls_by_the_simulator_and_the_milp(small_transformer):
+    """A swap costs the compute thread `swap_s` (simulator: at its copy-out); the MILP's objective
+    charges the same, and a dear enough swap makes the hybrid plan swap less."""
+    from regen.formats.plan import ACTION_SWAP
+    from regen.planner.milp.model import MilpOptions, Model
+    from regen.planner.milp.solution import solve_model
+
+    def graph_with(swap_s):
+        costs = RuntimeCosts(dispatch_op_s=0.0, capture_op_s=0.0, replay_op_s=0.0, recipe_s=0.0, method="t",
+                             swap_s=swap_s)
+        return build_graph(replace(small_transformer, runtime_costs=costs))
+
+    cap = int(small_transformer.peak_bytes * 0.6)
+    free = graph_with(0.0)
+    result = solve_model(Model(free, cap, MilpOptions()), 60, rel_gap=1e-6)
+    swaps = sum(ch.action == ACTION_SWAP for ch in result.choices.values())
+    assert swaps > 0
+    dear_s = 0.02 * free.compute_time_s
+    dear = graph_with(dear_s)
+    assert simulate(dear, result.choices).step_time_s == pytest.approx(
+        simulate(free, result.choices).step_time_s + swaps * dear_s, rel=1e-6)
+    charged = solve_model(Model(dear, cap, MilpOptions()), 60, rel_gap=1e-6)
+    sim = simulate(dear, charged.choices)
+    assert sim.fits(cap)
+    assert charged.objective_s == pytest.approx(sim.step_time_s, rel=1e-3)
+    assert sum(ch.action == ACTION_SWAP for ch in charged.choices.values()) < swaps

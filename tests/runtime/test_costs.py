@@ -15,6 +15,8 @@ def test_the_probe_measures_the_runtime_s_own_work_on_cpu():
     # capturing and replaying an op run Python of regen's own around it: never free
     assert costs.capture_op_s > 0 and costs.replay_op_s > 0
     assert "regen.runtime.costs" in costs.method
+    # a swap's calls (copy-out, release, copy-in, wait) through the emulated link's engine: Python, never free
+    assert 0.0 < costs.swap_s < 0.01
 
 
 def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
