@@ -46,7 +46,7 @@ from regen.runtime.writers import Writer
 
 PROBE_OPS = 200  # ops per timed batch
 PROBE_REPEATS = 5
-METHOD = ("probe of regen.runtime's dispatch mode, capture and replay on tiny tensors, a mix of op signatures "
+METHOD = ("probe of regen.runtime's dispatch mode, capture, replay and swap calls on tiny tensors, a mix of op signatures "
           "(regen.runtime.costs)")
 _aten = torch.ops.aten
 # (op, its arguments given the previous op's output y and a square matrix x, keyword arguments): each op's
