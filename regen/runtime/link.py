@@ -2,23 +2,25 @@
 
 `regen.apply(model, plan, emulate_link=True)` on a CPU device gives it an `EmulatedEngine`, the
 `SwapEngine` backend (swap.py) with one `CopyThread` per direction. Each thread runs its copies one at a
-time in issue order, as a CUDA copy stream does: a copy of n bytes starts once the thread is free and
-the copies it depends on have landed, takes n / bandwidth of wall time (the plan's d2h_ or
-h2d_bytes_per_s), and only then writes its bytes into the destination, so a reader that does not wait
-reads stale bytes. Times are kept on the link's own clock (a copy starts when it was issued, the copy
-before it was due to end and its dependencies were due to land), so a copy thread that wakes up late
-(the GIL, a loaded machine) delays the copy it is doing, never the ones after it. Moving the bytes
-itself takes time (memcpy, about 10 GB/s on one core): the thread starts it that long before the copy
-is due, by its running estimate of its own memcpy rate, so the bytes land when the copy is due rather
-than a memcpy later (a 3 MB copy-in would otherwise land 0.3 ms late, and the late landings of one step
-added up to a third of its measured link waits). Its `LinkEvent` is set once the bytes have landed; the compute thread waits on these
-events (a copy-in's consumer, the release of a copy-out's source), and those waits are real stalls
-(`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
-engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
-benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is allocated by the compute thread when the copy-in is
-issued, so its memory counts from then, and filled with POISON_BYTE so that a read before the copy
-landed cannot pass for the right bytes. A host range given back to the pool is written by the next
-copy-out only after the copy-in that last read it has landed (`HostPool.pending_read_events`).
+time in issue order, as a CUDA copy stream does: a copy of n bytes starts once the thread is free and the
+copies it depends on have landed, takes n / bandwidth of wall time (the plan's d2h_ or h2d_bytes_per_s),
+and only then writes its bytes into the destination, so a reader that does not wait reads stale bytes.
+Times are kept on the link's own clock (a copy starts when it was issued, the copy before it was due to
+end and its dependencies were due to land), so a copy thread that wakes up late (the GIL, a loaded
+machine) delays the copy it is doing, never the ones after it. Moving the bytes itself takes time
+(memcpy, about 10 GB/s on one core): the thread starts it that long before the copy is due, by its
+running estimate of its own memcpy rate, so the bytes land when the copy is due rather than a memcpy
+later (a 3 MB copy-in would otherwise land 0.3 ms late; on the built-in GPT's hybrid plan the measured
+link waits went from 17.0 to 14.9 ms a step). A thread still wakes up about 0.2 ms after it meant to
+(sleep granularity), which delays the copy it wakes for. A copy's `LinkEvent` is set once its bytes have
+landed; the compute thread waits on these events (a copy-in's consumer, the release of a copy-out's
+source), and those waits are real stalls (`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on
+the copy threads, which a GPU's copy engines do not take from compute; it is counted apart
+(`RuntimeStats.link_copy_cpu_s`) so that a benchmark can say how much of a swap plan's measured time is
+the emulation's own. A copy-in's buffer is allocated by the compute thread when the copy-in is issued, so
+its memory counts from then, and filled with POISON_BYTE so that a read before the copy landed cannot
+pass for the right bytes. A host range given back to the pool is written by the next copy-out only after
+the copy-in that last read it has landed (`HostPool.pending_read_events`).
 
 The threads drop their references to the copied tensors before setting an event, so every tensor is
 freed by the compute thread (where the allocator's timeline, regen.measure, sees it). They stop at
