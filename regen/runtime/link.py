@@ -11,16 +11,18 @@ machine) delays the copy it is doing, never the ones after it. Moving the bytes 
 (memcpy, about 10 GB/s on one core): the thread starts it that long before the copy is due, by its
 running estimate of its own memcpy rate, so the bytes land when the copy is due rather than a memcpy
 later (a 3 MB copy-in would otherwise land 0.3 ms late; on the built-in GPT's hybrid plan the measured
-link waits went from 17.0 to 14.9 ms a step). A thread still wakes up about 0.2 ms after it meant to
-(sleep granularity), which delays the copy it wakes for. A copy's `LinkEvent` is set once its bytes have
-landed; the compute thread waits on these events (a copy-in's consumer, the release of a copy-out's
-source), and those waits are real stalls (`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on
-the copy threads, which a GPU's copy engines do not take from compute; it is counted apart
-(`RuntimeStats.link_copy_cpu_s`) so that a benchmark can say how much of a swap plan's measured time is
-the emulation's own. A copy-in's buffer is allocated by the compute thread when the copy-in is issued, so
-its memory counts from then, and filled with POISON_BYTE so that a read before the copy landed cannot
-pass for the right bytes. A host range given back to the pool is written by the next copy-out only after
-the copy-in that last read it has landed (`HostPool.pending_read_events`).
+link waits went from 17.0 to 14.9 ms a step). A thread wakes from a sleep about 0.2 ms after it meant to
+(sleep granularity on 2 busy cores), so it sleeps that much less, by a running estimate of its own lag,
+and spins the rest of the way to a copy's due time (a few hundred microseconds at most). A copy's
+`LinkEvent` is set once its bytes have landed; the compute thread waits on these events (a copy-in's
+consumer, the release of a copy-out's source), and those waits are real stalls
+(`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
+engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
+benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is
+allocated by the compute thread when the copy-in is issued, so its memory counts from then, and filled
+with POISON_BYTE so that a read before the copy landed cannot pass for the right bytes. A host range
+given back to the pool is written by the next copy-out only after the copy-in that last read it has
+landed (`HostPool.pending_read_events`).
 
 The threads drop their references to the copied tensors before setting an event, so every tensor is
 freed by the compute thread (where the allocator's timeline, regen.measure, sees it). They stop at
@@ -45,6 +47,8 @@ from regen.runtime.swap import CopyIn, CopyOut, HostPool, SwapEngine, storage_by
 POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane
 MEMCPY_RATE_MIN_BYTES = 64 * 1024  # smaller copies are mostly call overhead: they do not set the rate
 MEMCPY_RATE_SMOOTHING = 0.8  # weight of the running memcpy rate against the latest copy's
+WAKE_LAG_SMOOTHING = 0.8  # the same for the wake-up lag...
+MAX_WAKE_LAG_S = 2e-3  # ...of which one sample counts this much at most (a thread descheduled for long)
 
 
 def _copy_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -102,6 +106,7 @@ class CopyThread:
         self._hurry = False  # closing: queued copies land at once
         self._free_at = 0.0  # when the link finishes the copy before (its due time, not the thread's)
         self._memcpy_bytes_per_s: float | None = None  # this thread's own memcpy rate, measured as it copies
+        self._wake_lag_s = 0.0  # how long after its target this thread wakes from a sleep, running estimate
         self._thread: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -135,15 +140,23 @@ class CopyThread:
             self._free_at = task.done.landed_at = due
             self._sleep_until(due - self._memcpy_s(nbytes))
             self._copy(task, nbytes)
-            self._sleep_until(due)  # the memcpy was quicker than its estimate: the copy lands when due
+            self._sleep_until(due, exact=True)  # the memcpy was quicker than its estimate: it lands when due
         except BaseException as exc:  # raised to whoever waits on the copy
             error = exc
         task.src = task.dst = None  # the compute thread frees the tensors
         task.done.set(error)
 
-    def _sleep_until(self, t: float) -> None:
-        while not self._hurry and (left := t - time.perf_counter()) > 0:
+    def _sleep_until(self, t: float, exact: bool = False) -> None:
+        """Sleep until about `t`, waking early by the thread's wake-up lag; `exact`: never return before `t`
+        (the rest of the way, at most about that lag, spinning)."""
+        target = t - self._wake_lag_s
+        while not self._hurry and (left := target - time.perf_counter()) > 0:
             time.sleep(left)
+            lag_s = max(0.0, time.perf_counter() - target)
+            self._wake_lag_s = (WAKE_LAG_SMOOTHING * self._wake_lag_s
+                                + (1 - WAKE_LAG_SMOOTHING) * min(lag_s, MAX_WAKE_LAG_S))
+        while exact and not self._hurry and time.perf_counter() < t:
+            pass
 
     def _memcpy_s(self, nbytes: int) -> float:
         """How long moving `nbytes` will take this thread (0 before its first copy)."""
