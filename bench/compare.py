@@ -405,10 +405,9 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         f"on {compute_threads} thread{'s' if compute_threads > 1 else ''} (`--compute-threads`; the profile too), "
         "leaving a core to the copy threads, which move the bytes with the CPU (the note's \"copy threads' "
         "CPU\"): a GPU's copy engines are not its SMs. With every core computing, the copy threads' memcpy "
-        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, where they are 1.1x "
-        "with a core of their own). What the emulation still costs the compute thread (the poison fill of "
-        "each copy-in buffer, the buffer's first touch, a copy thread waking up about 0.2 ms late) is in the "
-        "measured time and not in the prediction.",
+        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, where they are about "
+        "1.1x with a core of their own). What the emulation still costs the compute thread (the poison fill "
+        "and first touch of each copy-in buffer) is in the measured time and not in the prediction.",
         "",
         body,
     ])
