@@ -20,7 +20,7 @@ since the runtime's work per op grows with the op's arguments and outputs:
   (CUDA streams; on a CPU device the emulated link's copy threads, at a bandwidth that makes the
   transfers instant): issuing the copy-out, releasing its source once the copy landed, issuing the
   copy-in, waiting for it once landed, with the host range given back. The transfers and the copy
-  threads' wake-ups are left out (waiting for them is the simulator's business); about 50 us on 2 CPU
+  threads' wake-ups are left out (waiting for them is the simulator's business); 30-50 us on 2 CPU
   cores.
 
 Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus,
@@ -46,8 +46,8 @@ from regen.runtime.writers import Writer
 
 PROBE_OPS = 200  # ops per timed batch
 PROBE_REPEATS = 5
-METHOD = ("probe of regen.runtime's dispatch mode, capture, replay and swap calls on tiny tensors, a mix of op signatures "
-          "(regen.runtime.costs)")
+METHOD = ("probe of regen.runtime's dispatch mode, capture, replay and swap calls on tiny tensors, a mix of op "
+          "signatures (regen.runtime.costs)")
 _aten = torch.ops.aten
 # (op, its arguments given the previous op's output y and a square matrix x, keyword arguments): each op's
 # first output is the next op's input
