@@ -13,7 +13,7 @@ running estimate of its own memcpy rate, so the bytes land when the copy is due 
 later (a 3 MB copy-in would otherwise land 0.3 ms late; on the built-in GPT's hybrid plan the measured
 link waits went from 17.0 to 14.9 ms a step). A thread wakes from a sleep about 0.2 ms after it meant to
 (sleep granularity on 2 busy cores), so it sleeps that much less, by a running estimate of its own lag,
-and spins the rest of the way to a copy's due time (a few hundred microseconds at most). A copy's
+and yields the rest of the way to a copy's due time (about that lag). A copy's
 `LinkEvent` is set once its bytes have landed; the compute thread waits on these events (a copy-in's
 consumer, the release of a copy-out's source), and those waits are real stalls
 (`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
@@ -148,7 +148,8 @@ class CopyThread:
 
     def _sleep_until(self, t: float, exact: bool = False) -> None:
         """Sleep until about `t`, waking early by the thread's wake-up lag; `exact`: never return before `t`
-        (the rest of the way, at most about that lag, spinning)."""
+        (the rest of the way, at most about that lag, yielding: a bare spin would hold the GIL the compute
+        thread's hooks need)."""
         target = t - self._wake_lag_s
         while not self._hurry and (left := target - time.perf_counter()) > 0:
             time.sleep(left)
@@ -156,7 +157,7 @@ class CopyThread:
             self._wake_lag_s = (WAKE_LAG_SMOOTHING * self._wake_lag_s
                                 + (1 - WAKE_LAG_SMOOTHING) * min(lag_s, MAX_WAKE_LAG_S))
         while exact and not self._hurry and time.perf_counter() < t:
-            pass
+            time.sleep(0)  # releases the GIL
 
     def _memcpy_s(self, nbytes: int) -> float:
         """How long moving `nbytes` will take this thread (0 before its first copy)."""
