@@ -12,7 +12,7 @@ import pytest
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
-from regen.planner.milp.highs import constraints_of
+from regen.planner.milp.highs import constraints_of, to_highs_lp
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, MilpOptions, Model
 from regen.planner.milp.solution import solve_model
@@ -141,7 +141,7 @@ def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
 def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
     """The LP leaves out the copy-in start and host-memory rows: its optimum is at most the LP's with
     them, which is at most the MILP's, and it still sees the cap."""
-    from regen.planner.milp.highs import new_highs, to_highs_lp
+    from regen.planner.milp.highs import new_highs
     from regen.planner.milp.relaxation import Relaxation
 
     graph = build_graph(small_transformer)
@@ -304,6 +304,11 @@ def test_without_a_heuristic_plan_the_solver_starts_from_any_feasible_one():
     assert warm_start(graph, cap, True, True, 10, lambda _m: None) is None
     values = feasible_values(Model(graph, cap, MilpOptions()), 30)
     assert values and set(values.values()) <= {0.0, 1.0}
+    model = Model(graph, cap, MilpOptions())  # given the model's HiGHS form, it solves that and gives it back
+    lp = to_highs_lp(model.prob, model.prob.variables())
+    cost, offset = lp.col_cost_.copy(), lp.offset_
+    assert feasible_values(model, 30, lp=lp) == values
+    assert (lp.col_cost_ == cost).all() and lp.offset_ == offset and cost.any()
     plan = solve(profile, cap, "hybrid", time_limit_s=10)
     assert plan.simulated.peak_bytes <= cap
     assert plan.predicted.step_time_s > plan.baseline.step_time_s

@@ -114,14 +114,15 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
     graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
     block_plan = None  # large graphs: the block search's plan, kept if the full MILP then finds none
+    large = is_large(graph, options.allow_swap)
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         try:
             model = first.model if round_ == 0 else Model(graph, cap, options)
-            large = is_large(graph, options.allow_swap)
             if round_ == 0 and warm is not None and not large:
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if warm_values is None and start is None:  # no plan to start from: any feasible one first
-                warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()))
+                warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()),
+                                              lp=first.lp if model is first.model else None)
                 say("feasibility start: " + ("a plan under the cap found" if warm_values is not None
                                               else "none found"))
             if round_ == 0 and warm is not None and large:
