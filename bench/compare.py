@@ -405,8 +405,8 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         f"on {compute_threads} thread{'s' if compute_threads > 1 else ''} (`--compute-threads`; the profile too), "
         "leaving a core to the copy threads, which move the bytes with the CPU (the note's \"copy threads' "
         "CPU\"): a GPU's copy engines are not its SMs. With every core computing, the copy threads' memcpy "
-        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, where they are about "
-        "1.1x with a core of their own). What the emulation still costs the compute thread (the poison fill "
+        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, where they are "
+        "0.98-1.28x with a core of their own). What the emulation still costs the compute thread (the poison fill "
         "and first touch of each copy-in buffer) is in the measured time and not in the prediction.",
         "",
         body,
