@@ -5,8 +5,8 @@
 
 Profiles come from regen.graphs.synthetic.transformer_profile (about 15 candidates per layer); the
 cap is a fraction of the unplanned peak. The solver stops at --rel-gap (default: the planner's
-DEFAULT_REL_GAP, 1%) or the time limit. Targets on 2 cores: 3,000 candidates to a 1% gap within 30 s,
-107 within 5 s.
+DEFAULT_REL_GAP, 1%) or the time limit. Target on 2 cores: 3,000 candidates to a 1% gap within 30 s
+(107 take about 15 s: small graphs get longer copy windows, docs/milp.md).
 """
 
 import argparse

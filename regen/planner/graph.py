@@ -31,9 +31,15 @@ from regen.planner.regions import Region, add_regions
 from regen.planner.residency import op_capture_bytes
 
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
-MAX_WINDOW_STEPS = 32  # ... and at most this many: keeps the MILP O(candidates x window)
+# ... and at most window_steps_cap(candidates) steps: WINDOW_STEP_BUDGET over all candidates (it keeps the
+# MILP's copy variables O(budget)), between these two bounds. A slow link needs long windows: at R = 0.9 a
+# 3 MiB tensor of the built-in GPT takes ~25 ops to copy, and three of them are made at once, so windows of
+# 32 steps left most swaps out (hybrid at 50%: 37 ms over the unplanned step, against 13 ms with 128)
+MAX_WINDOW_STEPS = 128
+MIN_WINDOW_STEPS_CAP = 32
+WINDOW_STEP_BUDGET = 12_000
 MAX_WINDOW_BREAKS = 6  # steps of a window where the copy's state (done / started) may change
-WINDOW_TRANSFER_FACTOR = 2.0  # a window covers this many times the tensor's own transfer time
+WINDOW_TRANSFER_FACTOR = 4.0  # a window covers this many times the tensor's own transfer time (others share it)
 FALLBACK_BANDWIDTH_BYTES_PER_S = 10e9  # when a profile records no bandwidth
 
 
@@ -276,10 +282,11 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                                                                if e.unpack_order is not None
                                                                and e.unpack_before_op is not None)])
     written_after_pack = _written_after_first_pack(profile)
+    max_steps = window_steps_cap(len(candidates))
     for c in candidates:
         if c.trivial or c.bytes <= 0 or c.producer in parameter_copies or c.id in written_after_pack:
             continue
-        _set_windows(graph, c)
+        _set_windows(graph, c, max_steps)
     add_recipes(graph)
     add_rebuilt_with_options(graph)
     add_regions(graph)
@@ -324,8 +331,13 @@ def _op_graph(profile: Profile) -> nx.DiGraph:
     return g
 
 
-def _set_windows(graph: PlanningGraph, c: Candidate) -> None:
-    """Bounded copy windows: steps after the pack (copy-out) and before b (copy-in)."""
+def window_steps_cap(num_candidates: int) -> int:
+    """The most steps a copy window covers on a graph of `num_candidates` candidates."""
+    return max(MIN_WINDOW_STEPS_CAP, min(MAX_WINDOW_STEPS, WINDOW_STEP_BUDGET // max(1, num_candidates)))
+
+
+def _set_windows(graph: PlanningGraph, c: Candidate, max_steps: int) -> None:
+    """Bounded copy windows (at most `max_steps` each): steps after the pack (copy-out) and before b (copy-in)."""
     b = c.first_backward
     times = graph.time_s
     out_need = WINDOW_TRANSFER_FACTOR * c.bytes / graph.d2h_bytes_per_s
@@ -333,7 +345,7 @@ def _set_windows(graph: PlanningGraph, c: Candidate) -> None:
     # copy-out: o+1 .. at most b-2 (the copy-in needs a step after it)
     out_window, covered = [], 0.0
     s = c.issue_after + 1
-    while s <= b - 2 and len(out_window) < MAX_WINDOW_STEPS:
+    while s <= b - 2 and len(out_window) < max_steps:
         out_window.append(s)
         covered += times[s]
         if covered >= out_need and len(out_window) >= MIN_WINDOW_STEPS:
@@ -349,7 +361,7 @@ def _set_windows(graph: PlanningGraph, c: Candidate) -> None:
     first_in = max(c.last_forward + 1, out_window[0] + 1)
     in_window, covered = [], 0.0
     s = b - 1
-    while s >= first_in and len(in_window) < MAX_WINDOW_STEPS:
+    while s >= first_in and len(in_window) < max_steps:
         in_window.append(s)
         covered += times[s]
         if covered >= in_need and len(in_window) >= MIN_WINDOW_STEPS:

@@ -1,8 +1,9 @@
 """The planning graph: lifetimes, copy windows and recompute recipes."""
 
 from regen.formats.profile import KIND_INPUT
-from regen.planner.graph import MAX_WINDOW_STEPS, build_graph
-from regen.graphs.builder import ProfileBuilder
+from regen.planner.graph import (MAX_WINDOW_STEPS, MIN_WINDOW_STEPS_CAP, WINDOW_TRANSFER_FACTOR, build_graph,
+                                  window_steps_cap)
+from regen.graphs.builder import FLOAT32_BYTES, ProfileBuilder
 from regen.graphs.synthetic import chain_profile
 
 
@@ -75,3 +76,52 @@ def test_cpu_gpt_dropout_masks_are_recomputable_and_lower_the_recompute_only_cap
         c.recipes = [r for r in c.recipes if not any(ops[q].is_inplace for q in r.ops)]
     before = smallest_feasible_cap(graph, allow_swap=False, allow_recompute=True)
     assert after is not None and before is not None and after < before
+
+
+def _burst_profile(chain_ops: int = 120):
+    """Three 4 MiB tensors made one after another, then `chain_ops` ops of 0.2 ms on small tensors and a
+    10 MiB one the loss reads, over a 1 GB/s link: copying the three out takes 12.6 ms, the time of 63 ops
+    after them. In backward, a third of the chain's ops (0.4 ms each) come before each of the three's uses, so
+    each can come back alone."""
+    mb = 1 << 20
+    b = ProfileBuilder("burst", 1e9, 1e9)
+    x = b.external(mb, kind=KIND_INPUT)
+    w = b.external(mb // 4)
+    burst = [b.forward("aten.mm.default", 0.2e-3, [x, w], [4 * mb], saves="outputs")[0] for _ in range(3)]
+    y, chain = x, []
+    for _ in range(chain_ops):
+        op, (y,) = b.forward("aten.relu.default", 0.2e-3, [y], [mb // 64], saves=[y])
+        chain.append(op)
+    _, (logits,) = b.forward("aten.mm.default", 0.2e-3, [y, w], [10 * mb])  # alive at the forward's end
+    loss_op, (loss,) = b.forward("aten.sum.default", 0.1e-3, [logits], [FLOAT32_BYTES], saves=[logits])
+    (g,) = b.backward("aten.expand.default", 0.1e-3, loss_op, [loss], [mb // 64])
+    third = chain_ops // 3
+    for k, op in enumerate(reversed(chain)):
+        (g,) = b.backward("aten.threshold_backward.default", 0.4e-3, op, [g], [mb // 64])
+        if k % third == third - 1:
+            b.backward("aten.mm.default", 0.4e-3, burst[2 - k // third], [g], [mb // 4])
+    return b.build(), 12 * mb
+
+
+def test_copy_windows_cover_a_burst_of_copies_on_a_slow_link():
+    """Windows are sized in time (WINDOW_TRANSFER_FACTOR x the tensor's own copy), so tensors made together
+    can share the link over the ops that follow them: a swap-only plan frees all three before the backward."""
+    from regen.planner.milp.search import smallest_feasible_cap
+
+    profile, burst_bytes = _burst_profile()
+    graph = build_graph(profile)
+    burst = [c for c in graph.candidates if c.bytes == 4 << 20]
+    assert len(burst) == 3
+    for c in burst:
+        covered_s = sum(graph.time_s[s] for s in c.out_window)
+        assert covered_s >= WINDOW_TRANSFER_FACTOR * c.bytes / graph.d2h_bytes_per_s - graph.time_s[c.out_window[-1]]
+    # the three are resident at once right after they are made; at the forward's end they can all be out
+    made = graph.after_bytes[burst[-1].producer]
+    smallest = smallest_feasible_cap(graph, allow_swap=True, allow_recompute=False)
+    assert smallest is not None and smallest <= max(made, graph.unplanned_peak_bytes - burst_bytes) + (1 << 20)
+
+
+def test_window_steps_shrink_on_large_graphs_within_bounds():
+    assert window_steps_cap(10) == MAX_WINDOW_STEPS
+    assert window_steps_cap(3000) == MIN_WINDOW_STEPS_CAP
+    assert MIN_WINDOW_STEPS_CAP <= window_steps_cap(200) < MAX_WINDOW_STEPS
