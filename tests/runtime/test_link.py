@@ -24,7 +24,7 @@ from common import assert_nothing_left, make, run_and_grads, step, traced
 from handmade import PLANS
 from regen.errors import InfeasibleCapError, RegenError
 from regen.measure import measure_memory
-from regen.runtime.link import POISON_BYTE, CopyThread, EmulatedEngine
+from regen.runtime.link import POISON_BYTE, POISON_STRIDE_BYTES, CopyThread, EmulatedEngine
 from regen.runtime.swap import HostPool
 
 SLOW_LINK_RATIO = 2.0  # the swapped bytes take twice a step to copy one way: copies stall compute
@@ -167,10 +167,14 @@ def test_copy_in_buffers_start_as_poison():
     pool = HostPool(0)
     engine = EmulatedEngine(torch.device("cpu"), pool, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e6)
     try:
-        out = engine.copy_out(torch.ones(64 * 1024, dtype=torch.uint8))
+        out = engine.copy_out(torch.ones(64 * 1024 + 5, dtype=torch.uint8))
         engine.release_source(out)
         cin = engine.copy_in(out)
-        assert bool((cin.buffer == POISON_BYTE).all())  # not landed yet: a read now sees poison
+        # not landed yet: a read now sees poison, an 8-byte word at every stride and the tail
+        words = cin.buffer[:64 * 1024].view(-1, POISON_STRIDE_BYTES)[:, :8]
+        assert bool((words == POISON_BYTE).all()) and bool((cin.buffer[-5:] == POISON_BYTE).all())
+        as_float = cin.buffer[:64 * 1024].view(torch.float32).view(-1, POISON_STRIDE_BYTES // 4)
+        assert bool(as_float[:, :2].isnan().all())  # a NaN in float lanes
         engine.wait_copy_in(cin)
         assert bool((cin.buffer == 1).all())
     finally:
