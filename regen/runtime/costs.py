@@ -19,9 +19,14 @@ since the runtime's work per op grows with the op's arguments and outputs:
 * `swap_s`: one swap's calls on the compute thread, on a tiny tensor through the device's swap engine
   (CUDA streams; on a CPU device the emulated link's copy threads, at a bandwidth that makes the
   transfers instant): issuing the copy-out, releasing its source once the copy landed, issuing the
-  copy-in, waiting for it once landed, with the host range given back. The transfers and the copy
-  threads' wake-ups are left out (waiting for them is the simulator's business); 30-50 us on 2 CPU
-  cores.
+  copy-in, waiting for it once landed, with the host range given back. The transfers are left out
+  (waiting for them is the simulator's business), but not what the swaps do to computing around them:
+  the larger of those calls alone (30-50 us on 2 CPU cores) and what a swap adds to passes of small
+  matmuls (SWAP_PROBE_ROUNDS swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited
+  for one SWAP_PROBE_GAP_S of matmuls after it was issued, against the same passes without swaps,
+  interleaved: the median difference per swap). On a CPU device the second is the larger,
+  0.4-0.5 ms: the copy threads' wake-ups and Python hold the GIL and the cores the compute thread wants
+  (the emulation's own cost; regen's plans measured 0.38-0.88 ms a swap over their prediction without it).
 
 Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus,
 when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
@@ -61,6 +66,11 @@ PROBE_MIX = (
 RECIPE_LENGTH = len(PROBE_MIX)  # ops per recipe in the recipe_s probe: the mix once
 SWAP_PROBE_SWAPS = 20  # swaps per timed batch...
 SWAP_PROBE_NUMEL = 16  # ... of tensors this small: the calls, not the bytes
+SWAP_PROBE_ROUNDS = 16  # swaps per pass of the interleaved probe...
+SWAP_PROBE_BYTES = 1 << 20  # ... of this many bytes...
+SWAP_PROBE_MATMUL = 256  # ... between square matmuls of this size...
+SWAP_PROBE_GAP_S = 0.5e-3  # ... as many as take this long, twice between swaps (ops between a step's swaps)
+SWAP_PROBE_PASSES = 5  # timed pairs of passes (with and without swaps), after one untimed pair
 FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved, at most...
 FORWARD_PROBE_BUDGET_S = 2.0  # ... while they have taken less than this (a large model's steps: one pair)
 WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
@@ -100,9 +110,76 @@ def _swap_calls_s(device: torch.device) -> float:
     tensors = [torch.ones(SWAP_PROBE_NUMEL, device=device) for _ in range(SWAP_PROBE_SWAPS)]
     try:
         per_swap_s = [_swap_batch_s(engine, pool, tensors) / len(tensors) for _ in range(PROBE_REPEATS + 1)]
+        computing_s = _swap_next_to_compute_s(engine, pool)
     finally:
         engine.close()
-    return statistics.median(per_swap_s[1:])
+    return max(statistics.median(per_swap_s[1:]), computing_s)
+
+
+def _swap_next_to_compute_s(engine, pool) -> float:
+    """Median seconds one swap adds to a pass of matmuls (with swaps against without, interleaved)."""
+    device = engine.device
+    a = torch.randn(SWAP_PROBE_MATMUL, SWAP_PROBE_MATMUL, device=device)
+    sources = [torch.ones(SWAP_PROBE_BYTES // 4, device=device) for _ in range(SWAP_PROBE_ROUNDS)]
+    n = _matmuls_per_gap(a)
+    added_s = []
+    for k in range(SWAP_PROBE_PASSES + 1):
+        plain_s = _matmul_pass_s(engine, pool, a, [], n)
+        swapping_s = _matmul_pass_s(engine, pool, a, sources, n)
+        if k:
+            added_s.append((swapping_s - plain_s) / len(sources))
+    return max(0.0, statistics.median(added_s))
+
+
+def _matmuls_per_gap(a: torch.Tensor) -> int:
+    """How many `a @ a` take SWAP_PROBE_GAP_S on this device (at least 1)."""
+    _sync(a.device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    _sync(a.device)
+    return max(1, round(SWAP_PROBE_GAP_S / max(1e-9, (time.perf_counter() - t0) / 20)))
+
+
+def _matmul_pass_s(engine, pool, a: torch.Tensor, sources: list[torch.Tensor], n: int) -> float:
+    """Seconds of 4 x `n` matmuls per source (SWAP_PROBE_ROUNDS of them without sources), each source swapped
+    out in the first half, its source released 2n matmuls later, and back in the second half, waited for 2n
+    matmuls later, as a step's swaps are."""
+    rounds = len(sources) or SWAP_PROBE_ROUNDS
+    _sync(a.device)
+    t0 = time.perf_counter()
+    outs, ins = [], []
+    for k in range(rounds):
+        if sources:
+            outs.append(engine.copy_out(sources[k]))
+        _matmuls(a, 2 * n)
+        if sources:
+            engine.release_source(outs[k])
+    for k in range(rounds):
+        if sources:
+            ins.append(engine.copy_in(outs[k]))
+        _matmuls(a, 2 * n)
+        if sources:
+            _retire(engine, pool, ins[k], outs[k])
+    _sync(a.device)
+    return time.perf_counter() - t0
+
+
+def _matmuls(a: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        a @ a
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _retire(engine, pool, cin, out) -> None:
+    engine.wait_copy_in(cin)
+    engine.drop_copy_in(cin)
+    pool.release(out.slot)
+    engine.retire(out)
 
 
 def _swap_batch_s(engine, pool, tensors: list[torch.Tensor]) -> float:

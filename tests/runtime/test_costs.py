@@ -64,3 +64,24 @@ def test_the_workload_probe_stops_at_its_time_budget_after_one_pair(monkeypatch)
 
     measure_runtime_costs(torch.device("cpu"), slow_forward)
     assert len(calls) == 2 < 2 * costs.FORWARD_PROBE_PAIRS
+
+
+def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
+    """The swap figure includes what swaps cost a computing thread: an engine whose copy-in issue takes
+    2 ms of the compute thread (off the calls-alone probe's tiny tensors) measures about that per swap."""
+    from regen.runtime import costs as probe
+    from regen.runtime.link import EmulatedEngine
+
+    plain = probe._swap_calls_s(torch.device("cpu"))
+    original = EmulatedEngine.copy_in
+
+    def slow_copy_in(self, out):
+        if out.slot.nbytes >= probe.SWAP_PROBE_BYTES:  # the interleaved probe's sources only
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 2e-3:
+                pass
+        return original(self, out)
+
+    monkeypatch.setattr(EmulatedEngine, "copy_in", slow_copy_in)
+    slowed = probe._swap_calls_s(torch.device("cpu"))
+    assert slowed > 1.5e-3 + 0.5 * plain, (plain, slowed)
