@@ -406,8 +406,10 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         "leaving a core to the copy threads, which move the bytes with the CPU (the note's \"copy threads' "
         "CPU\"): a GPU's copy engines are not its SMs. With every core computing, the copy threads' memcpy "
         "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, where they are "
-        "0.98-1.28x with a core of their own). What the emulation still costs the compute thread (the poison fill "
-        "and first touch of each copy-in buffer) is in the measured time and not in the prediction.",
+        "0.98-1.28x with a core of their own). What the emulation still costs the compute thread (the copy "
+        "threads' wake-ups and Python taking the GIL and the cores from it, 0.3-0.5 ms a swap on this machine) is "
+        "in the measured time and, since the profile's swap probe measures it next to compute, in the plans' "
+        "swap charge and so in the prediction: plans solved here swap less than they would for a GPU.",
         "",
         body,
     ])
