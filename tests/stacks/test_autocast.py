@@ -49,7 +49,7 @@ def _plan(strategy):
     if strategy == "checkpoint-blocks":  # region decisions: each block's call replayed in backward
         return solve(prof, memory_cap_bytes=prof.peak_bytes, strategy=strategy)
     if strategy == "hybrid":  # a cap low enough that the plan needs recompute besides the link's swaps
-        return solve_halfway(prof, strategy, link_ratio=0.5, fraction=0.25)
+        return solve_halfway(prof, strategy, link_ratio=2.0, fraction=0.25)
     return solve_halfway(prof, strategy)
 
 
