@@ -60,7 +60,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from regen.cli import DEFAULT_WARMUP_S  # noqa: E402
+from regen.cli import DEFAULT_TIME_LIMIT_S, DEFAULT_WARMUP_S  # noqa: E402
 from regen.errors import InfeasibleCapError  # noqa: E402
 from regen.measure import measure_memory  # noqa: E402
 from regen.models import repeated_blocks  # noqa: E402
@@ -76,7 +76,7 @@ MODELS = {
 TIMED_STEPS = 7
 WARMUP_STEPS = 2
 PROFILE_WARMUP_S = DEFAULT_WARMUP_S  # as `regen profile`: the step time settles before the profile measures it
-SOLVE_TIME_LIMIT_S = 30.0
+SOLVE_TIME_LIMIT_S = DEFAULT_TIME_LIMIT_S  # as `regen solve`: hybrid plans at R = 0.9 still improve past 30 s
 COMPILE_MEMORY_BUDGET = 0.5
 SEED = 0
 
