@@ -24,11 +24,12 @@ since the runtime's work per op grows with the op's arguments and outputs:
   the larger of those calls alone (30-50 us on 2 CPU cores) and what a swap adds to passes of small
   matmuls (SWAP_PROBE_ROUNDS swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited
   for one SWAP_PROBE_GAP_S of matmuls after it was issued, against the same passes without swaps,
-  interleaved: the median difference per swap). On a CPU device the second is the larger,
-  0.4-0.5 ms: the copy threads' wake-ups and Python hold the GIL and the cores the compute thread wants
-  (the emulation's own cost; regen's plans measured 0.38-0.88 ms a swap over their prediction without it).
+  interleaved: the median difference per swap). On a CPU device the second is the larger, 0.3-0.5 ms
+  with one compute thread on 2 cores (0.6-0.9 ms with two): the copy threads' wake-ups and Python hold the
+  GIL and the cores the compute thread wants (the emulation's own cost; regen's plans measured 0.38-0.88 ms
+  a swap over their prediction without it).
 
-Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.1 s, plus,
+Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.5 s, plus,
 when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
 take less than FORWARD_PROBE_BUDGET_S (at least one pair: on a large model, where regen's per-op work
 matters least, the probe stays short).
