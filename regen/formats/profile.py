@@ -178,8 +178,8 @@ class RuntimeCosts:
     replay_op_s: float  # replaying a recipe op in backward, beyond the op's own time
     recipe_s: float  # one replayed recipe, besides its ops
     method: str
-    # one swap's calls on the compute thread (issue the copy-out, release its source, issue the copy-in,
-    # wait for it), not the transfers themselves
+    # what one swap costs the compute thread (issuing the copy-out, releasing its source, issuing the
+    # copy-in, waiting for it, and what the engine's work does to compute next to it), not the transfers
     swap_s: float = 0.0
 
 

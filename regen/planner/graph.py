@@ -109,7 +109,7 @@ class RuntimeCharges:
     replay_op_s: float = 0.0  # a recipe op, replayed in backward, beyond its own time
     recipe_s: float = 0.0  # a replayed recipe, besides its ops
     between_forward_ops_s: float = 0.0  # the plain forward's time outside ops, per forward op
-    swap_s: float = 0.0  # a swapped tensor's calls on the compute thread (not its transfers)
+    swap_s: float = 0.0  # what a swapped tensor costs the compute thread (not its transfers): RuntimeCosts.swap_s
 
     @staticmethod
     def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:

@@ -196,7 +196,7 @@ def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[
     in all). Under torch.distributed every rank measures again when any rank's disagree, so all ranks run
     the same steps (FSDP's collectives)."""
     any_rank = rank_agreement()
-    op_times_s = timer.op_times(capture.op_names, step_times_s, optimizer_times_s)
+    step_times_s, optimizer_times_s, op_times_s = _with_op_times(timer, capture, step_times_s, optimizer_times_s)
     for attempt in range(1, MAX_TIMING_ATTEMPTS + 1):
         problem = _timing_disagreement(statistics.median(step_times_s), sum(op_times_s))
         if any_rank is not None and any_rank(problem is not None) and problem is None:
@@ -209,8 +209,16 @@ def _times_that_agree(timer: "_StepTimer", capture: Capture, step_times_s: list[
             break
         timer.say(f"warning: {problem} (another process?); measuring again")
         step_times_s, optimizer_times_s = timer.plain_steps()
-        op_times_s = timer.op_times(capture.op_names, step_times_s, optimizer_times_s)
+        step_times_s, optimizer_times_s, op_times_s = _with_op_times(timer, capture, step_times_s,
+                                                                     optimizer_times_s)
     return step_times_s, optimizer_times_s, op_times_s
+
+
+def _with_op_times(timer: "_StepTimer", capture: Capture, step_times_s: list[float],
+                   optimizer_times_s: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """Op times, with the plain steps timed among them added to the given step and optimizer times."""
+    op_times_s, more_steps_s, more_optimizer_s = timer.op_times(capture.op_names)
+    return step_times_s + more_steps_s, optimizer_times_s + more_optimizer_s, op_times_s
 
 
 def _warm_up(timer: "_StepTimer", warmup_steps: int, warmup_s: float) -> None:
@@ -319,14 +327,13 @@ class _StepTimer:
             optimizer_times_s.append(optimizer_s)
         return step_times_s, optimizer_times_s
 
-    def op_times(self, recorded_names: list[str], step_times_s: list[float],
-                 optimizer_times_s: list[float]) -> list[float]:
-        """Each recorded op's median time over `repeats` timed steps of the same op sequence. A plain step
-        follows each, its times appended to `step_times_s` and `optimizer_times_s`: the step time is then
-        a median over plain steps spread over the whole timing, so a burst of load on a shared machine
-        moves it no more than the op times (on 2 shared cores, the 3 plain steps right after the warm-up
-        once read 85 ms where the same model measured 64-74 ms in the minute after)."""
-        per_step_times = []
+    def op_times(self, recorded_names: list[str]) -> tuple[list[float], list[float], list[float]]:
+        """Each recorded op's median time over `repeats` timed steps of the same op sequence, and the step
+        and optimizer times of a plain step taken after each: the step time is then a median over plain
+        steps spread over the whole timing, so a burst of load on a shared machine moves it no more than
+        the op times (on 2 shared cores, the 3 plain steps right after the warm-up once read 85 ms where
+        the same model measured 64-74 ms in the minute after)."""
+        per_step_times, step_times_s, optimizer_times_s = [], [], []
         for k in range(self.repeats):
             self.say(f"timing ops: step {k + 1}/{self.repeats}")
             names, times = _timed_step(self.workload, self.device, self.parking_hooks() if self.park else None)
@@ -336,7 +343,8 @@ class _StepTimer:
             step_s, optimizer_s = self.plain_step()
             step_times_s.append(step_s)
             optimizer_times_s.append(optimizer_s)
-        return [statistics.median(times[i] for times in per_step_times) for i in range(len(recorded_names))]
+        op_times_s = [statistics.median(times[i] for times in per_step_times) for i in range(len(recorded_names))]
+        return op_times_s, step_times_s, optimizer_times_s
 
 
 def _zero_grad(optimizer, workload: Workload) -> None:

@@ -37,6 +37,7 @@ matters least, the probe stays short).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from contextlib import nullcontext
@@ -83,7 +84,7 @@ def measure_runtime_costs(device: torch.device,
     training step of the profiled workload with `context` entered around its forward; returns the
     forward's seconds."""
     x = torch.ones(4, 4, device=device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = functools.partial(_sync, device)
     plain_s = _per_unit(lambda: _plain(x, PROBE_OPS), sync, PROBE_OPS)
     dispatch_s = _per_unit(lambda: _tracked(x), sync, PROBE_OPS) - plain_s
     capture_s = _per_unit(lambda: _captured(x), sync, PROBE_OPS) - plain_s
@@ -98,11 +99,12 @@ def measure_runtime_costs(device: torch.device,
         dispatch_s, method = on_workload, METHOD + WORKLOAD_METHOD
     return RuntimeCosts(dispatch_op_s=max(0.0, dispatch_s), capture_op_s=max(0.0, capture_s),
                         replay_op_s=max(0.0, replay_s), recipe_s=max(0.0, recipe_s), method=method,
-                        swap_s=_swap_calls_s(device))
+                        swap_s=_swap_s(device))
 
 
-def _swap_calls_s(device: torch.device) -> float:
-    """Median compute-thread seconds of one swap's engine calls (see the module doc)."""
+def _swap_s(device: torch.device) -> float:
+    """What one swap costs the compute thread: the larger of its engine calls alone and what it adds next to
+    compute (see the module doc)."""
     from regen.runtime.swap import HostPool, new_engine
 
     instant_link = (1e15, 1e15)  # bytes/s: every copy lands as soon as its thread runs it
@@ -177,6 +179,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _retire(engine, pool, cin, out) -> None:
+    """A swap's end: its copy-in waited for and dropped, its host range given back."""
     engine.wait_copy_in(cin)
     engine.drop_copy_in(cin)
     pool.release(out.slot)
@@ -198,17 +201,14 @@ def _swap_batch_s(engine, pool, tensors: list[torch.Tensor]) -> float:
     _landed(engine, [c.done_event for c in ins])
     t0 = time.perf_counter()
     for cin, out in zip(ins, outs):
-        engine.wait_copy_in(cin)
-        engine.drop_copy_in(cin)
-        pool.release(out.slot)
-        engine.retire(out)
+        _retire(engine, pool, cin, out)
     return spent_s + time.perf_counter() - t0
 
 
 def _landed(engine, events) -> None:
     """Wait, untimed, until every copy of `events` has landed."""
     if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+        _sync(engine.device)
         return
     for event in events:
         if event is not None:

@@ -21,16 +21,15 @@ FEASIBILITY_TIME_FRACTION = 0.25  # of the time left, at most
 def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, float] | None:
     """The values of the discrete variables of some solution of `model` (by name), or None when HiGHS
     finds none within `time_limit_s`; CapInfeasible when it proves there is none. `lp`: the model as
-    to_highs_lp built it, when the caller has it (its objective is dropped for HiGHS and put back)."""
+    to_highs_lp built it, when the caller has it (left as it is: the objective is dropped in HiGHS's copy)."""
     highspy = require_highspy()
     variables = model.prob.variables()
     lp = lp if lp is not None else to_highs_lp(model.prob, variables)
-    cost, offset = np.array(lp.col_cost_), lp.offset_  # a copy: highspy may hand out a view of its vector
-    lp.col_cost_, lp.offset_ = np.zeros(lp.num_col_), 0.0
     h = new_highs(time_limit_s=max(time_limit_s, 1e-3))
     with solver_output_to_stderr():
-        h.passModel(lp)  # HiGHS keeps a copy
-        lp.col_cost_, lp.offset_ = cost, offset
+        h.passModel(lp)
+        h.changeColsCost(lp.num_col_, np.arange(lp.num_col_, dtype=np.int32), np.zeros(lp.num_col_))
+        h.changeObjectiveOffset(0.0)
         h.run()
     if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
         raise CapInfeasible()
