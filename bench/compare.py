@@ -405,8 +405,8 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         f"on {compute_threads} thread{'s' if compute_threads > 1 else ''} (`--compute-threads`; the profile too), "
         "leaving a core to the copy threads, which move the bytes with the CPU (the note's \"copy threads' "
         "CPU\"): a GPU's copy engines are not its SMs. With every core computing, the copy threads' memcpy "
-        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, where they are "
-        "0.98-1.28x with a core of their own). What the emulation still costs the compute thread (the copy "
+        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, in a run before the swap "
+        "probe below). What the emulation still costs the compute thread (the copy "
         "threads' wake-ups and Python taking the GIL and the cores from it, 0.3-0.5 ms a swap on this machine) is "
         "in the measured time and, since the profile's swap probe measures it next to compute, in the plans' "
         "swap charge and so in the prediction: plans solved here swap less than they would for a GPU.",
