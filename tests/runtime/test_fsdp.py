@@ -34,11 +34,13 @@ COLLECTIVE_TIMEOUT_S = 120  # rank 1 waits for rank 0's solves in the broadcast
 
 
 class Block(torch.nn.Module):
-    """One FSDP unit: its MLP is a submodule, whose call a region plan can replay inside the unit."""
+    """One FSDP unit: its MLP is a submodule, whose call a region plan can replay inside the unit; its
+    BatchNorm's running statistics (buffers FSDP2 leaves unsharded) must end as without a plan."""
 
     def __init__(self):
         super().__init__()
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.GELU(),
+                                       torch.nn.Linear(64, 32))
 
     def forward(self, x):
         return self.mlp(x)
@@ -68,11 +70,13 @@ def _step(model, batch, loss_fn, autocast: bool):
 
 
 def _local_grads(model):
-    return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    """This rank's gradient shards, and the module buffers (BatchNorm running statistics)."""
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return {**grads, **{f"buffer {n}": b.detach().clone() for n, b in model.named_buffers()}}
 
 
 def _run(plan, emulate_link: bool, autocast: bool):
-    """[(loss, local gradients)] of two steps after a warm-up step (FSDP2's lazy initialisation runs other
+    """[(loss, local gradients and buffers)] of two steps after a warm-up step (FSDP2's lazy initialisation runs other
     ops in the first forward), and the measured peak increase of the second (under a plan: the pack-order
     fast path); unplanned when `plan` is None."""
     from regen.measure import measure_memory
@@ -160,7 +164,7 @@ def test_fsdp2_plans_on_two_ranks(tmp_path):
             reference, unplanned_increase = out[name]["reference"]
             for (p_loss, p_grads), (loss, grads) in zip(steps, reference, strict=True):
                 assert torch.equal(p_loss, loss), (rank, name)
-                assert p_grads.keys() == grads.keys()
+                assert p_grads.keys() == grads.keys() and any(k.startswith("buffer ") for k in grads)
                 for param in grads:
                     assert torch.equal(p_grads[param], grads[param]), (rank, name, param)
             cap_increase = out[name]["cap_increase"]
