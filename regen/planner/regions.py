@@ -49,7 +49,7 @@ class Region:
     members: list[int]  # candidate indices it may rebuild
     inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
     packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
-    time_s: float  # the replay: the call's profiled op times and the Python between them (RuntimeCharges)
+    time_s: float  # the replay (up to its stop): its profiled op times and the Python between them (RuntimeCharges)
     transient_bytes: int  # the replay's peak less its rebuilt members (see the module doc), and the buffers' snapshot
     is_random: bool = False
     notes: list[str] = field(default_factory=list)
@@ -139,12 +139,24 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
         c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None
         packs.append(c.index if c is not None and c.index in member_set else None)
     member_bytes = {graph.candidates[t].saved.storage: graph.candidates[t].bytes for t in members}
+    replayed = range(call.first_op, _stop_op(entries, packs) + 1)
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
                   inputs=sorted(inputs), packs=packs,
-                  time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in extent)), len(extent)),
-                  transient_bytes=_replay_transient_bytes(profile, tensors, extent, member_bytes)
+                  time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in replayed)), len(replayed)),
+                  transient_bytes=_replay_transient_bytes(profile, tensors, extent, replayed, member_bytes)
                   + int(call.buffer_bytes),
                   is_random=any(ops[q].is_random for q in extent))
+
+
+def _stop_op(entries: list, packs: list[int | None]) -> int:
+    """The last op a replay that rebuilds every member runs: it stops at the first pack of its last member
+    (regen.runtime.regions), whose `pack_after_op` is the last op dispatched before that pack (the op
+    that packs its inputs has not run yet; one that packs its output has)."""
+    first: dict[int, int] = {}
+    for e, t in zip(entries, packs):
+        if t is not None:
+            first.setdefault(t, e.pack_after_op)
+    return max(first.values())
 
 
 def _can_be_member(c, replay_step: int) -> bool:
@@ -153,12 +165,14 @@ def _can_be_member(c, replay_step: int) -> bool:
             and c.last_forward + 1 < replay_step)
 
 
-def _replay_transient_bytes(profile, tensors: dict, extent: range, member_bytes: dict[int, int]) -> int:
-    """The replay's peak over the memory before it, less its rebuilt members (all of them rebuilt): each
-    storage an op of the call creates that is no member lives until its last read inside the call (to
-    the end when a later forward op reads it: the call's output); a member (`member_bytes`: storage ->
-    bytes) is held from the op that makes it, and is charged as resident from the replay on, so the
-    members not made yet at an op are subtracted there."""
+def _replay_transient_bytes(profile, tensors: dict, extent: range, replayed: range,
+                            member_bytes: dict[int, int]) -> int:
+    """The replay's peak over the memory before it, less its rebuilt members (all of them rebuilt), over
+    the ops it runs (`replayed`, the start of the call's `extent`): each storage an op of the call
+    creates that is no member lives until its last read inside the call (to the end when a later
+    forward op reads it: the call's output); a member (`member_bytes`: storage -> bytes) is held from
+    the op that makes it, and is charged as resident from the replay on, so the members not made yet at
+    an op are subtracted there."""
     ops = profile.ops
     last = extent[-1]
     last_read: dict[int, int] = {}
@@ -172,7 +186,7 @@ def _replay_transient_bytes(profile, tensors: dict, extent: range, member_bytes:
     pending = sum(member_bytes.values())  # members the replay has not made yet
     live: dict[int, int] = {}
     peak = 0
-    for q in extent:
+    for q in replayed:
         op = ops[q]
         if not op.is_view and not op.is_inplace:
             for o in op.outputs:

@@ -9,11 +9,15 @@ grad mode, and the number of tensors autograd packed during it (the plan's `pack
 In backward, `replay` runs the module's forward again once, as torch.utils.checkpoint (non-reentrant)
 does, with the RNG state, autocast state and grad mode of the original call, under saved-tensor hooks
 that take the k-th tensor the replay packs for the plan's k-th pack of the call: a tensor over the
-storage of the member rebuilt there. The module's buffers are swapped for copies during the replay, so
+storage of the member rebuilt there. Like torch.utils.checkpoint's early stop, the replay ends at the
+pack that gives the last member it rebuilds (`stop_after_pack`): the rest of the forward (often a
+block's last matmul and its residual add) rebuilds nothing and is not run; the planner charges the
+replay up to that pack (regen.planner.regions). The module's buffers are swapped for copies during the replay, so
 running statistics (BatchNorm's running mean and var, num_batches_tracked) are not updated twice and
 the originals are not written at all. Nothing is replayed op by op: the module's own forward runs at
 native speed, with the handle's dispatch mode paused. A replay that packs another number of tensors,
-or a member of another size, is a PlanMismatchError: never an approximate rebuild.
+or a member of another size, is a PlanMismatchError: never an approximate rebuild (the packs after
+the stop are not checked in backward; the forward's pack count is, every step).
 """
 
 from __future__ import annotations
@@ -116,12 +120,17 @@ class RegionReplays:
             rc.args, rc.kwargs = _inputs_again(rc)
         rc.replayed = True
         keys = rc.info.pack_keys
+        stop = stop_after_pack(keys)
         packed: list[torch.Tensor | None] = []
 
         def pack(x):
             k = len(packed)
+            if k >= stop:
+                raise _ReplayDone
             with regen_ops():
-                packed.append(x.detach() if k < len(keys) and keys[k] is not None else None)
+                packed.append(x.detach() if keys[k] is not None else None)
+            if k + 1 == stop:
+                raise _ReplayDone  # every member it rebuilds is packed: the rest of the forward is not needed
             return None
 
         def unpack(_):
@@ -134,9 +143,12 @@ class RegionReplays:
         rc.weak_inputs = tree_map(lambda a: weakref.ref(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         with self._pause(), _state_of(rc), _buffers_copied(rc.module), \
                 torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = rc.module(*args, **kwargs)
-        del out, args, kwargs
-        if len(packed) != len(keys):
+            try:
+                rc.module(*args, **kwargs)
+            except _ReplayDone:
+                pass
+        del args, kwargs
+        if len(packed) != stop:
             raise PlanMismatchError(f"regen.apply: replaying module {rc.info.region.module!r} saved {len(packed)} "
                                     f"tensors, its call in forward saved {len(keys)}; the plan does not fit this model")
         rebuilt = {}
@@ -149,6 +161,19 @@ class RegionReplays:
         """Let go of every captured call (arguments, RNG states)."""
         self.calls.clear()
         self._open.clear()
+
+
+class _ReplayDone(Exception):
+    """Raised from the replay's pack hook once it has every member it rebuilds (caught by `replay`)."""
+
+
+def stop_after_pack(keys: tuple) -> int:
+    """How many packs a replay needs: up to the first pack of the last member it rebuilds."""
+    first: dict = {}
+    for k, key in enumerate(keys):
+        if key is not None:
+            first.setdefault(key, k)
+    return max(first.values(), default=-1) + 1
 
 
 def _inputs_again(rc: RegionCall) -> tuple[tuple, dict]:

@@ -6,7 +6,7 @@ import pytest
 
 from regen.errors import FormatError
 from regen.formats import load_plan, save_plan
-from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE
+from regen.formats.plan import ACTION_RECOMPUTE
 from regen.planner import solve
 from regen.planner.export import choices_from_plan
 from regen.planner.graph import build_graph
@@ -58,9 +58,15 @@ def test_block_regions_rebuild_what_the_block_saved(real_gpt_profile):
     # backward reaches block 1 before block 0
     assert b1.replay_step < blocks["blocks.0"].replay_step
     assert b1.is_random  # dropout inside
-    extent = range(call.first_op, call.last_op + 1)
-    assert b1.time_s == pytest.approx(graph.costs.region_time_s(sum(graph.time_s[q] for q in extent), len(extent)))
-    assert b1.time_s >= sum(graph.time_s[q] for q in extent)
+    # the replay stops at its last member's pack (the MLP's dropout mask): the block's last ops, the
+    # dropout's multiply and the residual add, rebuild nothing and are neither run nor charged
+    ops = real_gpt_profile.ops
+    assert [ops[q].name for q in (call.last_op - 1, call.last_op)] == ["aten.mul.Tensor", "aten.add.Tensor"]
+    replayed = range(call.first_op, call.last_op - 1)
+    assert ops[replayed[-1]].name == "aten.div_.Scalar"
+    assert b1.time_s == pytest.approx(graph.costs.region_time_s(sum(graph.time_s[q] for q in replayed),
+                                                                len(replayed)))
+    assert b1.time_s >= sum(graph.time_s[q] for q in replayed)
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn", "hf-gpt2"])

@@ -105,6 +105,28 @@ def test_later_steps_run_the_forward_without_a_dispatch_mode():
     assert seen[0] == 1 and seen[1] == 0  # the verified step is tracked op by op, the next is not
 
 
+def test_a_replay_stops_at_the_pack_of_its_last_member():
+    """As torch.utils.checkpoint's early stop: block 1's replay ends where its MLP dropout packs its mask
+    (the last member it rebuilds), so the dropout's multiply and the residual add after it do not run
+    again: fc_out returns twice a step (forward, replay), mlp_drop once."""
+    w, _, plan = _region_plan("gpt", "blocks")
+    block = w.model.blocks[1]
+    returned = {"fc_out": 0, "mlp_drop": 0}
+    hooks = [getattr(block, name).register_forward_hook(lambda *_, name=name: returned.__setitem__(
+        name, returned[name] + 1)) for name in returned]
+    reference = [run_and_grads(w) for _ in range(2)]
+    returned.update(fc_out=0, mlp_drop=0)
+    try:
+        with regen.apply(w.model, plan) as handle:
+            for ref in reference:
+                assert_same(ref, run_and_grads(w))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert handle.stats.region_replays == 2 * len(plan.regions)
+    assert returned == {"fc_out": 4, "mlp_drop": 2}
+
+
 def test_other_batch_size_raises_or_runs_unplanned():
     _, _, plan = _region_plan("gpt", "blocks")
     other = make("gpt", batch_size=2)
