@@ -20,12 +20,11 @@ consumer, the release of a copy-out's source), and those waits are real stalls
 engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
 benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is
 allocated by the compute thread when the copy-in is issued, so its memory counts from then, and poisoned
-(`poison`: an 8-byte word every POISON_STRIDE_BYTES, one a page, set to POISON_BYTE, a NaN in float
-lanes) so that a read before the copy landed cannot pass for the right bytes; a word a page, not the whole
-buffer, since the fill is the compute thread's work, which a GPU does not do (whole buffers: 0.14 ms a fill
-under cProfile on the built-in GPT's hybrid plan, about 30 a step; a word every 256 bytes: the swap probe's
-0.265 ms a swap, against 0.205 with a word a page, median of 4 probes each). A host range given back to
-the pool is written by the next copy-out only after the copy-in that last read it has landed
+(`poison`: every 8-byte word at a POISON_STRIDE_BYTES stride set to POISON_BYTE, a NaN in float lanes) so
+that a read before the copy landed cannot pass for the right bytes; a stride, not the whole buffer, since
+the fill is the compute thread's work, which a GPU does not do (whole buffers: 0.14 ms a fill under
+cProfile on the built-in GPT's hybrid plan, about 30 a step). A host range given back to the pool is
+written by the next copy-out only after the copy-in that last read it has landed
 (`HostPool.pending_read_events`).
 
 The threads drop their references to the copied tensors before setting an event, so every tensor is
@@ -49,7 +48,7 @@ from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import CopyIn, CopyOut, HostPool, SwapEngine, storage_bytes_view
 
 POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane it fills
-POISON_STRIDE_BYTES = 4096  # one poisoned 8-byte word every this many bytes (a page) of a copy-in buffer
+POISON_STRIDE_BYTES = 256  # one poisoned 8-byte word every this many bytes of a copy-in buffer
 MEMCPY_RATE_MIN_BYTES = 64 * 1024  # smaller copies are mostly call overhead: they do not set the rate
 MEMCPY_RATE_SMOOTHING = 0.8  # weight of the running memcpy rate against the latest copy's
 WAKE_LAG_SMOOTHING = 0.8  # the same for the wake-up lag...
