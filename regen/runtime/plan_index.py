@@ -45,6 +45,7 @@ class RegionInfo:
 
     region: RegionDecision
     pack_keys: tuple[tuple[int, int] | None, ...]  # per pack of the call: the member rebuilt there, or None
+    packs_needed: int  # the replay stops after this many packs: the first pack of the last member it rebuilds
 
 
 @dataclass
@@ -158,5 +159,14 @@ def _index_regions(plan: Plan, by_saved: dict[int, Decision], where: str) -> dic
             keys.append((d.producer_op, d.output_slot))
         if (r.module, r.call) in {(o.region.module, o.region.call) for o in out.values()}:
             raise FormatError(f"{where}: two regions for call {r.call} of module {r.module!r}")
-        out[i] = RegionInfo(region=r, pack_keys=tuple(keys))
+        out[i] = RegionInfo(region=r, pack_keys=tuple(keys), packs_needed=_packs_needed(keys))
     return out
+
+
+def _packs_needed(keys: list) -> int:
+    """How many packs a replay takes: up to the first pack of the last member it rebuilds."""
+    first: dict = {}
+    for k, key in enumerate(keys):
+        if key is not None:
+            first.setdefault(key, k)
+    return max(first.values(), default=-1) + 1

@@ -10,14 +10,15 @@ In backward, `replay` runs the module's forward again once, as torch.utils.check
 does, with the RNG state, autocast state and grad mode of the original call, under saved-tensor hooks
 that take the k-th tensor the replay packs for the plan's k-th pack of the call: a tensor over the
 storage of the member rebuilt there. Like torch.utils.checkpoint's early stop, the replay ends at the
-pack that gives the last member it rebuilds (`stop_after_pack`): the rest of the forward (often a
-block's last matmul and its residual add) rebuilds nothing and is not run; the planner charges the
-replay up to that pack (regen.planner.regions). The module's buffers are swapped for copies during the replay, so
-running statistics (BatchNorm's running mean and var, num_batches_tracked) are not updated twice and
-the originals are not written at all. Nothing is replayed op by op: the module's own forward runs at
-native speed, with the handle's dispatch mode paused. A replay that packs another number of tensors,
-or a member of another size, is a PlanMismatchError: never an approximate rebuild (the packs after
-the stop are not checked in backward; the forward's pack count is, every step).
+pack that gives the last member it rebuilds (`RegionInfo.packs_needed`): the rest of the forward
+(often a block's last matmul and its residual add) rebuilds nothing and is not run; the planner
+charges the replay up to that pack (regen.planner.regions). The module's buffers are swapped for
+copies during the replay, so running statistics (BatchNorm's running mean and var,
+num_batches_tracked) are not updated twice and the originals are not written at all. Nothing is
+replayed op by op: the module's own forward runs at native speed, with the handle's dispatch mode
+paused. A replay that returns before its needed packs, or rebuilds a member of another size, is a
+PlanMismatchError: never an approximate rebuild (the packs after the stop are not checked in
+backward; the forward's pack count is, every step).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class RegionReplays:
             rc.args, rc.kwargs = _inputs_again(rc)
         rc.replayed = True
         keys = rc.info.pack_keys
-        stop = stop_after_pack(keys)
+        stop = rc.info.packs_needed
         packed: list[torch.Tensor | None] = []
 
         def pack(x):
@@ -165,15 +166,6 @@ class RegionReplays:
 
 class _ReplayDone(Exception):
     """Raised from the replay's pack hook once it has every member it rebuilds (caught by `replay`)."""
-
-
-def stop_after_pack(keys: tuple) -> int:
-    """How many packs a replay needs: up to the first pack of the last member it rebuilds."""
-    first: dict = {}
-    for k, key in enumerate(keys):
-        if key is not None:
-            first.setdefault(key, k)
-    return max(first.values(), default=-1) + 1
 
 
 def _inputs_again(rc: RegionCall) -> tuple[tuple, dict]:
