@@ -49,7 +49,7 @@ class Region:
     members: list[int]  # candidate indices it may rebuild
     inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
     packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
-    time_s: float  # the replay (up to its stop): its profiled op times and the Python between them (RuntimeCharges)
+    time_s: float  # the replay up to its stop: its ops' profiled times and the Python between them (RuntimeCharges)
     transient_bytes: int  # the replay's peak less its rebuilt members (see the module doc), and the buffers' snapshot
     is_random: bool = False
     notes: list[str] = field(default_factory=list)
@@ -143,7 +143,7 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
                   inputs=sorted(inputs), packs=packs,
                   time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in replayed)), len(replayed)),
-                  transient_bytes=_replay_transient_bytes(profile, tensors, extent, replayed, member_bytes)
+                  transient_bytes=_replay_transient_bytes(profile, tensors, call, replayed, member_bytes)
                   + int(call.buffer_bytes),
                   is_random=any(ops[q].is_random for q in extent))
 
@@ -165,18 +165,18 @@ def _can_be_member(c, replay_step: int) -> bool:
             and c.last_forward + 1 < replay_step)
 
 
-def _replay_transient_bytes(profile, tensors: dict, extent: range, replayed: range,
+def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: range,
                             member_bytes: dict[int, int]) -> int:
     """The replay's peak over the memory before it, less its rebuilt members (all of them rebuilt), over
-    the ops it runs (`replayed`, the start of the call's `extent`): each storage an op of the call
+    the ops it runs (`replayed`, from the call's first op to its stop): each storage an op of the call
     creates that is no member lives until its last read inside the call (to the end when a later
     forward op reads it: the call's output); a member (`member_bytes`: storage -> bytes) is held from
     the op that makes it, and is charged as resident from the replay on, so the members not made yet at
     an op are subtracted there."""
     ops = profile.ops
-    last = extent[-1]
+    last = call.last_op
     last_read: dict[int, int] = {}
-    for op in ops[extent[0]:]:
+    for op in ops[call.first_op:]:
         if op.phase != PHASE_FORWARD:
             break
         for x in op.inputs:
