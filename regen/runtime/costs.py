@@ -73,6 +73,7 @@ SWAP_PROBE_BYTES = 1 << 20  # ... of this many bytes...
 SWAP_PROBE_MATMUL = 256  # ... between square matmuls of this size...
 SWAP_PROBE_GAP_S = 0.5e-3  # ... as many as take this long, twice between swaps (ops between a step's swaps)
 SWAP_PROBE_PASSES = 5  # timed pairs of passes (with and without swaps), after one untimed pair
+MATMULS_PER_BATCH = 20  # matmuls per timed batch when sizing the gap
 FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved, at most...
 FORWARD_PROBE_BUDGET_S = 2.0  # ... while they have taken less than this (a large model's steps: one pair)
 WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
@@ -136,12 +137,8 @@ def _swap_next_to_compute_s(engine, pool) -> float:
 
 def _matmuls_per_gap(a: torch.Tensor) -> int:
     """How many `a @ a` take SWAP_PROBE_GAP_S on this device (at least 1)."""
-    _sync(a.device)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    _sync(a.device)
-    return max(1, round(SWAP_PROBE_GAP_S / max(1e-9, (time.perf_counter() - t0) / 20)))
+    matmul_s = _per_unit(lambda: _matmuls(a, MATMULS_PER_BATCH), functools.partial(_sync, a.device), MATMULS_PER_BATCH)
+    return max(1, round(SWAP_PROBE_GAP_S / max(1e-9, matmul_s)))
 
 
 def _matmul_pass_s(engine, pool, a: torch.Tensor, sources: list[torch.Tensor], n: int) -> float:
