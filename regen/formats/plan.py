@@ -30,6 +30,11 @@ plan_b])` runs each step under the plan whose call it matches.
 
 `recipe_ops` describes every op that appears in some recipe (name, randomness) so the runtime can
 check that the op it captured at that index is the op the plan expects.
+
+`tracking_starts` (optional): the module calls at whose start the runtime's dispatch mode begins to follow
+the forward again on steps after the verified one, so that it sees each op a recipe captures or reads
+(from the latest of these calls that starts at or before the op, to the op) and no others; without
+them it follows the forward from its first op to the last such op.
 """
 
 from __future__ import annotations
@@ -113,6 +118,15 @@ class RegionDecision:
 
 
 @dataclass
+class TrackingStart:
+    """A module call whose start opens a window of ops the runtime's dispatch mode follows (Plan.tracking_starts)."""
+
+    module: str  # path from the root module; "" for the root (the step's first op)
+    call: int  # which call of that module in the forward (0 = first)
+    first_op: int  # its first forward op (as profiled)
+
+
+@dataclass
 class RecipeOp:
     index: int
     name: str
@@ -176,6 +190,7 @@ class Plan:
     profile_path: str | None = None
     notes: list[str] = field(default_factory=list)
     regions: list[RegionDecision] = field(default_factory=list)  # module calls replayed in backward
+    tracking_starts: list[TrackingStart] = field(default_factory=list)  # where recipe tracking windows open
 
     def region_member_count(self) -> int:
         """Recompute decisions rebuilt by a region replay (Decision.region)."""
@@ -248,6 +263,8 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
                       for i, r in enumerate(doc.get("recipe_ops") or [])]
         regions = [build_dataclass(RegionDecision, r, f"{where}: regions[{i}]")
                    for i, r in enumerate(doc.get("regions") or [])]
+        tracking_starts = [build_dataclass(TrackingStart, t, f"{where}: tracking_starts[{i}]")
+                           for i, t in enumerate(doc.get("tracking_starts") or [])]
         plan = Plan(
             fingerprint=str(require(doc, "fingerprint", where)),
             workload=require(doc, "workload", where),
@@ -267,6 +284,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             num_forward_packs=None if doc.get("num_forward_packs") is None else int(doc["num_forward_packs"]),
             baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
             planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []), regions=regions,
+            tracking_starts=tracking_starts,
             link=_optional_link(doc.get("link"), where),
             host_memory_cap_bytes=(int(doc["host_memory_cap_bytes"]) if doc.get("host_memory_cap_bytes") is not None
                                    else None),

@@ -73,7 +73,17 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
         baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
         notes=list(result.notes) + _figure_notes(decisions, compute), regions=regions, call=profile.call,
+        tracking_starts=_tracking_starts(graph, result.choices),
     )
+
+
+def _tracking_starts(graph: PlanningGraph, choices: dict[int, Choice]) -> list:
+    """The module calls that open the tracking windows of the chosen recipes (regen.planner.windows)."""
+    tracked: set[int] = set()
+    for ch in choices.values():
+        if ch.action == ACTION_RECOMPUTE and ch.recipe is not None and ch.region is None:
+            tracked |= graph.tracked_ops(ch.recipe)
+    return graph.window_starts.opening(tracked)
 
 
 def _region_decisions(graph: PlanningGraph, choices: dict[int, Choice]) -> list[RegionDecision]:

@@ -29,6 +29,7 @@ from regen.opinfo import copies_first_arg
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
 from regen.planner.regions import Region, add_regions
 from regen.planner.residency import op_capture_bytes
+from regen.planner.windows import WindowStarts
 
 MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
 # ... and at most window_steps_cap(candidates) steps: WINDOW_STEP_BUDGET over all candidates (it keeps the
@@ -104,7 +105,7 @@ class RuntimeCharges:
     plan's predicted time charges"): the profile's `runtime_costs` (zero without them), and the Python
     time between forward ops that a module replay runs again."""
 
-    dispatch_op_s: float = 0.0  # every forward op up to the last tracked one, with per-tensor recipes
+    dispatch_op_s: float = 0.0  # every forward op in a tracking window of a per-tensor recipe (windows.py)
     capture_op_s: float = 0.0  # a recipe op, captured in forward
     replay_op_s: float = 0.0  # a recipe op, replayed in backward, beyond its own time
     recipe_s: float = 0.0  # a replayed recipe, besides its ops
@@ -169,17 +170,27 @@ class PlanningGraph:
     costs: RuntimeCharges = field(default_factory=lambda: RuntimeCharges())  # regen's own time per event
     # forward op -> device bytes the runtime holds from capturing it for a recipe (residency.op_capture_bytes)
     capture_bytes: dict[int, int] = field(default_factory=dict)
-    _tracked_through: list[int] | None = field(default=None, init=False, repr=False)
+    _reads: list[tuple[int, ...]] | None = field(default=None, init=False, repr=False)
+    _window_starts: WindowStarts | None = field(default=None, init=False, repr=False)
 
-    def last_tracked_op(self, recipe) -> int:
-        """The last forward op the runtime's dispatch mode must see for `recipe` (a Recipe): its ops and
-        the latest forward producer of what they read (regen.runtime.forward_ops.FastOps); per op
-        computed once per graph."""
-        if self._tracked_through is None:
+    def tracked_ops(self, recipe) -> frozenset[int]:
+        """The forward ops the runtime must see for `recipe` (a Recipe) on a fast step: its ops and the
+        forward producers of what they read (regen.runtime.forward_ops.FastOps)."""
+        if self._reads is None:
             fw = self.num_forward_ops
-            self._tracked_through = [max([q] + [p for p in self.op_graph.predecessors(q) if p < fw])
-                                     for q in range(fw)]
-        return max(self._tracked_through[q] for q in recipe.ops)
+            self._reads = [tuple(p for p in self.op_graph.predecessors(q) if p < fw) for q in range(fw)]
+        return frozenset(p for q in recipe.ops for p in (q,) + self._reads[q])
+
+    @property
+    def window_starts(self) -> WindowStarts:
+        """Where the runtime's tracking windows can open (regen.planner.windows)."""
+        if self._window_starts is None:
+            self._window_starts = WindowStarts.of(self.profile)
+        return self._window_starts
+
+    def covered_ops(self, recipe) -> frozenset[int]:
+        """The forward ops the dispatch mode follows for `recipe`: the windows of its tracked ops."""
+        return self.window_starts.covered(self.tracked_ops(recipe))
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime

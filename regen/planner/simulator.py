@@ -69,7 +69,7 @@ class _Events:
     rebuilt_by: dict[int, set[int]] = field(default_factory=dict)  # chosen region -> members it rebuilds
     reads_at: dict[int, list[Candidate]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-    tracked_until: int = -1  # the runtime's dispatch mode follows the forward up to this op (recipes)
+    tracked_ops: frozenset = frozenset()  # the forward ops the runtime's dispatch mode follows (recipes)
 
 
 @dataclass
@@ -159,19 +159,18 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
             ev.recompute_at.setdefault(c.first_backward, []).append(c)
         else:
             ev.errors.append(f"candidate {c.id}: unknown action {ch.action}")
-    ev.tracked_until = _last_tracked_op(graph, choices)
+    ev.tracked_ops = tracked_forward_ops(graph, choices)
     return ev
 
 
-def _last_tracked_op(graph: PlanningGraph, choices: dict[int, Choice]) -> int:
-    """The last forward op the runtime's dispatch mode must see on a steady-state step: the last recipe op
-    or producer of what a recipe op reads (regen.runtime.forward_ops.FastOps); -1 without recipes."""
-    last = -1
+def tracked_forward_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> frozenset[int]:
+    """The forward ops the runtime's dispatch mode follows on a steady-state step: the tracking windows
+    of the chosen recipes (regen.planner.windows); none without recipes."""
+    ops: set[int] = set()
     for ch in choices.values():
-        if ch.action != ACTION_RECOMPUTE or ch.recipe is None or ch.region is not None:
-            continue
-        last = max(last, graph.last_tracked_op(ch.recipe))
-    return last
+        if ch.action == ACTION_RECOMPUTE and ch.recipe is not None and ch.region is None:
+            ops |= graph.covered_ops(ch.recipe)
+    return frozenset(ops)
 
 
 def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) -> _Timing:
@@ -224,7 +223,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
             else:
                 ev.errors.append(f"candidate {c.id}: read at op {s} before its copy-in was issued")
         now += graph.time_s[s]
-        if s <= ev.tracked_until:
+        if s in ev.tracked_ops:
             now += graph.costs.dispatch_op_s
         for c in ev.swap_out_at.get(s, []):
             now += graph.costs.swap_s  # the swap's calls on the compute thread, all charged at its copy-out

@@ -1,13 +1,13 @@
 """What a plan's predicted time charges for regen's own work: recipe captures and replays, the dispatch
-mode that follows the forward up to the last tracked op, the Python a module replay runs again, and a
-swap's calls on the compute thread."""
+mode over the recipes' tracking windows, the Python a module replay runs again, and a swap's calls on
+the compute thread."""
 
 from dataclasses import replace
 
 import pytest
 
-from regen.formats.plan import ACTION_RECOMPUTE
-from regen.formats.profile import RuntimeCosts
+from regen.formats.plan import ACTION_RECOMPUTE, TrackingStart
+from regen.formats.profile import ModuleCall, RuntimeCosts
 from regen.graphs.synthetic import chain_profile
 from regen.planner.graph import build_graph
 from regen.planner.result import Choice
@@ -31,7 +31,7 @@ def test_a_recipe_is_charged_its_captures_replays_and_fixed_cost():
             assert r_charged.time_s == pytest.approx(r_plain.time_s + extra)
 
 
-def test_the_dispatch_mode_is_charged_up_to_the_last_tracked_forward_op():
+def test_without_module_calls_the_dispatch_mode_is_charged_from_the_first_op():
     plain, charged = _graphs()
     c = charged.candidates[2]  # produced by op 2 from candidate 1 (op 1): ops 0..2 are tracked
     recipe = c.recipes[0]
@@ -42,6 +42,23 @@ def test_the_dispatch_mode_is_charged_up_to_the_last_tracked_forward_op():
     sim_charged = simulate(charged, {2: Choice(ACTION_RECOMPUTE, recipe=recipe)})
     recipe_extra = COSTS.capture_op_s + COSTS.replay_op_s + COSTS.recipe_s
     assert sim_charged.step_time_s == pytest.approx(sim_plain.step_time_s + recipe_extra + 3 * COSTS.dispatch_op_s)
+
+
+def test_a_module_call_opens_a_tracking_window_and_the_plan_names_it():
+    """A module call starting at op 1 opens the window of the recipe's tracked ops (1 and 2): op 0 runs
+    without the dispatch mode, and the call is the one the plan names for the runtime to hook."""
+    block = ModuleCall(module="block", call=0, first_op=1, last_op=3, inputs=[], first_entry=0, num_entries=0,
+                       depth=1)
+    profile = replace(chain_profile(5, seed=1), runtime_costs=COSTS, module_calls=[block])
+    plain = build_graph(chain_profile(5, seed=1), BYTES_PER_S, BYTES_PER_S)
+    graph = build_graph(profile, BYTES_PER_S, BYTES_PER_S)
+    recipe = graph.candidates[2].recipes[0]
+    assert graph.tracked_ops(recipe) == {1, 2} and graph.covered_ops(recipe) == {1, 2}
+    assert graph.window_starts.opening(graph.tracked_ops(recipe)) == [TrackingStart("block", 0, 1)]
+    sim_plain = simulate(plain, {2: Choice(ACTION_RECOMPUTE, recipe=plain.candidates[2].recipes[0])})
+    sim = simulate(graph, {2: Choice(ACTION_RECOMPUTE, recipe=recipe)})
+    recipe_extra = COSTS.capture_op_s + COSTS.replay_op_s + COSTS.recipe_s
+    assert sim.step_time_s == pytest.approx(sim_plain.step_time_s + recipe_extra + 2 * COSTS.dispatch_op_s)
 
 
 def test_the_forwards_time_outside_ops_is_charged_to_module_replays_per_forward_op():
@@ -69,12 +86,12 @@ def test_without_a_timed_forward_the_steps_time_outside_ops_is_spread_over_all_o
 
 @pytest.mark.parametrize("dispatch_op_s", [1e-4, 1e-2])
 def test_the_milp_charges_the_dispatch_mode_as_the_simulator_does(small_transformer, dispatch_op_s):
-    """The MILP's objective includes the dispatch mode up to the last op its recipes need, so its
+    """The MILP's objective includes the dispatch mode over the tracking windows of its recipes, so its
     prediction is the simulator's, and its plan is no slower under that charge than the plan solved
-    without it; a dear dispatch mode pulls the last tracked op forward."""
+    without it; a dear dispatch mode makes the windows cover fewer ops."""
     from regen.planner.milp.model import MilpOptions, Model
     from regen.planner.milp.solution import solve_model
-    from regen.planner.simulator import _last_tracked_op
+    from regen.planner.simulator import tracked_forward_ops
 
     def graph_with(dispatch_s):
         costs = RuntimeCosts(dispatch_op_s=dispatch_s, capture_op_s=0.0, replay_op_s=0.0, recipe_s=0.0, method="t")
@@ -89,7 +106,7 @@ def test_the_milp_charges_the_dispatch_mode_as_the_simulator_does(small_transfor
     assert result.objective_s == pytest.approx(sim.step_time_s, rel=1e-3)
     assert sim.step_time_s <= simulate(charged, unaware).step_time_s * (1 + 1e-3)
     if dispatch_op_s >= 1e-2:  # 10 ms per forward op: far dearer than any recipe's own ops
-        assert 0 <= _last_tracked_op(charged, result.choices) < _last_tracked_op(charged, unaware)
+        assert len(tracked_forward_ops(charged, result.choices)) < len(tracked_forward_ops(charged, unaware))
 
 
 def test_each_swap_is_charged_its_calls_by_the_simulator_and_the_milp(small_transformer):

@@ -1,0 +1,67 @@
+"""Tracking windows: the forward ops the runtime's dispatch mode follows on a plan's fast steps.
+
+A per-tensor recipe needs the runtime to see some forward ops on every step: the recipe's own ops (it
+captures their arguments) and the forward producers of what they read (it notes their outputs in the
+writer map): the recipe's *tracked ops* (regen.runtime.forward_ops.FastOps). The runtime has no op
+counter outside its dispatch mode, so it can start following the forward only where a hook of its own
+runs and the op count there is known: the step's start (the root's call) or the start of a module call.
+Each tracked op t is therefore followed from its *window start*, the latest module call that starts at
+or before t (`Profile.module_calls`, the root at op 0), through t; every op in that window goes through
+the dispatch mode (`RuntimeCharges.dispatch_op_s` each), and the ops outside every window run plainly.
+A plan names the calls that open its windows (`Plan.tracking_starts`); the runtime hooks them and reads
+their op counts on the verified step (regen.runtime.windows).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from regen.formats.plan import TrackingStart
+from regen.formats.profile import Profile
+
+ROOT_START = TrackingStart(module="", call=0, first_op=0)  # the step's start: always a window start
+
+
+@dataclass
+class WindowStarts:
+    """The module calls a tracking window can start at, by first op (the shallowest call where several
+    start at the same op)."""
+
+    first_ops: list[int]
+    starts: list[TrackingStart]
+
+    @staticmethod
+    def of(profile: Profile) -> "WindowStarts":
+        by_op: dict[int, tuple[int, TrackingStart]] = {0: (-1, ROOT_START)}
+        for c in profile.module_calls or []:
+            if c.first_op > c.last_op:  # a call that ran no op
+                continue
+            best = by_op.get(c.first_op)
+            if best is None or c.depth < best[0]:
+                by_op[c.first_op] = (c.depth, TrackingStart(module=c.module, call=c.call, first_op=c.first_op))
+        ops = sorted(by_op)
+        return WindowStarts(first_ops=ops, starts=[by_op[op][1] for op in ops])
+
+    def start_of(self, op: int) -> TrackingStart:
+        """The window start of forward op `op`: the latest call that starts at or before it."""
+        return self.starts[bisect.bisect_right(self.first_ops, op) - 1]
+
+    def covered(self, tracked_ops) -> frozenset[int]:
+        """Every forward op the dispatch mode sees to follow `tracked_ops`: each one's window."""
+        ops: set[int] = set()
+        for t in tracked_ops:
+            ops.update(range(self.start_of(t).first_op, t + 1))
+        return frozenset(ops)
+
+    def opening(self, tracked_ops) -> list[TrackingStart]:
+        """The calls that open the windows of `tracked_ops`, in op order: one per run of windows that
+        overlap or touch (the runtime merges them the same way: regen.runtime.windows)."""
+        opened: list[TrackingStart] = []
+        end = -2
+        for t in sorted(tracked_ops):
+            start = self.start_of(t)
+            if start.first_op > end + 1:
+                opened.append(start)
+            end = max(end, t)
+        return opened
