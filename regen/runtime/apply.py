@@ -86,6 +86,7 @@ from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
+from regen.runtime.windows import WindowHooks
 
 if TYPE_CHECKING:
     from regen.runtime.dynamic.engine import DynamicStats
@@ -165,6 +166,8 @@ class RegenHandle:
         ]
         self.region_hooks = RegionHooks(self.root, lambda: self.current)
         self._hooks += self.region_hooks.add(states)
+        self.window_hooks = WindowHooks(self.root, lambda: self.current)
+        self._hooks += self.window_hooks.add(states)
 
     def _give_context(self, state: PlanState) -> None:
         """What the plan's steps get; a mismatch found mid-step raises under on_mismatch="dynamic" (a step
@@ -173,6 +176,7 @@ class RegenHandle:
             index=state.index, on_mismatch="raise" if self.on_mismatch == "dynamic" else self.on_mismatch,
             stats=self.stats, pause_tracker=self.tracker.pause, engine_for=self.engine_for, pool=self.pool,
             forward_ended=functools.partial(self._forward_ended, state), tracking_done=self._pop_tracker_for,
+            track=self._track,
             released=self._step_released)
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ class RegenHandle:
         for plan in self.fallback.between_steps():  # learned plans join the set (on this thread)
             new = add_plan(self.plan_states, plan)
             self._give_context(new)
-            self._hooks += self.region_hooks.add([new])
+            self._hooks += self.region_hooks.add([new]) + self.window_hooks.add([new])
         state = self._plan_for(args, kwargs)
         if state is None:  # no plan of the set fits this call: unplanned ("keep") or dynamic
             self.current = None
@@ -268,11 +272,8 @@ class RegenHandle:
         self.current = step
         self.live_steps.append(step)
         if step.needs_tracker:
-            self.tracker.step = step
-            if not self.tracker_pushed:
-                self.tracker.__enter__()
-                self.tracker_pushed = True
-        else:  # pack-order fast path: no dispatch mode
+            self._track(step)
+        else:  # pack-order fast path: no dispatch mode (until a tracking window opens)
             self.tracker.step = None
             self._pop_tracker(force=False)
         stacks.push_hooks(step, step.pack_fn, step.unpack_fn)
@@ -320,6 +321,13 @@ class RegenHandle:
             self._pop_tracker_for(step)
             if not in_pack_hook:
                 stacks.pop_hooks(step.pack_fn)
+
+    def _track(self, step: Step):
+        """The tracker follows `step`'s forward ops from here (pushed if it is not)."""
+        self.tracker.step = step
+        if not self.tracker_pushed:
+            self.tracker.__enter__()
+            self.tracker_pushed = True
 
     def _pop_tracker_for(self, step: Step):
         if self.tracker.step is step:

@@ -14,8 +14,10 @@ verified one of a plan with recompute decisions (docs/internals.md "Pack-order f
 match by order, so only the `FastOps.tracked` ops (the recipe ops, the producers of what their
 captures read and of the tensors dropped for a recipe or kept as its input, taken from the verified
 step) and the gathering ops do more than count and run, and the writer map only holds the producers'
-outputs. The step learns what happened through callbacks: a mismatch, the last planned op (with whether the
-fingerprint matched), and, on fast steps, the last tracked op.
+outputs; and a fast step sees only the ops of its tracking windows (windows.py), the count set at each
+window's start to the one the verified step recorded there (`entries`). The step learns what happened
+through callbacks: a mismatch, the last planned op (with whether the fingerprint matched), and, on fast
+steps, the end of a tracking window.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from regen.formats.profile import OpFingerprint
 from regen.opinfo import gathers_parameters, op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
+from regen.runtime.windows import Windows, tracking_windows
 from regen.runtime.writers import Writer
 
 
@@ -37,33 +40,34 @@ class FastOps:
     verified step): capture the recipe ops, and note the outputs of the ops those captures read and of
     the candidates whose packs are checked against the writer map (packing.writer_mismatch)."""
 
-    __slots__ = ("tracked", "producers", "gathers", "refs", "last_tracked")
+    __slots__ = ("tracked", "producers", "gathers", "refs", "windows")
 
-    def __init__(self, captures: dict[int, CapturedOp], recipe_ops, checked_keys, gathers=frozenset()):
+    def __init__(self, captures: dict[int, CapturedOp], recipe_ops, checked_keys, gathers=frozenset(),
+                 entries: dict[tuple[str, int], int] | None = None):
         """`checked_keys`: the (op, slot) of the decisions whose packs a fast step checks against the writer
         map (dropped for a recipe, or kept as a recipe's input); `gathers`: the verified step's ops that
-        gathered parameters before a recipe op."""
+        gathered parameters before a recipe op; `entries`: the op count at the start of each module call
+        that may open a tracking window, (path, call) -> count, as the verified step saw them."""
         self.refs: dict[int, tuple] = {idx: cap.refs for idx, cap in captures.items()}  # verified (op, slot)s
         self.producers = frozenset({op for refs in self.refs.values() for op, _ in refs}
                                    | {op for op, _ in checked_keys})
         self.gathers = frozenset(gathers)
         self.tracked = frozenset(recipe_ops) | self.producers | self.gathers  # every other op: count and run
-        # after this op the dispatch mode has nothing left to do: the next pack pops it
-        self.last_tracked = max(self.tracked, default=-1)
+        self.windows: Windows = tracking_windows(self.tracked, entries or {})
 
 
 class ForwardOps:
     """One step's forward ops: their count, the writer map, the fingerprint and the recipe captures."""
 
     __slots__ = ("index", "count", "writer", "gathered", "gather_ops", "captures", "fingerprint", "fast",
-                 "_mismatch", "_last_op_ran", "_tracking_done")
+                 "entries", "calls", "window_end", "_mismatch", "_last_op_ran", "_tracking_done")
 
     def __init__(self, index: PlanIndex, fingerprint: bool, fast: FastOps | None,
                  mismatch: Callable[[str], None], last_op_ran: Callable[[bool], None],
                  tracking_done: Callable[[], None]):
         """`fingerprint`: hash the ops and check the plan's fingerprint; `fast`: the verified step's
         tracking (use `fast_op`); `last_op_ran(fingerprint_matched)` is called after the plan's last
-        forward op, `tracking_done()` after a fast step's last tracked op."""
+        forward op, `tracking_done()` after the last tracked op of a fast step's tracking window."""
         self.index = index
         self.count = 0
         self.writer: dict[int, Writer] = {}
@@ -72,6 +76,10 @@ class ForwardOps:
         self.captures: dict[int, CapturedOp] = {}
         self.fingerprint: OpFingerprint | None = OpFingerprint() if fingerprint else None
         self.fast = fast
+        self.entries: dict[tuple[str, int], int] = {}  # a slow step's op count at each window-start call
+        self.calls: dict[str, int] = {}  # window-start module -> its calls so far in this forward
+        root = fast.windows.at_step_start() if fast is not None else None
+        self.window_end = root[1] if root is not None else -1  # the open window's last op (-1: none open)
         self._mismatch = mismatch
         self._last_op_ran = last_op_ran
         self._tracking_done = tracking_done
@@ -113,7 +121,7 @@ class ForwardOps:
         self.count = idx + 1
         if idx in self.fast.tracked:
             out = self._tracked_op(idx, func, args, kwargs)
-            if idx >= self.fast.last_tracked:
+            if idx >= self.window_end:
                 self._tracking_done()
         else:
             out = func(*args, **kwargs)
@@ -153,6 +161,20 @@ class ForwardOps:
                 if o is not None:
                     self.gathered[storage_key(o)] = StorageWeakRef(o.untyped_storage())
 
+    def module_entered(self, path: str) -> bool:
+        """A call of window-start module `path` begins: a slow step records the op count; on a fast step,
+        True when the call opens a tracking window (the count is set to where the window starts)."""
+        call = self.calls.get(path, 0)
+        self.calls[path] = call + 1
+        if self.fast is None:
+            self.entries[(path, call)] = self.count
+            return False
+        window = self.fast.windows.opens.get((path, call))
+        if window is None:
+            return False
+        self.count, self.window_end = window
+        return True
+
     @property
     def all_ran(self) -> bool:
         """Every forward op of the plan has run."""
@@ -166,7 +188,7 @@ class ForwardOps:
         index = self.index
         checked = [k for k, i in index.decisions.items() if i.action == ACTION_RECOMPUTE and i.region is None]
         return FastOps(self.captures, index.recipe_op_names, checked + list(index.anchor_keys),
-                       {g for g in self.gather_ops if g < max(index.recipe_op_names, default=-1)})
+                       {g for g in self.gather_ops if g < max(index.recipe_op_names, default=-1)}, self.entries)
 
     def end_forward(self) -> None:
         """No more forward ops to follow: drop the fingerprint and the writer map (captures stay)."""

@@ -12,7 +12,8 @@ go on into backward, as the simulator has them. In backward the unpack hook coun
 backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap_queue.py,
 regions.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
 entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
-handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`).
+handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`), and
+those on the modules that open tracking windows theirs (`module_entered`, windows.py).
 
 A plan mismatch raises or warns and keeps every later tensor of the step (regen.runtime.mismatch; with
 torch.distributed, decided with the other ranks at the first unpack). A backward with create_graph=True
@@ -72,7 +73,8 @@ class StepContext:
     engine_for: Callable[[torch.device], SwapEngine]
     pool: HostPool
     forward_ended: Callable  # (step, StepFindings, in_pack_hook: bool): pop what the step needs no more
-    tracking_done: Callable  # (step): a fast step's forward needs the dispatch mode no more
+    tracking_done: Callable  # (step): a fast step's tracking window ended: the dispatch mode can go
+    track: Callable  # (step): a fast step's tracking window opens: the dispatch mode follows its ops
     released: Callable  # (step, followed_plan: bool)
 
 
@@ -107,9 +109,10 @@ class Step:
         self.ops = ForwardOps(ctx.index, fingerprint=not verified, fast=fast, mismatch=self.mismatch,
                               last_op_ran=self._last_op_ran, tracking_done=self._tracking_done)
         self.forward_op = self.ops.slow_op if fast is None else self.ops.fast_op
-        # plans with recompute decisions keep the dispatch mode on fast steps, doing the minimum per op
-        self.needs_tracker = pack_sequence is None or fast is not None
-        self.tracking_done = False  # fast step with recompute: every tracked op has run
+        # plans with recompute decisions use the dispatch mode on fast steps, in their tracking windows
+        # (windows.py): from the step's start only when a window opens there
+        self.needs_tracker = pack_sequence is None or (fast is not None and self.ops.window_end >= 0)
+        self.tracking_done = False  # fast step with recompute: its tracking window's last op has run
         self.matcher = WriterMatch(ctx.index, self.ops.writer) if pack_sequence is None else None
         self.swaps = SwapQueue(ctx.engine_for, ctx.pool, ctx.stats)
         self._due_at_pack = self.swaps.due_at_pack
@@ -162,6 +165,12 @@ class Step:
     def region_returned(self, module: nn.Module) -> None:
         if self.phase != PHASE_CLOSED:
             self.regions.returned(module)
+
+    def module_entered(self, path: str) -> None:
+        """A call of a module that may open a tracking window (windows.WindowHooks) begins."""
+        if self.phase == PHASE_FORWARD and self.ops.module_entered(path):
+            self.tracking_done = False
+            self.ctx.track(self)
 
     def mismatch(self, message: str):
         message = self.mismatches.describe(message, self.planned)
@@ -224,7 +233,7 @@ class Step:
         self._count_forward_pack()
         if self.phase == PHASE_CLOSED:
             return Kept(x)
-        if self.tracking_done:  # the rest of the forward needs no dispatch mode: packs match by order
+        if self.tracking_done:  # no dispatch mode until the next window: packs match by order
             self.tracking_done = False
             self.ctx.tracking_done(self)
         k = self.pack_count

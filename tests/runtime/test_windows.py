@@ -1,0 +1,78 @@
+"""Tracking windows (regen.runtime.windows): a fast step's dispatch mode follows only the ops around what
+its recipes capture and read, opened at the module calls the plan names, and gradients and buffers stay
+bitwise the unplanned ones."""
+
+import functools
+import importlib
+
+import pytest
+
+import regen
+from common import assert_nothing_left, assert_same, make, run_and_grads
+from regen.runtime.windows import ROOT, tracking_windows
+
+forward_ops_module = importlib.import_module("regen.runtime.forward_ops")
+STEPS = 4
+
+
+def test_each_tracked_op_is_followed_from_the_latest_call_that_started_before_it():
+    entries = {("a", 0): 2, ("b", 0): 10, ("c", 0): 11, ("d", 0): 25, ("a", 1): 40}
+    windows = tracking_windows(frozenset({3, 5, 12, 13, 30}), entries)
+    assert windows.opens == {("a", 0): (2, 5), ("c", 0): (11, 13), ("d", 0): (25, 30)}
+    assert windows.at_step_start() is None
+    # an op before every recorded call: from the step's start; a call inside (or right after) an open window
+    # opens nothing
+    assert tracking_windows(frozenset({1, 4}), {("a", 0): 2}).opens == {ROOT: (0, 4)}
+    assert tracking_windows(frozenset(), entries).opens == {}
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe_plan():
+    """(workload, plan) of a recompute plan with per-tensor recipes for the built-in GPT (real profile)."""
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    w = make("gpt")
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    plan = solve(profile, memory_cap_bytes=int(profile.peak_bytes * 0.9), strategy="recompute", time_limit_s=30)
+    return w, plan
+
+
+def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(monkeypatch):
+    w, plan = _recipe_plan()
+    recipe_ops = {r.index for r in plan.recipe_ops}
+    assert recipe_ops and plan.tracking_starts
+    assert any(s.module for s in plan.tracking_starts), "the plan opens a window at some module call"
+    seen: list[set[int]] = []
+    real_fast_op = forward_ops_module.ForwardOps.fast_op
+
+    def fast_op(self, func, args, kwargs):
+        seen[-1].add(self.count)
+        return real_fast_op(self, func, args, kwargs)
+
+    monkeypatch.setattr(forward_ops_module.ForwardOps, "fast_op", fast_op)
+    references = [run_and_grads(w, seed=s) for s in range(STEPS)]
+    with regen.apply(w.model, plan) as handle:
+        for s in range(STEPS):
+            seen.append(set())
+            assert_same(references[s], run_and_grads(w, seed=s))  # loss, gradients and buffers
+        fast = handle.plan_states[0].fast_ops
+    assert handle.stats.planned_steps == STEPS and handle.stats.recomputes > 0
+    assert not seen[0]  # the verified step follows every op (slow path)
+    for ops in seen[1:]:
+        assert fast.tracked <= ops  # every recipe op and producer it reads was seen...
+        assert len(ops) < max(fast.tracked)  # ... and fewer ops than from the first to the last of them
+        assert ops == seen[1]
+    assert_nothing_left(handle, w.model)
+
+
+def test_a_plan_naming_a_module_the_model_lacks_is_one_clear_error():
+    from dataclasses import replace
+
+    from regen.errors import PlanMismatchError
+    from regen.formats.plan import TrackingStart
+
+    w, plan = _recipe_plan()
+    other = replace(plan, tracking_starts=[TrackingStart("blocks.99", 0, 3)])
+    with pytest.raises(PlanMismatchError, match="blocks.99"):
+        regen.apply(w.model, other)
