@@ -27,15 +27,8 @@ class RegionHooks:
     def add(self, states: list) -> list:
         """Hook the region modules of `states` not hooked yet; the new hooks' handles."""
         hooks = []
-        for path in dict.fromkeys(r.region.module for s in states for r in s.index.regions.values()):
-            if path in self.paths:
-                continue
-            self.paths.add(path)
-            try:
-                module = self.root.get_submodule(path)
-            except AttributeError:
-                raise PlanMismatchError(f"regen.apply: the plan replays module {path!r}, which this model does not "
-                                        f"have; profile and solve for this model") from None
+        paths = (r.region.module for s in states for r in s.index.regions.values())
+        for path, module in new_submodules(self.root, paths, self.paths, "replays"):
             hooks.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True, prepend=True))
             hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
         return hooks
@@ -52,3 +45,19 @@ class RegionHooks:
         step = self.current()
         if step is not None and torch._C._current_graph_task_id() == -1:
             step.region_returned(module)
+
+
+def new_submodules(root: nn.Module, paths, hooked: set[str], verb: str) -> list[tuple[str, nn.Module]]:
+    """(path, module) for each of `paths` not in `hooked` yet (added to it), once each; a path the model
+    lacks is a PlanMismatchError ("the plan <verb> module ...")."""
+    found = []
+    for path in dict.fromkeys(paths):
+        if path in hooked:
+            continue
+        hooked.add(path)
+        try:
+            found.append((path, root.get_submodule(path)))
+        except AttributeError:
+            raise PlanMismatchError(f"regen.apply: the plan {verb} module {path!r}, which this model does not "
+                                    f"have; profile and solve for this model") from None
+    return found

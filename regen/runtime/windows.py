@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from regen.errors import PlanMismatchError
+from regen.runtime.region_hooks import new_submodules
 
 ROOT = ("", 0)  # the step's start, where the root's call begins (count 0)
 
@@ -69,18 +69,9 @@ class WindowHooks:
 
     def add(self, states: list) -> list:
         """Hook the window-start modules of `states` not hooked yet (the root needs none); the new hooks."""
-        hooks = []
-        for path in dict.fromkeys(s.module for state in states for s in state.plan.tracking_starts):
-            if path == "" or path in self.paths:
-                continue
-            self.paths.add(path)
-            try:
-                module = self.root.get_submodule(path)
-            except AttributeError:
-                raise PlanMismatchError(f"regen.apply: the plan tracks ops from module {path!r}, which this model "
-                                        f"does not have; profile and solve for this model") from None
-            hooks.append(module.register_forward_pre_hook(self._pre_hook(path), prepend=True))
-        return hooks
+        paths = (s.module for state in states for s in state.plan.tracking_starts if s.module)
+        return [module.register_forward_pre_hook(self._pre_hook(path), prepend=True)
+                for path, module in new_submodules(self.root, paths, self.paths, "tracks ops from")]
 
     def _pre_hook(self, path: str):
         def pre_hook(module, args):
