@@ -20,10 +20,12 @@ consumer, the release of a copy-out's source), and those waits are real stalls
 engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
 benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is
 allocated by the compute thread when the copy-in is issued, so its memory counts from then, and poisoned
-(`poison`: every 8-byte word at a POISON_STRIDE_BYTES stride set to POISON_BYTE, a NaN in float lanes) so
-that a read before the copy landed cannot pass for the right bytes; a stride, not the whole buffer, since
-the fill is the compute thread's work, which a GPU does not do (whole buffers: 0.14 ms a fill under
-cProfile on the built-in GPT's hybrid plan, about 30 a step). A host range given back to the pool is
+(`poison`: POISON_WORDS 8-byte words spread over it, at least POISON_STRIDE_BYTES apart, and its tail set
+to POISON_BYTE, a NaN in float lanes) so that a read before the copy landed cannot pass for the right
+bytes (a NaN spreads through whatever reads it). Only a few words, since the fill is the compute
+thread's work, which a GPU does not do, and each word touches a page of a fresh buffer, whose fault the
+compute thread then takes instead of the copy's memmove (a 3 MiB buffer: 80 us poisoned every 256 bytes,
+104 us filled whole, 6 us with 64 words). A host range given back to the pool is
 written by the next copy-out only after the copy-in that last read it has landed
 (`HostPool.pending_read_events`).
 
@@ -48,7 +50,8 @@ from regen.runtime.stats import RuntimeStats
 from regen.runtime.swap import CopyIn, CopyOut, HostPool, SwapEngine, storage_bytes_view
 
 POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane it fills
-POISON_STRIDE_BYTES = 256  # one poisoned 8-byte word every this many bytes of a copy-in buffer
+POISON_WORDS = 64  # poisoned 8-byte words in a copy-in buffer, at most...
+POISON_STRIDE_BYTES = 256  # ... and at least this many bytes apart (every 256 bytes in buffers up to 16 KiB)
 MEMCPY_RATE_MIN_BYTES = 64 * 1024  # smaller copies are mostly call overhead: they do not set the rate
 MEMCPY_RATE_SMOOTHING = 0.8  # weight of the running memcpy rate against the latest copy's
 WAKE_LAG_SMOOTHING = 0.8  # the same for the wake-up lag...
@@ -67,12 +70,17 @@ def _copy_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def poison_stride_bytes(nbytes: int) -> int:
+    """The stride of the poisoned words in a copy-in buffer of `nbytes`: POISON_WORDS of them at most."""
+    return max(POISON_STRIDE_BYTES, -(-nbytes // (POISON_WORDS * 8)) * 8)
+
+
 def poison(buf: torch.Tensor) -> None:
-    """Set an 8-byte word of the uint8 buffer `buf` to POISON_BYTE every POISON_STRIDE_BYTES, and its tail."""
+    """Set an 8-byte word of the uint8 buffer `buf` to POISON_BYTE every poison_stride_bytes, and its tail."""
     nbytes = buf.numel()
     words = nbytes // 8
     if words:
-        buf[:words * 8].view(torch.int64)[::POISON_STRIDE_BYTES // 8].fill_(-1)  # all bytes 0xFF
+        buf[:words * 8].view(torch.int64)[::poison_stride_bytes(nbytes) // 8].fill_(-1)  # all bytes 0xFF
     if nbytes > words * 8:
         buf[words * 8:].fill_(POISON_BYTE)
 
