@@ -407,7 +407,7 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         "CPU\"): a GPU's copy engines are not its SMs. With every core computing, the copy threads' memcpy "
         "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, in a run before the swap "
         "probe below). What the emulation still costs the compute thread (the copy "
-        "threads' wake-ups and Python taking the GIL and the cores from it, 0.25-0.6 ms a swap on this machine) is "
+        "threads' wake-ups and Python taking the GIL and the cores from it, 0.2-0.3 ms a swap on this machine) is "
         "in the measured time and, since the profile's swap probe measures it next to compute, in the plans' "
         "swap charge and so in the prediction: plans solved here swap less than they would for a GPU.",
         "",
