@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from regen.errors import RegenError
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
-                                RegionDecision, host_range_bytes)
+                                RegionDecision, TrackingStart, host_range_bytes)
 from regen.planner.graph import PlanningGraph
 from regen.planner.recipes import Recipe, recipe_transient_bytes
 from regen.planner.result import Choice, StrategyResult
-from regen.planner.simulator import SimulationResult
+from regen.planner.simulator import SimulationResult, recipe_tracked_ops
 
 
 def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy: str,
@@ -77,13 +77,9 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
     )
 
 
-def _tracking_starts(graph: PlanningGraph, choices: dict[int, Choice]) -> list:
+def _tracking_starts(graph: PlanningGraph, choices: dict[int, Choice]) -> list[TrackingStart]:
     """The module calls that open the tracking windows of the chosen recipes (regen.planner.windows)."""
-    tracked: set[int] = set()
-    for ch in choices.values():
-        if ch.action == ACTION_RECOMPUTE and ch.recipe is not None and ch.region is None:
-            tracked |= graph.tracked_ops(ch.recipe)
-    return graph.window_starts.opening(tracked)
+    return graph.window_starts.opening(recipe_tracked_ops(graph, choices))
 
 
 def _region_decisions(graph: PlanningGraph, choices: dict[int, Choice]) -> list[RegionDecision]:

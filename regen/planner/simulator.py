@@ -163,14 +163,19 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
     return ev
 
 
-def tracked_forward_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> frozenset[int]:
-    """The forward ops the runtime's dispatch mode follows on a steady-state step: the tracking windows
-    of the chosen recipes (regen.planner.windows); none without recipes."""
+def recipe_tracked_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> frozenset[int]:
+    """The forward ops the chosen per-tensor recipes need the runtime to see (PlanningGraph.tracked_ops)."""
     ops: set[int] = set()
     for ch in choices.values():
         if ch.action == ACTION_RECOMPUTE and ch.recipe is not None and ch.region is None:
-            ops |= graph.covered_ops(ch.recipe)
+            ops |= graph.tracked_ops(ch.recipe)
     return frozenset(ops)
+
+
+def tracked_forward_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> frozenset[int]:
+    """The forward ops the runtime's dispatch mode follows on a steady-state step: the tracking windows
+    of the chosen recipes' tracked ops (regen.planner.windows); none without recipes."""
+    return graph.window_starts.covered(recipe_tracked_ops(graph, choices))
 
 
 def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) -> _Timing:
