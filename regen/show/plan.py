@@ -8,6 +8,7 @@ from regen.formats.plan import ACTION_RECOMPUTE, ACTIONS, Plan
 
 PLOT_DPI = 120
 PLOT_SIZE_IN = (10, 4.5)
+MAX_LISTED_WINDOWS = 6  # tracking-window starts named in the summary, at most
 
 
 def _ratio(a: float, b: float) -> str:
@@ -51,7 +52,18 @@ def plan_summary(plan: Plan) -> str:
         f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
         + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),
     ]
+    if plan.tracking_starts:
+        lines.append(f"  tracking windows  {len(plan.tracking_starts)}, opened at "
+                     + ", ".join(_call_name(s.module, s.call) for s in plan.tracking_starts[:MAX_LISTED_WINDOWS])
+                     + (", ..." if len(plan.tracking_starts) > MAX_LISTED_WINDOWS else ""))
     return "\n".join(lines)
+
+
+def _call_name(module: str, call: int) -> str:
+    """`blocks.0.attn` (its first call), `blocks.0.attn#2` (its third), `the step's start` (the root)."""
+    if not module:
+        return "the step's start"
+    return module if call == 0 else f"{module}#{call}"
 
 
 def _link_line(plan: Plan) -> str:
@@ -88,6 +100,7 @@ def plan_summary_json(plan: Plan) -> dict:
         "host_memory_cap_bytes": plan.host_memory_cap_bytes,
         "link": None if plan.link is None else {"source": plan.link.source, "link_ratio": plan.link.link_ratio,
                                                 "candidate_bytes": plan.link.candidate_bytes},
+        "tracking_starts": [{"module": s.module, "call": s.call, "first_op": s.first_op} for s in plan.tracking_starts],
     }
 
 

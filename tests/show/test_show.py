@@ -20,6 +20,21 @@ def files(tmp_path):
     return profile_path, plan_path
 
 
+def test_the_summary_names_where_tracking_windows_open(files):
+    from dataclasses import replace
+
+    from regen.formats.plan import TrackingStart
+    from regen.show import plan_summary, plan_summary_json
+
+    plan = load_profile_or_plan(files[1])
+    starts = [TrackingStart("", 0, 0), TrackingStart("blocks.0.mlp", 0, 40), TrackingStart("blocks.0.mlp", 2, 90)]
+    summary = plan_summary(replace(plan, tracking_starts=starts))
+    assert "tracking windows  3, opened at the step's start, blocks.0.mlp, blocks.0.mlp#2" in summary
+    assert "tracking windows" not in plan_summary(replace(plan, tracking_starts=[]))
+    assert plan_summary_json(replace(plan, tracking_starts=starts))["tracking_starts"][2] == {
+        "module": "blocks.0.mlp", "call": 2, "first_op": 90}
+
+
 def test_profile_or_plan_by_its_format(files, tmp_path):
     profile_path, plan_path = files
     assert isinstance(load_profile_or_plan(profile_path), Profile)
