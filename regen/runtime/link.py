@@ -12,10 +12,13 @@ machine) delays the copy it is doing, never the ones after it. Moving the bytes 
 running estimate of its own memcpy rate, so the bytes land when the copy is due rather than a memcpy
 later (a 3 MB copy-in would otherwise land 0.3 ms late; on the built-in GPT's hybrid plan the measured
 link waits went from 17.0 to 14.9 ms a step). A thread wakes from a sleep about 0.2 ms after it meant to
-(sleep granularity on 2 busy cores), so it sleeps that much less, by a running estimate of its own lag,
-and yields the rest of the way to a copy's due time (about that lag). A copy's
-`LinkEvent` is set once its bytes have landed; the compute thread waits on these events (a copy-in's
-consumer, the release of a copy-out's source), and those waits are real stalls
+(sleep granularity on 2 busy cores), so it sleeps that much less, by a running estimate of its own lag;
+its bytes may then land a little before the copy is due, and its waiters, not the thread, yield the
+rest of the way (`LinkEvent.wait`: the compute thread is idle while it waits, whereas a copy thread
+yielding in a loop took the GIL from the compute thread at every op). A copy's
+`LinkEvent` is set once its bytes have landed and counts as done from its due time; the compute thread
+waits on these events (a copy-in's consumer, the release of a copy-out's source), and those waits are
+real stalls
 (`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
 engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
 benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is
@@ -96,12 +99,16 @@ class LinkEvent:
         self.landed_at = 0.0  # time.perf_counter() when the copy's bytes were due to land
 
     def query(self) -> bool:
-        return self._flag.is_set()
+        return self._flag.is_set() and (self.error is not None or time.perf_counter() >= self.landed_at)
 
     def wait(self) -> None:
+        """Until the copy's bytes are there and its due time has come (a copy thread may move them a
+        wake-up early; the waiter, idle anyway, yields the rest of the way)."""
         self._flag.wait()
         if self.error is not None:
             raise RegenError(f"regen.apply: an emulated link copy failed: {self.error!r}") from self.error
+        while time.perf_counter() < self.landed_at:
+            time.sleep(0)  # releases the GIL to the copy threads
 
     def set(self, error: BaseException | None = None) -> None:
         self.error = error
@@ -161,25 +168,22 @@ class CopyThread:
             due = start + nbytes / self.bytes_per_s
             self._free_at = task.done.landed_at = due
             self._sleep_until(due - self._memcpy_s(nbytes))
-            self._copy(task, nbytes)
-            self._sleep_until(due, exact=True)  # the memcpy was quicker than its estimate: it lands when due
+            self._copy(task, nbytes)  # its waiters still wait for `due` (LinkEvent.wait)
+            if self._hurry:  # closing: it lands now
+                task.done.landed_at = min(due, time.perf_counter())
         except BaseException as exc:  # raised to whoever waits on the copy
             error = exc
         task.src = task.dst = None  # the compute thread frees the tensors
         task.done.set(error)
 
-    def _sleep_until(self, t: float, exact: bool = False) -> None:
-        """Sleep until about `t`, waking early by the thread's wake-up lag; `exact`: never return before `t`
-        (the rest of the way, at most about that lag, yielding: a bare spin would hold the GIL the compute
-        thread's hooks need)."""
+    def _sleep_until(self, t: float) -> None:
+        """Sleep until about `t`, waking early by the thread's wake-up lag."""
         target = t - self._wake_lag_s
         while not self._hurry and (left := target - time.perf_counter()) > 0:
             time.sleep(left)
             lag_s = max(0.0, time.perf_counter() - target)
             self._wake_lag_s = (WAKE_LAG_SMOOTHING * self._wake_lag_s
                                 + (1 - WAKE_LAG_SMOOTHING) * min(lag_s, MAX_WAKE_LAG_S))
-        while exact and not self._hurry and time.perf_counter() < t:
-            time.sleep(0)  # releases the GIL
 
     def _memcpy_s(self, nbytes: int) -> float:
         """How long moving `nbytes` will take this thread (0 before its first copy)."""
