@@ -1,15 +1,18 @@
 """Tracking windows (regen.runtime.windows): a fast step's dispatch mode follows only the ops around what
-its recipes capture and read, opened at the module calls the plan names, and gradients and buffers stay
-bitwise the unplanned ones."""
+its recipes capture and read, opened at the module calls the plan names, and loss, gradients and module
+buffers (BatchNorm running statistics) stay bitwise the unplanned ones."""
 
 import functools
 import importlib
+from dataclasses import replace
 
 import pytest
+import torch
 
 import regen
 from common import assert_nothing_left, assert_same, make, run_and_grads
 from regen.runtime.windows import ROOT, tracking_windows
+from regen.workloads import Workload
 
 forward_ops_module = importlib.import_module("regen.runtime.forward_ops")
 STEPS = 4
@@ -26,20 +29,59 @@ def test_each_tracked_op_is_followed_from_the_latest_call_that_started_before_it
     assert tracking_windows(frozenset(), entries).opens == {}
 
 
+class _BnBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class _BnNet(torch.nn.Module):
+    """Residual blocks with BatchNorm: their running statistics must end as without a plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[_BnBlock() for _ in range(4)])
+        self.head = torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).square().mean()
+
+
 @functools.lru_cache(maxsize=None)
-def _recipe_plan():
-    """(workload, plan) of a recompute plan with per-tensor recipes for the built-in GPT (real profile)."""
+def _recipe_plan(name: str):
+    """(workload, plan) of a recompute plan with per-tensor recipes from a real profile: the built-in GPT
+    as solved; the BatchNorm blocks with the recipes past their first block only, and every module call
+    named as a window start (the runtime then opens each window at the latest call before its tracked
+    ops, whatever the solver chose)."""
     from regen.planner import solve
+    from regen.planner.windows import WindowStarts
     from regen.profiler import profile_workload
 
-    w = make("gpt")
+    if name == "gpt":
+        w, fraction = make("gpt"), 0.9
+    else:
+        torch.manual_seed(0)
+        w, fraction = Workload(name="bn-blocks", model=_BnNet(), batch=(torch.randn(512, 64),), loss_fn=None), 0.7
     profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
-    plan = solve(profile, memory_cap_bytes=int(profile.peak_bytes * 0.9), strategy="recompute", time_limit_s=30)
+    plan = solve(profile, memory_cap_bytes=int(profile.peak_bytes * fraction), strategy="recompute",
+                 time_limit_s=30)
+    if name != "gpt":  # only the recipes past the first block: no window can open at the step's start
+        cutoff = profile.module_calls[[c.module for c in profile.module_calls].index("blocks.1")].first_op
+        for d in plan.decisions:
+            if d.action == "recompute" and min(d.recipe) < cutoff:
+                d.action, d.recipe, d.recipe_inputs, d.recompute_before_op, d.rebuilt_with = "keep", [], [], None, None
+        used = {q for d in plan.decisions for q in d.recipe}
+        plan = replace(plan, tracking_starts=WindowStarts.of(profile).starts,
+                       recipe_ops=[r for r in plan.recipe_ops if r.index in used])
     return w, plan
 
 
-def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(monkeypatch):
-    w, plan = _recipe_plan()
+@pytest.mark.parametrize("name", ["gpt", "bn-blocks"])
+def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(name, monkeypatch):
+    w, plan = _recipe_plan(name)
     recipe_ops = {r.index for r in plan.recipe_ops}
     assert recipe_ops and plan.tracking_starts
     assert any(s.module for s in plan.tracking_starts), "the plan opens a window at some module call"
@@ -55,9 +97,10 @@ def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(monkey
     with regen.apply(w.model, plan) as handle:
         for s in range(STEPS):
             seen.append(set())
-            assert_same(references[s], run_and_grads(w, seed=s))  # loss, gradients and buffers
+            assert_same(references[s], run_and_grads(w, seed=s))  # loss, gradients and module buffers
         fast = handle.plan_states[0].fast_ops
     assert handle.stats.planned_steps == STEPS and handle.stats.recomputes > 0
+    assert any(key != ROOT for key in fast.windows.opens)  # a module call's hook opened a window
     assert not seen[0]  # the verified step follows every op (slow path)
     for ops in seen[1:]:
         assert fast.tracked <= ops  # every recipe op and producer it reads was seen...
@@ -67,12 +110,10 @@ def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(monkey
 
 
 def test_a_plan_naming_a_module_the_model_lacks_is_one_clear_error():
-    from dataclasses import replace
-
     from regen.errors import PlanMismatchError
     from regen.formats.plan import TrackingStart
 
-    w, plan = _recipe_plan()
+    w, plan = _recipe_plan("gpt")
     other = replace(plan, tracking_starts=[TrackingStart("blocks.99", 0, 3)])
     with pytest.raises(PlanMismatchError, match="blocks.99"):
         regen.apply(w.model, other)
