@@ -313,6 +313,17 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
     return plan
 
 
+def replay_stop_pack(packs: list) -> int:
+    """The position of the pack where a region's replay stops (`RegionDecision.packs`, or the planner's
+    list of the same shape: a member per pack, or None): the first pack of its last member, as
+    torch.utils.checkpoint's early stop; -1 when it rebuilds nothing."""
+    first: dict = {}
+    for k, member in enumerate(packs):
+        if member is not None:
+            first.setdefault(member, k)
+    return max(first.values(), default=-1)
+
+
 def region_error(d: Decision, regions: list[RegionDecision]) -> str | None:
     """Why decision `d`'s `region` does not hold in its plan, or None: a region member is a recompute
     decision with no recipe, recipe inputs or rebuilt_with of its own, and its region's packs name it."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from regen.formats.plan import replay_stop_pack
 from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
 from regen.opinfo import is_distributed
 from regen.planner.gathered import gathered_storages, resharded_read
@@ -139,24 +140,15 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
         c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None
         packs.append(c.index if c is not None and c.index in member_set else None)
     member_bytes = {graph.candidates[t].saved.storage: graph.candidates[t].bytes for t in members}
-    replayed = range(call.first_op, _stop_op(entries, packs) + 1)
+    # the replay stops at a pack (regen.runtime.regions): the last op it runs is the last one dispatched
+    # before that pack (the op that packs its inputs has not run yet; one that packs its output has)
+    replayed = range(call.first_op, entries[replay_stop_pack(packs)].pack_after_op + 1)
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
                   inputs=sorted(inputs), packs=packs,
                   time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in replayed)), len(replayed)),
                   transient_bytes=_replay_transient_bytes(profile, tensors, call, replayed, member_bytes)
                   + int(call.buffer_bytes),
                   is_random=any(ops[q].is_random for q in extent))
-
-
-def _stop_op(entries: list, packs: list[int | None]) -> int:
-    """The last op a replay that rebuilds every member runs: it stops at the first pack of its last member
-    (regen.runtime.regions), whose `pack_after_op` is the last op dispatched before that pack (the op
-    that packs its inputs has not run yet; one that packs its output has)."""
-    first: dict[int, int] = {}
-    for e, t in zip(entries, packs):
-        if t is not None:
-            first.setdefault(t, e.pack_after_op)
-    return max(first.values())
 
 
 def _can_be_member(c, replay_step: int) -> bool:

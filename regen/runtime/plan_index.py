@@ -14,7 +14,7 @@ import torch
 
 from regen.errors import FormatError
 from regen.formats.plan import (ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, RegionDecision, rebuilt_with_error,
-                                region_error)
+                                region_error, replay_stop_pack)
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -159,14 +159,5 @@ def _index_regions(plan: Plan, by_saved: dict[int, Decision], where: str) -> dic
             keys.append((d.producer_op, d.output_slot))
         if (r.module, r.call) in {(o.region.module, o.region.call) for o in out.values()}:
             raise FormatError(f"{where}: two regions for call {r.call} of module {r.module!r}")
-        out[i] = RegionInfo(region=r, pack_keys=tuple(keys), packs_needed=_packs_needed(keys))
+        out[i] = RegionInfo(region=r, pack_keys=tuple(keys), packs_needed=replay_stop_pack(r.packs) + 1)
     return out
-
-
-def _packs_needed(keys: list) -> int:
-    """How many packs a replay takes: up to the first pack of the last member it rebuilds."""
-    first: dict = {}
-    for k, key in enumerate(keys):
-        if key is not None:
-            first.setdefault(key, k)
-    return max(first.values(), default=-1) + 1
