@@ -172,6 +172,7 @@ class PlanningGraph:
     capture_bytes: dict[int, int] = field(default_factory=dict)
     _reads: list[tuple[int, ...]] | None = field(default=None, init=False, repr=False)
     _window_starts: WindowStarts | None = field(default=None, init=False, repr=False)
+    _covered: dict[tuple[int, ...], frozenset[int]] = field(default_factory=dict, init=False, repr=False)
 
     def tracked_ops(self, recipe) -> frozenset[int]:
         """The forward ops the runtime must see for `recipe` (a Recipe) on a fast step: its ops and the
@@ -189,8 +190,13 @@ class PlanningGraph:
         return self._window_starts
 
     def covered_ops(self, recipe) -> frozenset[int]:
-        """The forward ops the dispatch mode follows for `recipe`: the windows of its tracked ops."""
-        return self.window_starts.covered(self.tracked_ops(recipe))
+        """The forward ops the dispatch mode follows for `recipe`: the windows of its tracked ops (once per
+        recipe: the MILP is built again for each round and neighbourhood)."""
+        key = tuple(recipe.ops)
+        ops = self._covered.get(key)
+        if ops is None:
+            ops = self._covered[key] = self.window_starts.covered(self.tracked_ops(recipe))
+        return ops
 
     def snap_copy_in(self, step: int) -> int:
         """The step where a copy-in planned to start before `step` really starts: the latest runtime

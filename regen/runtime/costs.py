@@ -137,7 +137,8 @@ def _swap_next_to_compute_s(engine, pool) -> float:
 
 def _matmuls_per_gap(a: torch.Tensor) -> int:
     """How many `a @ a` take SWAP_PROBE_GAP_S on this device (at least 1)."""
-    matmul_s = _per_unit(lambda: _matmuls(a, MATMULS_PER_BATCH), functools.partial(_sync, a.device), MATMULS_PER_BATCH)
+    sync = functools.partial(_sync, a.device)
+    matmul_s = _per_unit(lambda: _matmuls(a, MATMULS_PER_BATCH), sync, MATMULS_PER_BATCH)
     return max(1, round(SWAP_PROBE_GAP_S / max(1e-9, matmul_s)))
 
 
