@@ -313,6 +313,24 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
     return plan
 
 
+def merged_windows(starts: list[tuple[int, Any]], tracked) -> list[tuple[int, int, Any]]:
+    """The tracking windows that follow the ops `tracked` (docs/internals.md "Tracking windows"), one rule
+    for the planner and the runtime: each op from the latest of `starts` ((op, key), sorted by op, the
+    first at op 0) at or before it, through the op; windows that overlap or touch merge, keeping the key
+    of the start that opens them. [(first op, last op, key)] in op order."""
+    spans: list[list] = []
+    k = 0
+    for t in sorted(tracked):
+        while k + 1 < len(starts) and starts[k + 1][0] <= t:
+            k += 1
+        first, key = starts[k]
+        if spans and first <= spans[-1][1] + 1:  # inside or right after the window before: it grows
+            spans[-1][1] = t
+        else:
+            spans.append([first, t, key])
+    return [(first, last, key) for first, last, key in spans]
+
+
 def replay_stop_pack(packs: list) -> int:
     """The position of the pack where a region's replay stops (`RegionDecision.packs`, or the planner's
     list of the same shape: a member per pack, or None): the first pack of its last member, as

@@ -14,10 +14,9 @@ their op counts on the verified step (regen.runtime.windows).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
-from regen.formats.plan import TrackingStart
+from regen.formats.plan import TrackingStart, merged_windows
 from regen.formats.profile import Profile
 
 ROOT_START = TrackingStart(module="", call=0, first_op=0)  # the step's start: always a window start
@@ -43,25 +42,14 @@ class WindowStarts:
         ops = sorted(by_op)
         return WindowStarts(first_ops=ops, starts=[by_op[op][1] for op in ops])
 
-    def start_of(self, op: int) -> TrackingStart:
-        """The window start of forward op `op`: the latest call that starts at or before it."""
-        return self.starts[bisect.bisect_right(self.first_ops, op) - 1]
+    def windows(self, tracked_ops) -> list[tuple[int, int, TrackingStart]]:
+        """The merged windows of `tracked_ops` (formats.plan.merged_windows, as the runtime has them)."""
+        return merged_windows(list(zip(self.first_ops, self.starts)), tracked_ops)
 
     def covered(self, tracked_ops) -> frozenset[int]:
-        """Every forward op the dispatch mode sees to follow `tracked_ops`: each one's window."""
-        ops: set[int] = set()
-        for t in tracked_ops:
-            ops.update(range(self.start_of(t).first_op, t + 1))
-        return frozenset(ops)
+        """Every forward op the dispatch mode sees to follow `tracked_ops`."""
+        return frozenset(op for first, last, _ in self.windows(tracked_ops) for op in range(first, last + 1))
 
     def opening(self, tracked_ops) -> list[TrackingStart]:
-        """The calls that open the windows of `tracked_ops`, in op order: one per run of windows that
-        overlap or touch (the runtime merges them the same way: regen.runtime.windows)."""
-        opened: list[TrackingStart] = []
-        end = -2
-        for t in sorted(tracked_ops):
-            start = self.start_of(t)
-            if start.first_op > end + 1:
-                opened.append(start)
-            end = max(end, t)
-        return opened
+        """The calls that open the windows of `tracked_ops`, in op order."""
+        return [start for _, _, start in self.windows(tracked_ops)]

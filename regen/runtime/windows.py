@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from regen.formats.plan import merged_windows
 from regen.runtime.region_hooks import new_submodules
 
 ROOT = ("", 0)  # the step's start, where the root's call begins (count 0)
@@ -46,17 +47,7 @@ def tracking_windows(tracked: frozenset[int], entries: dict[tuple[str, int], int
     """The windows that follow every op of `tracked`, from the recorded call starts `entries` ((path,
     call) -> op count at its start; the root's at 0 is implied)."""
     starts = sorted([(0, ROOT)] + [(count, key) for key, count in entries.items() if key != ROOT])
-    spans: list[list] = []  # [start count, last op, key], by start
-    k = 0
-    for t in sorted(tracked):
-        while k + 1 < len(starts) and starts[k + 1][0] <= t:
-            k += 1
-        count, key = starts[k]
-        if spans and count <= spans[-1][1] + 1:  # inside or right after the window before: it grows
-            spans[-1][1] = t
-        else:
-            spans.append([count, t, key])
-    return Windows(opens={key: (count, last) for count, last, key in spans})
+    return Windows(opens={key: (count, last) for count, last, key in merged_windows(starts, tracked)})
 
 
 class WindowHooks:
