@@ -25,7 +25,8 @@ since the runtime's work per op grows with the op's arguments and outputs:
   matmuls (SWAP_PROBE_ROUNDS swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited
   for one SWAP_PROBE_GAP_S of matmuls after it was issued, against the same passes without swaps,
   interleaved: the median difference per swap). On a CPU device the second is the larger, 0.2-0.3 ms
-  with one compute thread on 2 cores (more with two): the copy threads' wake-ups and Python hold the
+  with one compute thread on 2 cores (0.6-0.9 ms with two, read before copy-in buffers were poisoned with
+  a few words only): the copy threads' wake-ups and Python hold the
   GIL and the cores the compute thread wants (the emulation's own cost; regen's plans measured 0.38-0.88 ms
   a swap over their prediction without it).
 
