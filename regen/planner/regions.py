@@ -17,8 +17,11 @@ members not made yet (all members rebuilt; each member it does not rebuild adds 
 A call is a region only if its replay is exact and its memory is what the planner charges:
 * every op in it is a forward op, and every activation an op in it reads that was produced before the
   call is (a view of) one of its arguments;
-* every argument that is an activation is a candidate: the runtime holds the arguments from the call to
-  the replay, so a chosen region requires its argument candidates (`inputs`) kept;
+* the runtime holds the arguments from the call to the replay: a chosen region requires its argument
+  candidates (`inputs`) kept, and an activation argument no backward saves (an attention mask, a position
+  index shared by every block) is held past its last forward read until the latest replay of the chosen
+  regions that take it (`held`: its bytes are charged from the op after that read, regen.planner.residency
+  and docs/milp.md "Captures");
 * no op in it writes in place a storage made before the call, except module buffers (BatchNorm's
   running stats), which the runtime restores after the replay (their bytes are part of the transient);
 * no op in it is a collective or FSDP's gathering (one rank alone cannot replay those), and every
@@ -39,6 +42,16 @@ if TYPE_CHECKING:
     from regen.planner.graph import PlanningGraph
 
 
+@dataclass(frozen=True)
+class HeldArgument:
+    """An activation argument of a region that no backward saves: the runtime holds its storage from the
+    call to the replay, where the unplanned step may free it after its last forward read."""
+
+    storage: int
+    bytes: int
+    last_read: int  # the last forward op that reads the storage
+
+
 @dataclass
 class Region:
     """One replayable module call (see the module doc)."""
@@ -49,6 +62,7 @@ class Region:
     replay_at_unpack: int | None
     members: list[int]  # candidate indices it may rebuild
     inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
+    held: list[HeldArgument]  # its activation arguments that are no candidate (held until the replay)
     packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
     time_s: float  # the replay up to its stop: its ops' profiled times and the Python between them (RuntimeCharges)
     transient_bytes: int  # the replay's peak less its rebuilt members (see the module doc), and the buffers' snapshot
@@ -71,8 +85,9 @@ def add_regions(graph: PlanningGraph) -> None:
         cand_by_storage.setdefault(c.saved.storage, c)
     by_id = graph.by_saved_id()
     gathered = gathered_storages(profile, tensors)
+    last_read = _last_forward_reads(profile, tensors)
     for call in profile.module_calls:
-        region = _region_of(graph, call, tensors, cand_by_storage, by_id, len(graph.regions))
+        region = _region_of(graph, call, tensors, cand_by_storage, by_id, last_read, len(graph.regions))
         if region is not None and resharded_read(profile, tensors, gathered, range(call.first_op, call.last_op + 1),
                                                  region.replay_step) is None:
             graph.regions.append(region)
@@ -80,8 +95,21 @@ def add_regions(graph: PlanningGraph) -> None:
                 graph.candidates[t].regions.append(region.index)
 
 
+def _last_forward_reads(profile, tensors: dict) -> dict[int, int]:
+    """Storage -> the last forward op that reads it."""
+    out: dict[int, int] = {}
+    for op in profile.ops:
+        if op.phase != PHASE_FORWARD:
+            continue
+        for x in op.inputs:
+            rec = tensors.get(x)
+            if rec is not None:
+                out[rec.storage] = op.index
+    return out
+
+
 def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_storage: dict, by_id: dict,
-               index: int) -> Region | None:
+               last_read: dict[int, int], index: int) -> Region | None:
     """The region of one module call, or None when it is not replayable (see the module doc)."""
     profile = graph.profile
     ops = profile.ops
@@ -93,15 +121,16 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     if any(is_distributed(ops[q].name) for q in extent):
         return None  # a replay on one rank would wait for the others in a collective
     input_storages = {tensors[x].storage for x in call.inputs if x in tensors}
-    inputs = []
-    for st in input_storages:
+    inputs, held = [], []
+    for st in sorted(input_storages):
         rec = next(tensors[x] for x in call.inputs if x in tensors and tensors[x].storage == st)
         if rec.kind != KIND_ACTIVATION:
             continue
         cand = cand_by_storage.get(st)
-        if cand is None:
-            return None  # an activation argument no backward saves: holding it would cost unplanned memory
-        inputs.append(cand.index)
+        if cand is not None:
+            inputs.append(cand.index)
+        elif rec.storage_bytes:
+            held.append(HeldArgument(st, rec.storage_bytes, last_read.get(st, call.first_op)))
     created_inside = set()
     for q in extent:
         op = ops[q]
@@ -144,7 +173,7 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     # before that pack (the op that packs its inputs has not run yet; one that packs its output has)
     replayed = range(call.first_op, entries[replay_stop_pack(packs)].pack_after_op + 1)
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
-                  inputs=sorted(inputs), packs=packs,
+                  inputs=sorted(inputs), held=held, packs=packs,
                   time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in replayed)), len(replayed)),
                   transient_bytes=_replay_transient_bytes(profile, tensors, call, replayed, member_bytes)
                   + int(call.buffer_bytes),

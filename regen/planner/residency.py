@@ -8,7 +8,8 @@ when the plan keeps it (or, in the simulator's timing, once its copy-in has fini
 Memory regen itself holds counts too (`capture_bytes`): the runtime captures every recipe op in forward
 and keeps the capture until the step ends, with, on a CPU device, a copy of the RNG state for a random
 op (`CPU_RNG_STATE_BYTES`; a CUDA device's RNG states are host tensors) and a copy of every buffer the op
-writes (regen.runtime.recompute.Scratch); a random region's call keeps an RNG state the same way.
+writes (regen.runtime.recompute.Scratch); a random region's call keeps an RNG state the same way, and a
+region's call holds its arguments until the replay (`held_argument_spans`: those no backward saves).
 Every strategy, the MILP and the simulator read memory through these functions.
 """
 
@@ -59,15 +60,34 @@ def region_capture_bytes(graph: PlanningGraph, region: Region) -> int:
     return CPU_RNG_STATE_BYTES if region.is_random and graph.profile.device.type == "cpu" else 0
 
 
+def held_argument_spans(graph: PlanningGraph, regions: Iterable[int]) -> dict[int, tuple[int, int, int]]:
+    """Storage -> (bytes, first step, last step) over which the runtime holds a region argument that no
+    backward saves past the unplanned step's hold: from the op after its last forward read until the latest
+    replay, among `regions`, of a region that takes it (the replay step included: it runs there)."""
+    spans: dict[int, tuple[int, int, int]] = {}
+    for r in set(regions):
+        region = graph.regions[r]
+        for h in region.held:
+            _, lo, hi = spans.get(h.storage, (0, h.last_read + 1, -1))
+            spans[h.storage] = (h.bytes, lo, max(hi, region.replay_step))
+    return spans
+
+
 def captured_bytes_timeline(graph: PlanningGraph, recipe_ops: Iterable[int], regions: Iterable[int]) -> list[int]:
     """Per step, the bytes the runtime holds for a plan's captures: each recipe op's (`op_capture_bytes`)
-    from that op on, each region's from its call's first op on."""
+    from that op on, each region's from its call's first op on, and the regions' held arguments
+    (`held_argument_spans`)."""
     diff = [0] * (graph.num_steps + 1)
     for q in set(recipe_ops):
         diff[q] += graph.capture_bytes.get(q, 0)
-    for r in set(regions):
+    regions = set(regions)
+    for r in regions:
         region = graph.regions[r]
         diff[region.call.first_op] += region_capture_bytes(graph, region)
+    for size, lo, hi in held_argument_spans(graph, regions).values():
+        if hi >= lo:
+            diff[lo] += size
+            diff[hi + 1] -= size
     out, run = [], 0
     for s in range(graph.num_steps):
         run += diff[s]

@@ -6,6 +6,11 @@ of it (regen.planner.residency.op_capture_bytes). A random region's call holds a
 So for every op q with capture bytes m_q that some recipe option runs, `u_q` in [0, 1] with
 `u_q >= rec_{t,k}` for each such option (one capture however many recipes run q), and the savings drop
 by `m_q u_q` from step q on; a random region's `z_R` costs its RNG state from its call's first op on.
+A region's argument that no backward saves (`Region.held`: an attention mask every block reads) is held
+from the op after its last forward read until the latest replay of a chosen region that takes it: with
+that argument's regions' replay steps b_1 < ... < b_k, `h_j` in [0, 1] is "held up to b_j", `h_j >= z_R`
+for each R replayed at b_j and `h_j >= h_{j+1}`; the savings drop by `m h_1` after the last read and
+rise by `m (h_j - h_{j+1})` after b_j (h_{k+1} = 0).
 
 regen.planner.milp.model adds these to its savings changes; `worst_bytes_until` says what they could cost
 at most up to a step, to decide which memory constraints may bind.
@@ -45,6 +50,7 @@ class CaptureTerms:
             held = region_capture_bytes(g, rv.region)
             if held:
                 self.changes.setdefault(rv.region.call.first_op, []).append((-held / mu, rv.z))
+        self._add_held_arguments(model)
         points = sorted(self.changes)
         self._points = points
         self._worst = list(accumulate(-sum(cf for cf, _ in self.changes[p]) * mu for p in points))
@@ -53,3 +59,29 @@ class CaptureTerms:
         """The most the captures can hold at `step` (every one chosen)."""
         k = bisect_right(self._points, step)
         return self._worst[k - 1] if k else 0.0
+
+    def _add_held_arguments(self, model: "Model") -> None:
+        """The `h_j` chains of the regions' held arguments (see the module doc)."""
+        takers: dict[int, list] = {}  # storage -> [(HeldArgument, replay step, z_R)]
+        for rv in model.regions.values():
+            for h in rv.region.held:
+                takers.setdefault(h.storage, []).append((h, rv.region.replay_step, rv.z))
+        n = model.graph.num_steps
+        for storage, uses in sorted(takers.items()):
+            h = uses[0][0]
+            m = h.bytes / model.mem_unit
+            steps = sorted({b for _, b, _ in uses})
+            chain = [new_var(f"held_{storage}_{b}", 0, 1) for b in steps]
+            for j, (b, y) in enumerate(zip(steps, chain)):
+                for _, b_r, z in uses:
+                    if b_r == b:
+                        model.prob += y - z >= 0, f"held_{storage}_{b}_{z.name}"
+                if j + 1 < len(chain):
+                    model.prob += y - chain[j + 1] >= 0, f"held_{storage}_{b}_next"
+            self.changes.setdefault(h.last_read + 1, []).append((-m, chain[0]))
+            for j, b in enumerate(steps):
+                if b + 1 >= n:
+                    continue
+                self.changes.setdefault(b + 1, []).append((m, chain[j]))
+                if j + 1 < len(chain):
+                    self.changes[b + 1].append((-m, chain[j + 1]))
