@@ -33,12 +33,14 @@ check that the op it captured at that index is the op the plan expects.
 
 `tracking_starts` (optional): the module calls at whose start the runtime's dispatch mode begins to follow
 the forward again on steps after the verified one, so that it sees each op a recipe captures or reads
-(from the latest of these calls that starts at or before the op, to the op) and no others; without
+(from the latest of these calls that starts at or before the op, to the op, and on to the next pack,
+where it lets go) and no others; without
 them it follows the forward from its first op to the last such op.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -313,21 +315,26 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
     return plan
 
 
-def merged_windows(starts: list[tuple[int, Any]], tracked) -> list[tuple[int, int, Any]]:
+def merged_windows(starts: list[tuple[int, Any]], tracked, closing_ops: list[int] = ()) -> list[tuple[int, int, Any]]:
     """The tracking windows that follow the ops `tracked` (docs/internals.md "Tracking windows"), one rule
     for the planner and the runtime: each op from the latest of `starts` ((op, key), sorted by op, the
-    first at op 0) at or before it, through the op; windows that overlap or touch merge, keeping the key
-    of the start that opens them. [(first op, last op, key)] in op order."""
+    first at op 0) at or before it, through the op, or, given `closing_ops` (sorted), through the first of
+    them at or after it: the runtime lets its dispatch mode go in a pack hook, so a window really ends at
+    the first forward pack after its last tracked op (the op dispatched before that pack). Windows that
+    overlap or touch merge, keeping the key of the start that opens them. [(first op, last op, key)] in op
+    order."""
     spans: list[list] = []
     k = 0
     for t in sorted(tracked):
         while k + 1 < len(starts) and starts[k + 1][0] <= t:
             k += 1
         first, key = starts[k]
+        c = bisect.bisect_left(closing_ops, t)
+        last = closing_ops[c] if c < len(closing_ops) else t
         if spans and first <= spans[-1][1] + 1:  # inside or right after the window before: it grows
-            spans[-1][1] = t
+            spans[-1][1] = max(spans[-1][1], last)
         else:
-            spans.append([first, t, key])
+            spans.append([first, last, key])
     return [(first, last, key) for first, last, key in spans]
 
 

@@ -6,7 +6,8 @@ writer map): the recipe's *tracked ops* (regen.runtime.forward_ops.FastOps). The
 counter outside its dispatch mode, so it can start following the forward only where a hook of its own
 runs and the op count there is known: the step's start (the root's call) or the start of a module call.
 Each tracked op t is therefore followed from its *window start*, the latest module call that starts at
-or before t (`Profile.module_calls`, the root at op 0), through t; every op in that window goes through
+or before t (`Profile.module_calls`, the root at op 0), through t and on to the first forward pack after
+it (the runtime lets its dispatch mode go in a pack hook); every op in that window goes through
 the dispatch mode (`RuntimeCharges.dispatch_op_s` each), and the ops outside every window run plainly.
 A plan names the calls that open its windows (`Plan.tracking_starts`); the runtime hooks them and reads
 their op counts on the verified step (regen.runtime.windows).
@@ -29,6 +30,7 @@ class WindowStarts:
 
     first_ops: list[int]
     starts: list[TrackingStart]
+    closing_ops: list[int]  # where a window can end: the ops after which the forward packs, and its last op
 
     @staticmethod
     def of(profile: Profile) -> "WindowStarts":
@@ -40,11 +42,14 @@ class WindowStarts:
             if best is None or c.depth < best[0]:
                 by_op[c.first_op] = (c.depth, TrackingStart(module=c.module, call=c.call, first_op=c.first_op))
         ops = sorted(by_op)
-        return WindowStarts(first_ops=ops, starts=[by_op[op][1] for op in ops])
+        forward = profile.num_forward_ops
+        closing = sorted({e.pack_after_op for e in profile.saved_entries if 0 <= e.pack_after_op < forward}
+                         | {forward - 1})
+        return WindowStarts(first_ops=ops, starts=[by_op[op][1] for op in ops], closing_ops=closing)
 
     def windows(self, tracked_ops) -> list[tuple[int, int, TrackingStart]]:
         """The merged windows of `tracked_ops` (formats.plan.merged_windows, as the runtime has them)."""
-        return merged_windows(list(zip(self.first_ops, self.starts)), tracked_ops)
+        return merged_windows(list(zip(self.first_ops, self.starts)), tracked_ops, self.closing_ops)
 
     def covered(self, tracked_ops) -> frozenset[int]:
         """Every forward op the dispatch mode sees to follow `tracked_ops`."""

@@ -29,6 +29,18 @@ def test_each_tracked_op_is_followed_from_the_latest_call_that_started_before_it
     assert tracking_windows(frozenset(), entries).opens == {}
 
 
+def test_a_window_runs_on_to_the_first_pack_after_its_last_tracked_op():
+    """The runtime lets its dispatch mode go in a pack hook: given the ops after which the forward packs,
+    the shared rule ends each window there, and a window that then reaches the next one merges with it."""
+    from regen.formats.plan import merged_windows
+
+    starts = [(0, "root"), (8, "a"), (30, "b")]
+    assert merged_windows(starts, {3, 31}) == [(0, 3, "root"), (30, 31, "b")]
+    assert merged_windows(starts, {3, 31}, [2, 5, 40]) == [(0, 5, "root"), (30, 40, "b")]
+    assert merged_windows(starts, {3, 12}, [9, 20]) == [(0, 20, "root")]  # [0, 9] then [8, 20]: one window
+    assert merged_windows(starts, {45}, [9, 20]) == [(30, 45, "b")]  # no pack after it: to the op itself
+
+
 class _BnBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -52,7 +64,7 @@ class _BnNet(torch.nn.Module):
 
 @functools.lru_cache(maxsize=None)
 def _recipe_plan(name: str):
-    """(workload, plan) of a recompute plan with per-tensor recipes from a real profile: the built-in GPT
+    """(workload, plan, profile) of a recompute plan with per-tensor recipes from a real profile: the built-in GPT
     as solved; the BatchNorm blocks with the recipes past their first block only, and every module call
     named as a window start (the runtime then opens each window at the latest call before its tracked
     ops, whatever the solver chose)."""
@@ -76,12 +88,16 @@ def _recipe_plan(name: str):
         used = {q for d in plan.decisions for q in d.recipe}
         plan = replace(plan, tracking_starts=WindowStarts.of(profile).starts,
                        recipe_ops=[r for r in plan.recipe_ops if r.index in used])
-    return w, plan
+    return w, plan, profile
 
 
 @pytest.mark.parametrize("name", ["gpt", "bn-blocks"])
 def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(name, monkeypatch):
-    w, plan = _recipe_plan(name)
+    from regen.planner.export import choices_from_plan
+    from regen.planner.graph import build_graph
+    from regen.planner.simulator import tracked_forward_ops
+
+    w, plan, profile = _recipe_plan(name)
     recipe_ops = {r.index for r in plan.recipe_ops}
     assert recipe_ops and plan.tracking_starts
     assert any(s.module for s in plan.tracking_starts), "the plan opens a window at some module call"
@@ -106,6 +122,9 @@ def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(name, 
         assert fast.tracked <= ops  # every recipe op and producer it reads was seen...
         assert len(ops) < max(fast.tracked)  # ... and fewer ops than from the first to the last of them
         assert ops == seen[1]
+    graph = build_graph(profile)
+    # the planner charges exactly the ops the runtime follows: a window runs on to the pack after its last op
+    assert seen[1] == tracked_forward_ops(graph, choices_from_plan(graph, plan))
     assert_nothing_left(handle, w.model)
 
 
@@ -113,7 +132,7 @@ def test_a_plan_naming_a_module_the_model_lacks_is_one_clear_error():
     from regen.errors import PlanMismatchError
     from regen.formats.plan import TrackingStart
 
-    w, plan = _recipe_plan("gpt")
+    w, plan, _ = _recipe_plan("gpt")
     other = replace(plan, tracking_starts=[TrackingStart("blocks.99", 0, 3)])
     with pytest.raises(PlanMismatchError, match="blocks.99"):
         regen.apply(w.model, other)
