@@ -7,7 +7,7 @@ produced its storage (`producer_op`) and the output slot, with shape and dtype a
 
 * `keep`: autograd keeps the tensor on the device (the unplanned behaviour).
 * `swap`: the storage is copied to the host pool after `swap_out_after_op` (the runtime starts the
-  copy when autograd packs it, which is right after that op) and copied back starting before
+  copy when autograd first packs it, right after that op) and copied back starting before
   backward op `swap_in_before_op`. The runtime has no op counter in backward; it issues the copy-in
   when the step's unpack sequence reaches position `swap_in_at_unpack` (derived from the profile's
   saved entries, so it lands at or before `swap_in_before_op`). The device storage is released before op

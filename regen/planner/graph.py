@@ -55,7 +55,10 @@ class Candidate:
     last_forward: int
     first_backward: int | None  # b
     last_backward: int | None  # e
-    issue_after: int  # op after which a copy-out can start (all entries packed)
+    # the runtime issues a swap's copy-out at the tensor's first forward pack: the op dispatched before it
+    # (`issue_after`), and its position in the step's pack order (copy-outs issued after one op go in that order)
+    issue_after: int
+    first_pack_index: int = -1
     last_pack: int = -1  # position of its last forward pack (PlanningGraph.pack_steps); its release comes later
     out_window: list[int] = field(default_factory=list)  # steps a copy-out may use
     in_window: list[int] = field(default_factory=list)  # steps a copy-in may use (ends at b-1)
@@ -265,10 +268,10 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     peak = [max(int(op.memory_peak_bytes), int(op.memory_after_bytes)) for op in ops]
     op_graph = _op_graph(profile)
 
-    pack_after: dict[int, int] = {}
-    for entry in profile.saved_entries:
+    first_pack: dict[int, tuple[int, int]] = {}  # saved tensor id -> (pack index, op) of its first pack
+    for entry in profile.saved_entries:  # in pack order
         if entry.saved_tensor is not None:
-            pack_after[entry.saved_tensor] = max(pack_after.get(entry.saved_tensor, -1), entry.pack_after_op)
+            first_pack.setdefault(entry.saved_tensor, (entry.index, entry.pack_after_op))
     forward_packs = sorted((e for e in profile.saved_entries if e.pack_after_op < profile.num_forward_ops),
                            key=lambda e: e.index)
     pack_position = {e.index: k for k, e in enumerate(forward_packs)}
@@ -283,7 +286,8 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
             f = max(f, profile.num_forward_ops - 1)
         c = Candidate(index=i, saved=s, bytes=int(s.bytes), producer=s.producer_op, last_forward=f,
                       first_backward=b, last_backward=e,
-                      issue_after=max(s.producer_op, pack_after.get(s.id, s.producer_op)),
+                      issue_after=max(s.producer_op, first_pack.get(s.id, (-1, s.producer_op))[1]),
+                      first_pack_index=first_pack.get(s.id, (-1, -1))[0],
                       last_pack=max((pack_position.get(x, -1) for x in s.entries), default=-1))
         candidates.append(c)
     copy_in_starts = sorted({e.unpack_before_op for e in profile.saved_entries

@@ -6,7 +6,8 @@ Three timelines, as the runtime runs them (the timing pass):
   recomputed there (`recompute_before_op`), and waits for the copy-ins of tensors op s reads (and of
   recipe inputs that are swapped) to finish;
 * a device-to-host copy stream (FIFO): a swapped tensor's copy-out is issued when op
-  `swap_out_after_op` ends and runs at the d2h bandwidth once the stream is free. Its device copy is
+  `swap_out_after_op` ends (its first forward pack; copy-outs issued after one op in pack order, as the
+  runtime issues them) and runs at the d2h bandwidth once the stream is free. Its device copy is
   released at a *release step*, a step the runtime can act before (`PlanningGraph.next_release_step`: a
   forward pack after the tensor's own, or a backward unpack): the first one whose start finds the copy
   done, or the plan's (`Choice.release_step`), and at the latest the step its copy-in is issued. There the
@@ -159,6 +160,8 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
             ev.recompute_at.setdefault(c.first_backward, []).append(c)
         else:
             ev.errors.append(f"candidate {c.id}: unknown action {ch.action}")
+    for out in ev.swap_out_at.values():  # in the runtime's order: the step's pack order
+        out.sort(key=lambda c: c.first_pack_index)
     ev.tracked_ops = tracked_forward_ops(graph, choices)
     return ev
 

@@ -6,6 +6,7 @@ backward by op 10-k. Its recipes: [k] anchored on candidate k-1, then walking fu
 """
 
 import pytest
+import torch
 
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.graph import build_graph
@@ -152,3 +153,49 @@ def test_a_copy_in_outside_the_gap_is_an_error():
     for step in (c.issue_after, c.first_backward + 1, None):
         sim = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=step)})
         assert not sim.valid and "copy-in step" in sim.errors[0]
+
+
+class _Attention(torch.nn.Module):
+    """Eager attention: the probabilities are saved by softmax and again by the matmul after it; queries and
+    keys (two storages) by one matmul."""
+
+    def __init__(self, width: int = 128, layers: int = 3):
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
+                                       for _ in range(layers))
+
+    def forward(self, x):
+        for q, k, v in self.qkv:
+            x = x + torch.softmax(q(x) @ k(x).transpose(-1, -2), dim=-1) @ v(x)
+        return x.square().mean()
+
+
+def test_copy_outs_start_at_a_tensors_first_pack_in_pack_order_as_the_runtime_issues_them():
+    """The runtime starts a swap's copy-out when autograd first packs the tensor, and the link runs copies
+    in issue order: a tensor saved twice (attention probabilities, by softmax and by the matmul after it)
+    is copied from its first pack, and copy-outs issued after one op keep the step's pack order."""
+    from regen.planner import solve
+    from regen.planner.export import choices_from_plan
+    from regen.planner.simulator import _events
+    from regen.profiler import profile_workload
+    from regen.workloads import Workload
+
+    torch.manual_seed(0)
+    w = Workload(name="attention", model=_Attention(), batch=(torch.randn(16, 128, 128),), loss_fn=None)
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    graph = build_graph(profile)
+    entries: dict[int, list] = {}
+    for e in profile.saved_entries:
+        if e.saved_tensor is not None:
+            entries.setdefault(e.saved_tensor, []).append(e)
+    assert any(len({e.pack_after_op for e in entries[c.id]}) > 1 for c in graph.candidates)
+    for c in graph.candidates:
+        first = min(entries[c.id], key=lambda e: e.index)
+        assert (c.issue_after, c.first_pack_index) == (max(c.producer, first.pack_after_op), first.index)
+    plan = solve(profile, profile.peak_bytes, "offload-all", link_ratio=0.9)
+    issued = {d.saved_tensor: d.swap_out_after_op for d in plan.decisions if d.action == ACTION_SWAP}
+    assert len(issued) > 1 and all(op == graph.by_saved_id()[i].issue_after for i, op in issued.items())
+    events = _events(graph, choices_from_plan(graph, plan))
+    assert max(len(out) for out in events.swap_out_at.values()) > 1
+    for out in events.swap_out_at.values():
+        assert [c.first_pack_index for c in out] == sorted(c.first_pack_index for c in out)

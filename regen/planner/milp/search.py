@@ -219,7 +219,7 @@ def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: Simulatio
     """FIFO order between swaps whose copy-out windows overlap; once every such pair is ordered,
     headroom at the steps where the simulator went over the cap."""
     swapped = sorted((graph.candidates[i] for i, ch in choices.items() if ch.action == ACTION_SWAP),
-                     key=lambda c: (c.issue_after, c.index))
+                     key=lambda c: (c.issue_after, c.first_pack_index, c.index))
     pairs = set(options.fifo_pairs)
     for k, a in enumerate(swapped):
         for b in swapped[k + 1:]:
