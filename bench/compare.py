@@ -325,7 +325,6 @@ def _link_plans(model: str, profile, caps: list[tuple[str, int]], link_ratio: fl
 def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time_limit_s: float = SOLVE_TIME_LIMIT_S,
                         timed_steps: int = TIMED_STEPS) -> list[Result]:
     """One model over an emulated link of ratio `link_ratio` (see the module doc)."""
-    from regen.calibration import calibrate
     from regen.planner import solve
     from regen.profiler import profile_workload
     from regen.runtime.costs import measure_runtime_costs
@@ -335,7 +334,6 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
     profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
                                progress=None,
                                runtime_probe=measure_runtime_costs)
-    profile = calibrate(profile, build(spec))
     start = profile.memory_at_start_bytes
     variants = [_measured(Variant("no plan", build(spec), predicted_step_time_s=profile.step_time_s), start, label,
                           progress)]

@@ -63,7 +63,6 @@ def _progress(quiet: bool):
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from regen.calibration import calibrate
     from regen.formats import save_profile
     from regen.formats.yamlio import check_output_path
     from regen.profiler import profile_workload
@@ -73,12 +72,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
     say = _progress(args.quiet)
     device, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
-    workload = build()
-    profile = profile_workload(workload, device=device, repeats=args.repeats, warmup_steps=args.warmup,
+    profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
                                warmup_s=args.warmup_s,
                                progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs,
                                park=args.park)
-    profile = calibrate(profile, workload, None if args.quiet else _print_progress)
     if not _is_rank_0():  # profiled on every rank of a process group (FSDP's collectives); rank 0 writes it
         return 0
     save_profile(profile, args.output)

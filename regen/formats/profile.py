@@ -40,9 +40,8 @@ Runtime costs (optional)
 ------------------------
 `Profile.runtime_costs` holds what regen's runtime adds per event on the profiled machine (a dispatch
 round trip per tracked forward op, capturing and replaying a recipe op, a recipe's fixed cost, the
-compute thread's share of a swap, a planned step's saved-tensor hooks), which the planner adds to a plan's
-predicted time. Profiles without it are planned without those costs; profiles written before `swap_s` or
-`hooks_s` existed load with 0 for them.
+compute thread's share of a swap), which the planner adds to a plan's predicted time. Profiles without
+it are planned without those costs; profiles written before `swap_s` existed load with 0 for it.
 """
 
 from __future__ import annotations
@@ -182,9 +181,6 @@ class RuntimeCosts:
     # what one swap costs the compute thread (issuing the copy-out, releasing its source, issuing the
     # copy-in, waiting for it, and what the engine's work does to compute next to it), not the transfers
     swap_s: float = 0.0
-    # what a planned step's saved-tensor hooks cost whatever the plan decides (a pack and an unpack per saved
-    # entry), per step: measured on the workload under a keep-all plan (regen.calibration)
-    hooks_s: float = 0.0
 
 
 @dataclass
@@ -357,10 +353,10 @@ def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
         return None
     built = build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")
     figures = [float(v) for v in (built.dispatch_op_s, built.capture_op_s, built.replay_op_s, built.recipe_s,
-                                  built.swap_s, built.hooks_s)]
+                                  built.swap_s)]
     if any(not (v >= 0) for v in figures):
         raise FormatError(f"{where}: runtime_costs must be non-negative seconds")
-    return RuntimeCosts(*figures[:4], method=str(built.method), swap_s=figures[4], hooks_s=figures[5])
+    return RuntimeCosts(*figures[:4], method=str(built.method), swap_s=figures[4])
 
 
 def _check_consistency(profile: Profile, where: str) -> None:

@@ -114,7 +114,6 @@ class RuntimeCharges:
     recipe_s: float = 0.0  # a replayed recipe, besides its ops
     between_forward_ops_s: float = 0.0  # the plain forward's time outside ops, per forward op
     swap_s: float = 0.0  # what a swapped tensor costs the compute thread (not its transfers): RuntimeCosts.swap_s
-    hooks_s: float = 0.0  # a planned step's saved-tensor hooks, per step, whatever the plan: RuntimeCosts.hooks_s
 
     @staticmethod
     def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
@@ -126,7 +125,7 @@ class RuntimeCharges:
             return RuntimeCharges(between_forward_ops_s=between_s)
         return RuntimeCharges(dispatch_op_s=rc.dispatch_op_s, capture_op_s=rc.capture_op_s,
                               replay_op_s=rc.replay_op_s, recipe_s=rc.recipe_s, between_forward_ops_s=between_s,
-                              swap_s=rc.swap_s, hooks_s=rc.hooks_s)
+                              swap_s=rc.swap_s)
 
     def recipe_time_s(self, op_times_s: float, num_ops: int) -> float:
         """A per-tensor recipe of `num_ops` ops whose profiled times sum to `op_times_s`."""

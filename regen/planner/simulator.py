@@ -238,7 +238,6 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
             t0 = max(now, d2h_free)
             d2h_free = t0 + c.bytes / graph.d2h_bytes_per_s
             releases.copied_out(c, d2h_free)
-    now += graph.costs.hooks_s  # the runtime's saved-tensor hooks, whatever the plan
     return _Timing(step_time_s=now, transient_at=transient_at, released_at=releases.released_at)
 
 

@@ -60,7 +60,7 @@ def profile_summary(profile: Profile) -> str:
     if rc is not None:
         lines.append(f"runtime costs: dispatch {rc.dispatch_op_s * 1e6:.1f} us/op, capture {rc.capture_op_s * 1e6:.1f} "
                      f"us/op, replay {rc.replay_op_s * 1e6:.1f} us/op, recipe {rc.recipe_s * 1e6:.1f} us, swap "
-                     f"{rc.swap_s * 1e6:.1f} us, hooks {rc.hooks_s * 1e3:.2f} ms/step [{rc.method}]")
+                     f"{rc.swap_s * 1e6:.1f} us [{rc.method}]")
     largest = _largest(profile)
     if largest:
         names = {op.index: op.name for op in profile.ops}

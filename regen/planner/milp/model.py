@@ -185,7 +185,7 @@ class Model:
                 objective_terms.append((g.costs.swap_s / tu) * v.swap)
         objective_terms += [x for terms in region_time_terms(self).values() for x in terms]
         objective_terms += add_dispatch_charge(self)
-        time_obj = pulp.lpSum(objective_terms) + (sum(g.time_s) + g.costs.hooks_s) / tu
+        time_obj = pulp.lpSum(objective_terms) + sum(g.time_s) / tu
         if opt.minimize_peak:
             # lexicographic enough: a unit of memory outweighs the whole step time
             prob += self.cap_var * PEAK_WEIGHT_PER_MEMORY_UNIT + time_obj
