@@ -333,8 +333,8 @@ def _add_demo_command(sub) -> None:
 
 
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="built-in workload (mlp, cnn, gpt, hf-gpt2, hf-bert) or module:function "
-                                        "returning (model, batch[, loss_fn])")
+    parser.add_argument("--model", help="built-in workload (mlp, cnn, gpt, hf-gpt2, hf-bert, hf-llama) or "
+                                        "module:function returning (model, batch[, loss_fn])")
     parser.add_argument("--config", help="a workload config (configs/*.yaml): workload, args, batch_size, autocast")
     parser.add_argument("--batch-size", type=int, help="passed to the workload factory when it accepts one")
     parser.add_argument("--arg", action="append", metavar="KEY=VALUE",

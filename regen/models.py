@@ -7,8 +7,9 @@ A workload factory takes keyword arguments (sizes, `batch_size`) and returns `(m
 * `cnn`: a small ResNet-style CNN (conv, batch norm, residual blocks) on random images.
 * `gpt`: a small GPT (token + position embeddings, causal self-attention, GELU MLP, dropout, tied
   input/output embeddings) on random tokens with a next-token loss.
-* `hf-gpt2`, `hf-bert`: Hugging Face GPT-2 and BERT built from a config (no downloads), when
-  `transformers` is installed.
+* `hf-gpt2`, `hf-bert`, `hf-llama`: Hugging Face GPT-2, BERT and Llama (RMSNorm, rotary positions,
+  grouped-query attention, SwiGLU: every block takes the causal mask and the rotary tables the model
+  computes once) built from a config (no downloads), when `transformers` is installed.
 
 Every factory seeds its own generator, so the same arguments give the same weights and batch.
 """
@@ -223,12 +224,28 @@ def hf_bert(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden:
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
+def hf_llama(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden: int = 128, n_head: int = 4,
+             n_kv_head: int = 2, intermediate: int = 352, vocab_size: int = 1024, seed: int = DEFAULT_SEED):
+    """Llama (transformers.LlamaForCausalLM) from a config, eager attention; the loss is the model's `.loss`."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                            num_hidden_layers=num_layers, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+                            max_position_embeddings=max(seq_len, 64), attn_implementation="eager",
+                            use_cache=False)  # training: no key/value cache (a replay would append to it again)
+    model = tf.LlamaForCausalLM(config)
+    g = _generator(seed)
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
 BUILTIN_WORKLOADS = {
     "mlp": mlp,
     "cnn": cnn,
     "gpt": gpt,
     "hf-gpt2": hf_gpt2,
     "hf-bert": hf_bert,
+    "hf-llama": hf_llama,
 }
 
 

@@ -9,7 +9,7 @@ from regen.errors import WorkloadError
 from regen.workloads import build_workload, forward_loss, load_config
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "hf-gpt2", "hf-bert"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "hf-gpt2", "hf-bert", "hf-llama"])
 def test_builtin_workloads_give_a_scalar_loss_with_gradients(name):
     w = build_workload(name, batch_size=2)
     loss = forward_loss(w)

@@ -19,6 +19,7 @@ WORKLOAD_ARGS = {
     "gpt": {},
     "hf-gpt2": {},
     "hf-bert": {},
+    "hf-llama": {},
 }
 
 

@@ -1,6 +1,7 @@
 """Region plans in the runtime: module calls replayed in backward (Plan.regions).
 
-Plans come from real profiles: per-block checkpointing (`checkpoint-blocks`) and the recompute MILP
+Plans come from real profiles (a Llama decoder's blocks take the causal mask the model computes once, held
+for their replays): per-block checkpointing (`checkpoint-blocks`) and the recompute MILP
 solved with regions as the only way to recompute (per-tensor recipes switched off), at a cap between
 per-block checkpointing's peak and the unplanned one, so some regions rebuild only part of what they
 saved. Gradients and module buffers (BatchNorm running stats) are bitwise those of the unplanned run,
@@ -83,7 +84,7 @@ def _region_plan(name: str, kind: str):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2", "masked-blocks"])
+@pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2", "hf-llama", "masked-blocks"])
 def test_gradients_and_buffers_are_bitwise_the_unplanned_ones(name, kind):
     w, _, plan = _region_plan(name, kind)
     assert plan.regions and plan.region_member_count() > 0
@@ -113,7 +114,7 @@ def test_a_model_without_replayable_blocks_is_one_clear_error():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2", "masked-blocks"])
+@pytest.mark.parametrize("name", ["cnn", "gpt", "hf-gpt2", "hf-llama", "masked-blocks"])
 def test_measured_peak_is_within_the_cap_and_the_simulator(name, kind):
     w, profile, plan = _region_plan(name, kind)
     with regen.apply(w.model, plan):
