@@ -194,6 +194,12 @@ def _transformers():
     return transformers
 
 
+def _token_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> dict:
+    """Random tokens as a Hugging Face causal or masked LM's batch: the labels are the inputs."""
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=_generator(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
 def hf_gpt2(batch_size: int = 2, seq_len: int = 64, n_layer: int = 2, n_embd: int = 128,
             n_head: int = 4, vocab_size: int = 1024, dropout: float = 0.1, seed: int = DEFAULT_SEED):
     """GPT-2 (transformers.GPT2LMHeadModel) from a config; the loss is the model's own `.loss`."""
@@ -204,9 +210,7 @@ def hf_gpt2(batch_size: int = 2, seq_len: int = 64, n_layer: int = 2, n_embd: in
                            attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
                            use_cache=False)  # training: no key/value cache in the output
     model = tf.GPT2LMHeadModel(config)
-    g = _generator(seed)
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
-    return model, {"input_ids": ids, "labels": ids.clone()}
+    return model, _token_batch(vocab_size, batch_size, seq_len, seed)
 
 
 def hf_bert(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden: int = 128,
@@ -219,9 +223,7 @@ def hf_bert(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden:
                            max_position_embeddings=max(seq_len, 64), hidden_dropout_prob=dropout,
                            attention_probs_dropout_prob=dropout)
     model = tf.BertForMaskedLM(config)
-    g = _generator(seed)
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
-    return model, {"input_ids": ids, "labels": ids.clone()}
+    return model, _token_batch(vocab_size, batch_size, seq_len, seed)
 
 
 def hf_llama(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden: int = 128, n_head: int = 4,
@@ -234,9 +236,7 @@ def hf_llama(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden
                             max_position_embeddings=max(seq_len, 64), attn_implementation="eager",
                             use_cache=False)  # training: no key/value cache (a replay would append to it again)
     model = tf.LlamaForCausalLM(config)
-    g = _generator(seed)
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
-    return model, {"input_ids": ids, "labels": ids.clone()}
+    return model, _token_batch(vocab_size, batch_size, seq_len, seed)
 
 
 BUILTIN_WORKLOADS = {
