@@ -189,7 +189,7 @@ class PlanningGraph:
     def window_starts(self) -> WindowStarts:
         """Where the runtime's tracking windows can open (regen.planner.windows)."""
         if self._window_starts is None:
-            self._window_starts = WindowStarts.of(self.profile)
+            self._window_starts = WindowStarts.of(self.profile, self.pack_steps)
         return self._window_starts
 
     def covered_ops(self, recipe) -> frozenset[int]:

@@ -33,7 +33,9 @@ class WindowStarts:
     closing_ops: list[int]  # where a window can end: the ops after which the forward packs, and its last op
 
     @staticmethod
-    def of(profile: Profile) -> "WindowStarts":
+    def of(profile: Profile, pack_steps: list[int]) -> "WindowStarts":
+        """The window starts of `profile`; `pack_steps`: the op after each forward pack
+        (PlanningGraph.pack_steps), where a window can close."""
         by_op: dict[int, tuple[int, TrackingStart]] = {0: (-1, ROOT_START)}
         for c in profile.module_calls or []:
             if c.first_op > c.last_op:  # a call that ran no op
@@ -42,9 +44,7 @@ class WindowStarts:
             if best is None or c.depth < best[0]:
                 by_op[c.first_op] = (c.depth, TrackingStart(module=c.module, call=c.call, first_op=c.first_op))
         ops = sorted(by_op)
-        forward = profile.num_forward_ops
-        closing = sorted({e.pack_after_op for e in profile.saved_entries if 0 <= e.pack_after_op < forward}
-                         | {forward - 1})
+        closing = sorted({step - 1 for step in pack_steps if step > 0} | {profile.num_forward_ops - 1})
         return WindowStarts(first_ops=ops, starts=[by_op[op][1] for op in ops], closing_ops=closing)
 
     def windows(self, tracked_ops) -> list[tuple[int, int, TrackingStart]]:

@@ -69,7 +69,7 @@ def _recipe_plan(name: str):
     named as a window start (the runtime then opens each window at the latest call before its tracked
     ops, whatever the solver chose)."""
     from regen.planner import solve
-    from regen.planner.windows import WindowStarts
+    from regen.planner.graph import build_graph
     from regen.profiler import profile_workload
 
     if name == "gpt":
@@ -86,7 +86,7 @@ def _recipe_plan(name: str):
             if d.action == "recompute" and min(d.recipe) < cutoff:
                 d.action, d.recipe, d.recipe_inputs, d.recompute_before_op, d.rebuilt_with = "keep", [], [], None, None
         used = {q for d in plan.decisions for q in d.recipe}
-        plan = replace(plan, tracking_starts=WindowStarts.of(profile).starts,
+        plan = replace(plan, tracking_starts=build_graph(profile).window_starts.starts,
                        recipe_ops=[r for r in plan.recipe_ops if r.index in used])
     return w, plan, profile
 
