@@ -51,6 +51,11 @@ class HeldArgument:
     bytes: int
     last_read: int  # the last forward op that reads the storage
 
+    @property
+    def first_held_step(self) -> int:
+        """The first step where holding it costs memory the unplanned step would not: after its last read."""
+        return self.last_read + 1
+
 
 @dataclass
 class Region:

@@ -68,7 +68,7 @@ def held_argument_spans(graph: PlanningGraph, regions: Iterable[int]) -> dict[in
     for r in set(regions):
         region = graph.regions[r]
         for h in region.held:
-            _, lo, hi = spans.get(h.storage, (0, h.last_read + 1, -1))
+            _, lo, hi = spans.get(h.storage, (0, h.first_held_step, -1))
             spans[h.storage] = (h.bytes, lo, max(hi, region.replay_step))
     return spans
 

@@ -78,7 +78,7 @@ class CaptureTerms:
                         model.prob += y - z >= 0, f"held_{storage}_{b}_{z.name}"
                 if j + 1 < len(chain):
                     model.prob += y - chain[j + 1] >= 0, f"held_{storage}_{b}_next"
-            self.changes.setdefault(h.last_read + 1, []).append((-m, chain[0]))
+            self.changes.setdefault(h.first_held_step, []).append((-m, chain[0]))
             for j, b in enumerate(steps):
                 if b + 1 >= n:
                     continue
