@@ -35,7 +35,7 @@ def _lora():
 @functools.lru_cache(maxsize=None)
 def _plan(strategy):
     if strategy == "hybrid":  # a cap low enough that the plan needs recompute besides the link's swaps
-        return solve_halfway(_lora()[1], strategy, link_ratio=0.5, fraction=0.25)
+        return solve_halfway(_lora()[1], strategy, link_ratio=1.0, fraction=0.25)
     return solve_halfway(_lora()[1], strategy)
 
 
