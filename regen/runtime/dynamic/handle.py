@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from regen.caches import announced_caches_off
 from regen.errors import RegenError
 from regen.runtime.apply import _unwrap, check_model  # _unwrap: DDP and DataParallel unwrapped
 from regen.runtime.dynamic.engine import DynamicEngine
@@ -36,6 +37,7 @@ class DynamicHandle:
         self.policy = policy
         self.model = model
         self.root = _unwrap(model)
+        self.caches = announced_caches_off(self.root)  # regen.caches
         link = link_bytes_per_s(link_gb_s, emulate_link, module_device(self.root))
         self.engine = DynamicEngine(self.root, self.cap_bytes, policy, link, emulate_link)
         self.mode = self.engine.mode
@@ -63,6 +65,7 @@ class DynamicHandle:
             h.remove()
         self._hooks = []
         self.engine.remove(abort)
+        self.caches.restore()
 
     @property
     def active_steps(self) -> int:

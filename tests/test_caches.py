@@ -1,0 +1,65 @@
+"""Key/value caches off in training steps (regen.caches): while regen profiles a step and while a handle of
+regen.apply is in place, a model built at its config's defaults (`use_cache=True`) trains without the
+cache, as Hugging Face's own checkpointing and Trainer run it; the user's setting comes back after."""
+
+import warnings
+
+import pytest
+import torch
+
+import regen
+from regen.caches import TrainingCacheNotice, training_caches_off
+from regen.workloads import build_workload, training_step
+
+pytest.importorskip("transformers")
+
+
+def _qwen3():
+    return build_workload("regen.zoo:qwen3", batch_size=2)
+
+
+def test_every_config_that_caches_is_turned_off_and_put_back():
+    w = _qwen3()
+    assert w.model.config.use_cache is True  # the default as shipped
+    turned = training_caches_off(w.model)
+    assert turned and w.model.config.use_cache is False
+    out = w.model(**w.batch)
+    assert out.past_key_values is None
+    turned.restore()
+    assert w.model.config.use_cache is True
+    assert not training_caches_off(torch.nn.Linear(2, 2))  # nothing to turn off: nothing to say
+
+
+def test_the_profile_is_taken_without_the_cache_and_says_so():
+    from regen.profiler import profile_workload
+
+    w = _qwen3()
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
+    assert any("key/value cache: off" in n for n in profile.notes)
+    assert w.model.config.use_cache is True
+    # with the cache on, every attention call appends its keys and values to it: state left behind
+    assert profile.module_calls and not any(c.leaves_behind for c in profile.module_calls)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_handle_turns_the_cache_off_with_one_notice_and_restores_it(dynamic):
+    """Dynamic mode's handle, and a plan's (a keep-all plan of the profile taken without the cache)."""
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    w = _qwen3()
+    if not dynamic:
+        plan = solve(profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None),
+                     memory_cap_bytes=2 ** 40, strategy="keep-all")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = (regen.apply(w.model, memory_cap="1GiB") if dynamic else
+                  regen.apply(w.model, plan, on_mismatch="raise"))
+        with handle:
+            assert w.model.config.use_cache is False
+            training_step(w)
+            training_step(w)
+    notices = [c for c in caught if issubclass(c.category, TrainingCacheNotice)]
+    assert len(notices) == 1 and "use_cache=False" in str(notices[0].message)
+    assert notices[0].filename == __file__  # points at the caller's line
+    assert w.model.config.use_cache is True
