@@ -97,6 +97,10 @@ class ModuleCall:
     num_entries: int  # saved entries packed inside the call (from first_entry on, consecutive)
     buffer_bytes: int = 0  # bytes of the module's buffers (running stats...), snapshot around a replay
     depth: int = 0  # nesting depth (1 for a child of the root)
+    # what the call leaves behind besides its output (a tensor in a cache object or a module attribute, a
+    # rebound attribute), which a replay would write again: such a call is never a region. None: nothing
+    # (or not probed: a profile written before the probe looked)
+    leaves_behind: str | None = None
 
 
 @dataclass

@@ -15,6 +15,9 @@ replay's peak over the memory before it is `sum of the members it rebuilds + tra
 members not made yet (all members rebuilt; each member it does not rebuild adds at most its own bytes).
 
 A call is a region only if its replay is exact and its memory is what the planner charges:
+* it leaves nothing behind besides its output and what autograd saves (`ModuleCall.leaves_behind`: no
+  tensor stored in a cache object, a module attribute or a list, no attribute rebound), which a replay
+  would write a second time (regen.profiler.outside_state);
 * every op in it is a forward op, and every activation an op in it reads that was produced before the
   call is (a view of) one of its arguments;
 * the runtime holds the arguments from the call to the replay: a chosen region requires its argument
@@ -120,6 +123,8 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     ops = profile.ops
     if call.depth < 1 or call.num_entries <= 0 or ops[call.last_op].phase != PHASE_FORWARD:
         return None
+    if call.leaves_behind:
+        return None  # a replay would write that state again
     extent = range(call.first_op, call.last_op + 1)
     if any(ops[q].private_generator for q in extent):
         return None  # a replay restores the global RNG states, not a generator the forward keeps elsewhere

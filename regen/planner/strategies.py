@@ -54,9 +54,12 @@ def chen(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float, sa
 def checkpoint_blocks(graph: PlanningGraph, cap: int, time_limit_s: float, rel_gap: float,
                       say: Say) -> StrategyResult:
     if not heuristics.block_regions(graph):
+        stateful = next((c for c in graph.profile.module_calls if c.leaves_behind), None)
+        why = (f"; module calls that leave state behind are never replayed, e.g. {stateful.module}: "
+               f"{stateful.leaves_behind}" if stateful is not None else "")
         raise RegenError("strategy checkpoint-blocks: the profile has no repeated blocks whose calls can be "
                          "replayed (regen profile records module calls; a block's saved tensors must all be "
-                         "needed after its replay)")
+                         f"needed after its replay){why}")
     return _heuristic("checkpoint-blocks", graph, heuristics.checkpoint_blocks(graph), cap)
 
 

@@ -9,13 +9,17 @@ the host for a CUDA device, so the probe itself needs no more device memory) and
 reference to the original. The original then dies exactly when its other holders let go of it; a dispatch
 mode counting the ops as the recorded step did polls the weak references before every op.
 
-`held_until_ops` returns, per saved entry index, the last op at whose start the original storage was still
-alive (`SavedTensor.held_until_op`); a storage alive at the end of the step is held until the last op.
+`probe_step` returns, per saved entry index, the last op at whose start the original storage was still
+alive (`SavedTensor.held_until_op`); a storage alive at the end of the step is held until the last op. The
+same step finds the module calls that leave state behind besides their output, which a replay would write
+again (regen.profiler.outside_state: the originals of saved storages are gone when nothing else holds them,
+so a storage still alive after its call returned is held by something else).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -23,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen import opinfo
+from regen.profiler.outside_state import CallWatcher
 from regen.workloads import Workload, forward_with_output
 
 _regen_ops = torch._C._DisableTorchDispatch  # the probe's own copies are not ops of the step
@@ -31,17 +36,21 @@ _regen_ops = torch._C._DisableTorchDispatch  # the probe's own copies are not op
 class _ProbeMode(TorchDispatchMode):
     """Counts the step's ops as the capture does and polls the originals' weak references before each."""
 
-    def __init__(self, probe: "_Probe"):
+    def __init__(self, probe: "_Probe", watcher: CallWatcher):
         super().__init__()
         self.probe = probe
+        self.watcher = watcher
         self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if opinfo.is_counted(func):
-            self.probe.poll(len(self.names))
-            self.names.append(opinfo.op_name(func))
-        return func(*args, **kwargs)
+        if not opinfo.is_counted(func):
+            return func(*args, **kwargs)
+        self.probe.poll(len(self.names))
+        self.names.append(opinfo.op_name(func))
+        out = func(*args, **kwargs)
+        self.watcher.op_ran(func, args, kwargs, out)
+        return out
 
 
 class _Probe:
@@ -91,16 +100,27 @@ class _Probe:
             return torch.empty(0, dtype=dtype, device=self.device).set_(data.untyped_storage(), offset, shape, stride)
 
 
-def held_until_ops(workload: Workload, device: torch.device, candidate_entries: set[int],
-                   recorded_names: list[str]) -> dict[int, int] | None:
-    """Entry index -> the last op at whose start its storage was held by something other than autograd,
-    for the forward packs in `candidate_entries`; None when the probe step dispatched another op sequence
-    than the recorded one (its op indices would not be the profile's)."""
+@dataclass
+class ProbeFindings:
+    """What the probe step found."""
+
+    # entry index -> the last op at whose start its storage was held by something other than autograd
+    held_until_op: dict[int, int]
+    # (module path, call) -> what the call leaves behind besides its output (regen.profiler.outside_state)
+    left_behind: dict[tuple[str, int], str]
+
+
+def probe_step(workload: Workload, device: torch.device, candidate_entries: set[int],
+               recorded_names: list[str]) -> ProbeFindings | None:
+    """Run the probe step, for the forward packs in `candidate_entries`; None when it dispatched another op
+    sequence than the recorded one (its op indices would not be the profile's)."""
     probe = _Probe(device, candidate_entries)
-    mode = _ProbeMode(probe)
+    watcher = CallWatcher(workload.model)
+    mode = _ProbeMode(probe, watcher)
     with _gradients_set_aside(workload), torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
-        with mode:
+        with watcher, mode:
             loss, output = forward_with_output(workload)
+            watcher.forward = False
             loss.backward()
             del loss, output
         probe.poll(len(mode.names))
@@ -109,7 +129,7 @@ def held_until_ops(workload: Workload, device: torch.device, candidate_entries: 
     last = len(recorded_names) - 1
     held = {i: op - 1 for i, op in probe.freed_before.items()}
     held.update({i: last for i in probe.watched})  # still alive after the step: held throughout
-    return held
+    return ProbeFindings(held_until_op=held, left_behind=watcher.found)
 
 
 def _outside_the_allocator(flat: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ Phases, in order (each announced through `progress`):
    tensors, saved tensors, memory timeline; see regen.profiler.capture), with module hooks naming each
    op's module and recording each submodule call's extent (regen.profiler.modules);
 4. the liveness probe: one more forward+backward that measures until when something other than autograd
-   holds each saved storage (`SavedTensor.held_until_op`, regen.profiler.liveness);
+   holds each saved storage (`SavedTensor.held_until_op`, regen.profiler.liveness), and which module calls
+   leave state behind besides their output (`ModuleCall.leaves_behind`, regen.profiler.outside_state);
 5. op timing: `repeats` steps under a timing-only mode (and pass-through saved-tensor hooks, so the op
    sequence is the recorded one); each must dispatch exactly the recorded op sequence, and every op's
    `time_s` is the median over them. Each is followed by one more plain step, and `step_time_s` is the
@@ -49,6 +50,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+from regen.caches import CACHE_NOTICE, training_caches_off
 from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
 from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
@@ -70,7 +72,7 @@ from regen.profiler.environment import (
     resolve_device,
     unique_storage_bytes,
 )
-from regen.profiler.liveness import held_until_ops
+from regen.profiler.liveness import probe_step
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes
 from regen.profiler.modules import ModuleRecorder
 from regen.profiler.park import ParkingHooks, ParkStore
@@ -86,6 +88,7 @@ MAX_WARMUP_STEPS = 12  # warm-up steps taken to fill `warmup_s`, at most
 TIMING_DISAGREE_RATIO = 2.0
 TIMING_DISAGREE_MIN_S = 0.02
 MAX_TIMING_ATTEMPTS = 3
+MAX_RECORDINGS = 3  # the step is recorded again while the steps after it dispatch other ops (a steady state)
 
 Progress = Callable[[str], None]
 
@@ -104,6 +107,25 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     optimizer state: a profile taken between a user's training steps, regen.learning). `warmup_s`: more
     warm-up steps after `warmup_steps` while all of them have taken less than this (`regen profile`: 2 s)."""
     say = progress or (lambda message: None)
+    caches = training_caches_off(workload.model)  # as the runtime runs the planned steps (regen.caches)
+    turned_off = bool(caches)
+    if turned_off:
+        say(f"note: {CACHE_NOTICE}")
+    try:
+        profile = _profile(workload, device, repeats, warmup_steps, say, runtime_probe, park, bandwidth,
+                           optimizer_step, warmup_s)
+    finally:
+        caches.restore()
+    if turned_off:
+        profile.notes.append("key/value cache: off while profiling (config.use_cache=False), as regen.apply runs "
+                             "training steps")
+    return profile
+
+
+def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, say: Progress,
+             runtime_probe: RuntimeProbe | None, park: bool, bandwidth: Bandwidth | None, optimizer_step: bool,
+             warmup_s: float) -> Profile:
+    """profile_workload's phases, with the model as the runtime will train it."""
     dev = resolve_device(device)
     if repeats < 1:
         raise RegenError(f"repeats must be at least 1, got {repeats}")
@@ -122,17 +144,32 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     step_times_s, optimizer_times_s = timer.plain_steps()
     optimizer_state_bytes = unique_storage_bytes(optimizer_state_tensors(optimizer))
 
-    say("recording one step: ops, saved tensors, memory" + (" (saved tensors parked in host memory)"
-                                                             if timer.park else ""))
-    capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer), park=timer.park)
-    if DOUBLE_BACKWARD_NOTE in capture.notes:
-        say(f"warning: {DOUBLE_BACKWARD_NOTE}")
-    gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
-    _zero_grad(optimizer, workload)
-    say("probing until when saved tensors are held outside autograd")
-    notes = list(capture.notes) + record_held_until(workload, dev, capture)
-    step_times_s, optimizer_times_s, op_times_s = _times_that_agree(timer, capture, step_times_s, optimizer_times_s,
-                                                                    notes)
+    for attempt in range(1, MAX_RECORDINGS + 1):  # until the steps after the recorded one dispatch its ops
+        say("recording one step: ops, saved tensors, memory" + (" (saved tensors parked in host memory)"
+                                                                 if timer.park else ""))
+        capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer), park=timer.park)
+        if DOUBLE_BACKWARD_NOTE in capture.notes:
+            say(f"warning: {DOUBLE_BACKWARD_NOTE}")
+        gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
+        _zero_grad(optimizer, workload)
+        say("probing until when saved tensors are held outside autograd")
+        notes = list(capture.notes) + record_probe(workload, dev, capture)
+        try:
+            step_times_s, optimizer_times_s, op_times_s = _times_that_agree(timer, capture, step_times_s,
+                                                                            optimizer_times_s, notes)
+            break
+        except SequenceChanged as exc:
+            if attempt == MAX_RECORDINGS:
+                raise WorkloadError(f"{exc}, in each of {attempt} recordings. A plan needs a training step that "
+                                    f"dispatches the same ops every time (no random layer drop, no branch on the "
+                                    f"data); train such a model in dynamic mode: regen.apply(model, "
+                                    f"memory_cap=...)") from None
+            say(f"warning: {exc}; recording again, as the model trains in its steady state "
+                f"({attempt + 1}/{MAX_RECORDINGS})")
+            step_times_s, optimizer_times_s = timer.plain_steps()
+    if attempt > 1:
+        notes.append(f"recorded {attempt} times: the op sequence changed between the first steps, and this "
+                     f"recording is the one the steps after it dispatched")
     for op, time_s in zip(capture.ops, op_times_s):
         op.time_s = time_s
 
@@ -170,13 +207,32 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     )
 
 
-def record_held_until(workload: Workload, device: torch.device, capture: Capture) -> list[str]:
-    """Fill each saved tensor's `held_until_op` from the liveness probe; the notes it calls for."""
+def record_probe(workload: Workload, device: torch.device, capture: Capture) -> list[str]:
+    """Fill each saved tensor's `held_until_op` and each module call's `leaves_behind` from the probe step;
+    the notes they call for."""
     entries = {e for s in capture.saved_tensors for e in s.entries}
-    held = held_until_ops(workload, device, entries, capture.op_names)
-    if held is None:
+    found = probe_step(workload, device, entries, capture.op_names)
+    if found is None:
+        for call in capture.module_calls:  # unknown: no call is taken to be replayable
+            call.leaves_behind = "the liveness probe step dispatched another op sequence"
         return ["liveness probe: the probe step dispatched another op sequence; saved tensors are taken to be "
-                "freed at their last forward use"]
+                "freed at their last forward use, and no module call is replayed"]
+    for call in capture.module_calls:
+        call.leaves_behind = found.left_behind.get((call.module, call.call))
+    return _held_until(capture, found.held_until_op) + _left_behind_note(capture)
+
+
+def _left_behind_note(capture: Capture) -> list[str]:
+    calls = [c for c in capture.module_calls if c.leaves_behind]
+    if not calls:
+        return []
+    first = calls[0]
+    return [f"{len(calls)} module calls leave state behind besides their output and are not replayed as regions, "
+            f"e.g. {first.module or '(root)'}: {first.leaves_behind}"]
+
+
+def _held_until(capture: Capture, held: dict[int, int]) -> list[str]:
+    """Each saved tensor's `held_until_op`; the note on those held into backward."""
     kept = []
     for s in capture.saved_tensors:
         s.held_until_op = max((held.get(e, s.last_forward_use) for e in s.entries), default=s.last_forward_use)
@@ -419,16 +475,19 @@ def _timed_step(workload: Workload, device: torch.device, parking: ParkingHooks 
     return mode.names, mode.times_s()
 
 
+class SequenceChanged(WorkloadError):
+    """A timed step dispatched another op sequence than the recorded one."""
+
+
 def _check_same_sequence(name: str, recorded: list[str], timed: list[str]) -> None:
     if recorded == timed:
         return
     first = next((i for i, (a, b) in enumerate(zip(recorded, timed)) if a != b), min(len(recorded), len(timed)))
     got = timed[first] if first < len(timed) else "the end of the step"
     want = recorded[first] if first < len(recorded) else "the end of the step"
-    raise WorkloadError(
+    raise SequenceChanged(
         f"workload '{name}': the op sequence changed between steps (op {first}: {want} when recorded, {got} "
-        f"when timed; {len(recorded)} vs {len(timed)} ops). regen needs a training step that dispatches the same "
-        f"ops every time (no data-dependent control flow)")
+        f"when timed; {len(recorded)} vs {len(timed)} ops)")
 
 
 def _check_model_device(workload: Workload, device: torch.device) -> None:

@@ -4,7 +4,7 @@ as it found them, and reports held storages for the recorded op sequence."""
 import torch
 from torch import nn
 
-from regen.profiler.liveness import held_until_ops
+from regen.profiler.liveness import probe_step
 from regen.profiler.record import record_step
 from regen.workloads import Workload
 
@@ -18,9 +18,9 @@ def test_the_probe_leaves_gradients_as_it_found_them():
     found = {name: p.grad for name, p in model.named_parameters()} | {"x": x.grad}
     assert all(g is not None for g in found.values())
     snapshot = {name: g.clone() for name, g in found.items()}
-    held = held_until_ops(workload, torch.device("cpu"), {e for s in capture.saved_tensors for e in s.entries},
+    found_by_probe = probe_step(workload, torch.device("cpu"), {e for s in capture.saved_tensors for e in s.entries},
                           capture.op_names)
-    assert held is not None  # the probe ran the recorded op sequence although gradients were there
+    assert found_by_probe is not None  # the probe ran the recorded op sequence although gradients were there
     after = {name: p.grad for name, p in model.named_parameters()} | {"x": x.grad}
     for name, grad in found.items():
         assert after[name] is grad and torch.equal(grad, snapshot[name]), name
