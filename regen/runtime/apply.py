@@ -71,6 +71,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from regen.caches import announced_caches_off
 from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
 from regen.formats.plan import Plan
 from regen.runtime.fallback import DynamicFallback
@@ -136,6 +137,7 @@ class RegenHandle:
                                         min((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
                                         policy, learner)
         self._any_rank = rank_agreement()  # None without torch.distributed
+        self.caches = announced_caches_off(self.root)  # as the profile's steps ran (regen.caches)
         self.tracker = ForwardTracker(outside_model=lambda: self._depth == 0)
         self.tracker_pushed = False
         self.stats = RuntimeStats()
@@ -177,7 +179,7 @@ class RegenHandle:
             stats=self.stats, pause_tracker=self.tracker.pause, engine_for=self.engine_for, pool=self.pool,
             forward_ended=functools.partial(self._forward_ended, state), tracking_done=self._pop_tracker_for,
             track=self._track,
-            released=self._step_released)
+            released=self._step_released, drops_held=self._drops_held)
 
     # ---- public ---------------------------------------------------------------------------------------
     def __enter__(self) -> "RegenHandle":
@@ -204,6 +206,7 @@ class RegenHandle:
         self._pop_tracker(force=True)
         self.current = None
         self.fallback.remove(abort)
+        self.caches.restore()
         if abort:
             for s in list(self.live_steps):
                 s.release(aborted=True)
@@ -268,7 +271,8 @@ class RegenHandle:
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
-        self.peak_check.step_started(step, self.stats.steps, state.plan.memory_cap_bytes)
+        if self.peak_check.step_started(step, self.stats.steps, state.plan.memory_cap_bytes):
+            step.cands.watch_drops()
         self.current = step
         self.live_steps.append(step)
         if step.needs_tracker:
@@ -345,6 +349,9 @@ class RegenHandle:
             self.tracker_pushed = False
         if not self.tracker_pushed:
             self.tracker.step = None
+
+    def _drops_held(self, step: Step, held_bytes: int):
+        self.peak_check.observe_drops_held(held_bytes, step.index.plan.simulated.peak_bytes)
 
     def _step_released(self, step: Step, followed_plan: bool):
         self.peak_check.step_released(step, followed_plan)

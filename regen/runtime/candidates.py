@@ -23,6 +23,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
@@ -151,6 +152,17 @@ class CandidateTable:
         self._handles_gone = handles_gone
         self.cands: dict[tuple[int, int], Candidate] = {}
         self.live = 0  # handles autograd still holds, over all candidates
+        # on a checked step (`watch_drops`): storage key -> (weak reference, bytes) of each storage dropped for
+        # recompute, to count those something else still holds when backward begins
+        self.dropped: dict[int, tuple[StorageWeakRef, int]] | None = None
+
+    def watch_drops(self) -> None:
+        """Count, on this step, the dropped storages still held when backward begins (`held_bytes`)."""
+        self.dropped = {}
+
+    def held_bytes(self) -> int:
+        """Bytes of the storages this step dropped that something else still holds (0 when not watched)."""
+        return sum(nbytes for ref, nbytes in (self.dropped or {}).values() if not ref.expired())
 
     # ---- forward ----------------------------------------------------------------------------------
     def pack(self, x: torch.Tensor, info: DecisionInfo, planned: bool, check_storage: bool):
@@ -174,6 +186,9 @@ class CandidateTable:
                 cand.storage_key = storage_key(x)
             elif self._start_drop(cand):
                 cand.mode = ACTION_RECOMPUTE
+                if self.dropped is not None:
+                    storage = x.untyped_storage()
+                    self.dropped[storage_key(x)] = (StorageWeakRef(storage), storage.nbytes())
             else:  # its recipe was not captured: keep
                 cand.mode = ACTION_KEEP
         if cand.mode == ACTION_KEEP:

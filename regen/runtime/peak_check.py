@@ -6,8 +6,15 @@ statistics (a training loop's own figures stay its own), so a step's peak is kno
 maximum (the figure grew during the step), or is known to be at most the maximum it started under; a
 step under an earlier, higher peak of the process (an unplanned step before `regen.apply`) cannot be
 checked: reset the statistics before training under a plan. A peak over the cap by more than
-PEAK_TOLERANCE gets one `CapExceededWarning` per handle, with the figures. Elsewhere (CPU) nothing is
-read; `PeakCheck.observe` takes a measured figure from any source.
+PEAK_TOLERANCE gets one `CapExceededWarning` per handle, with the figures. `PeakCheck.observe` takes a
+measured figure from any source.
+
+On every device the same steps are also counted by regen itself (a CPU's allocator keeps no counter): the
+storages a checked step drops for recompute are watched by weak references, and those still alive when its
+backward begins were freed in the plan's figures but not in fact (something other than autograd holds
+them: a cache, a list, a module attribute, the training loop, which the profile did not see). Their bytes
+over the plan's predicted peak is the step's counted peak, warned about the same way
+(`observe_drops_held`).
 """
 
 from __future__ import annotations
@@ -44,13 +51,34 @@ class PeakCheck:
         self._checked: object | None = None  # the step being checked
         self._peak_at_start = 0  # the allocator's peak when it began
 
-    def step_started(self, step: object, step_number: int, cap_bytes: int | None = None) -> None:
+    def step_started(self, step: object, step_number: int, cap_bytes: int | None = None) -> bool:
         """`step`, the handle's `step_number`-th (from 1), began under `cap_bytes` (its plan's cap; None:
-        the handle's): read the peak so far if it is checked."""
-        if self.read_peak is not None and not self.warned and (step_number - 1) % PEAK_CHECK_EVERY_STEPS == 0:
+        the handle's): read the peak so far if it is checked. True when it is checked (its dropped storages
+        are then counted too, on any device: `observe_drops_held`)."""
+        if self.warned or (step_number - 1) % PEAK_CHECK_EVERY_STEPS != 0:
+            return False
+        if cap_bytes is not None:
+            self.cap_bytes = cap_bytes
+        if self.read_peak is not None:
             self._checked, self._peak_at_start = step, self.read_peak()
-            if cap_bytes is not None:
-                self.cap_bytes = cap_bytes
+        return True
+
+    def observe_drops_held(self, held_bytes: int, predicted_peak_bytes: int) -> bool:
+        """regen's own count: a checked step's storages dropped for recompute that something else still held
+        when backward began (`held_bytes`) were counted as freed by its plan, whose peak was
+        `predicted_peak_bytes`; warn (once per handle) when the two together are over the cap + tolerance."""
+        if not held_bytes or self.warned:
+            return False
+        counted = predicted_peak_bytes + held_bytes
+        if counted <= self.cap_bytes * (1 + PEAK_TOLERANCE):
+            return False
+        self.warned = True
+        warnings.warn(f"regen.apply: by regen's count a planned step peaks at about {counted} B, "
+                      f"{counted / self.cap_bytes - 1:.0%} over the plan's cap of {self.cap_bytes} B: {held_bytes} B of "
+                      f"the saved tensors it dropped are still held by something other than autograd when backward "
+                      f"begins (a cache, a list, a module attribute, the loop), which the profile did not see; "
+                      f"profile again as you train (docs/limitations.md)", CapExceededWarning, stacklevel=2)
+        return True
 
     def step_released(self, step: object, followed_plan: bool) -> None:
         """`step` ended: if it is the one being checked, compare its peak with the cap when it is known."""

@@ -24,7 +24,7 @@ backward; the forward's pack count is, every step).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -53,6 +53,8 @@ class RegionCall:
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
     packed: int | None = None  # packs during the call, once it returned
+    # per pack of the call that gives a member: (shape, stride, storage offset, dtype, storage bytes) in forward
+    member_geometry: dict[int, tuple] = field(default_factory=dict)
     replayed: bool = False
     weak_inputs: tuple | None = None  # after the replay: (args, kwargs) with weak references to tensors
 
@@ -104,6 +106,18 @@ class RegionReplays:
             self._mismatch(f"module {rc.info.region.module!r} saved {rc.packed} tensors during its call, the plan "
                            f"expects {expected}")
 
+    def forward_packed(self, x: torch.Tensor) -> None:
+        """A tensor was packed in the step's forward (counted already): keep its geometry when it gives a
+        member of an open region call, to check the replay's against it."""
+        if not self._open:
+            return
+        k_step = self._forward_packs() - 1
+        for rc in self._open:
+            k = k_step - rc.packs_at_call
+            keys = rc.info.pack_keys
+            if k < len(keys) and keys[k] is not None:
+                rc.member_geometry[k] = _geometry(x)
+
     def captured(self, rid: int) -> bool:
         """The region's call ran in this step's forward (its members can be dropped)."""
         return rid in self.calls
@@ -129,6 +143,8 @@ class RegionReplays:
             if k >= stop:
                 raise _ReplayDone
             with regen_ops():
+                if keys[k] is not None:
+                    _check_geometry(rc, k, x)
                 packed.append(x.detach() if keys[k] is not None else None)
             if k + 1 == stop:
                 raise _ReplayDone  # every member it rebuilds is packed: the rest of the forward is not needed
@@ -148,6 +164,13 @@ class RegionReplays:
                 rc.module(*args, **kwargs)
             except _ReplayDone:
                 pass
+            except PlanMismatchError:
+                raise
+            except Exception as exc:  # the forward itself failed on a second run: not a replay of the first
+                raise PlanMismatchError(f"regen.apply: replaying module {rc.info.region.module!r} in backward raised "
+                                        f"{type(exc).__name__}: {exc}; its forward does not run again as it ran "
+                                        f"(state it keeps between calls?), so the plan does not fit this "
+                                        f"model") from exc
         del args, kwargs
         if len(packed) != stop:
             raise PlanMismatchError(f"regen.apply: replaying module {rc.info.region.module!r} saved {len(packed)} "
@@ -162,6 +185,23 @@ class RegionReplays:
         """Let go of every captured call (arguments, RNG states)."""
         self.calls.clear()
         self._open.clear()
+
+
+def _geometry(x: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().nbytes()
+
+
+def _check_geometry(rc: RegionCall, k: int, x: torch.Tensor) -> None:
+    """The replay's k-th pack views its member's storage as the forward's did: else a PlanMismatchError."""
+    expected = rc.member_geometry.get(k)
+    found = _geometry(x)
+    if expected is None or found == expected:
+        return
+    what = ("shape", "stride", "storage offset", "dtype", "storage bytes")
+    differs = [f"{name} {b} instead of {a}" for name, a, b in zip(what, expected, found) if a != b]
+    raise PlanMismatchError(f"regen.apply: replaying module {rc.info.region.module!r} in backward rebuilt a saved "
+                            f"tensor with {', '.join(differs)}; its forward does not run again as it ran (state it "
+                            f"keeps between calls?), so the plan does not fit this model")
 
 
 class _ReplayDone(Exception):

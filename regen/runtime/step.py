@@ -76,6 +76,7 @@ class StepContext:
     tracking_done: Callable  # (step): a fast step's tracking window ended: the dispatch mode can go
     track: Callable  # (step): a fast step's tracking window opens: the dispatch mode follows its ops
     released: Callable  # (step, followed_plan: bool)
+    drops_held: Callable  # (step, bytes): on a watched step, the dropped storages still held as backward began
 
 
 class _Untracked(Kept):
@@ -197,7 +198,7 @@ class Step:
         phase = self.phase
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x)
-        self._count_forward_pack()
+        self._count_forward_pack(x)
         if phase == PHASE_CLOSED:
             return Kept(x)
         info, problem = self.matcher.match(x)
@@ -212,10 +213,12 @@ class Step:
             self.end_forward(in_pack_hook=True)
         return result
 
-    def _count_forward_pack(self) -> None:
-        """Count a forward pack (slow or fast path) and release the swaps due before it."""
+    def _count_forward_pack(self, x: torch.Tensor) -> None:
+        """Count a forward pack (slow or fast path), note it for the open region calls and release the swaps
+        due before it."""
         k = self.forward_packs_seen
         self.forward_packs_seen = k + 1
+        self.regions.forward_packed(x)
         due = self._due_at_pack
         if due and due[0][0] <= k:
             self.swaps.release_due_at_pack(k)
@@ -230,7 +233,7 @@ class Step:
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return _Untracked(x)
-        self._count_forward_pack()
+        self._count_forward_pack(x)
         if self.phase == PHASE_CLOSED:
             return Kept(x)
         if self.tracking_done:  # no dispatch mode until the next window: packs match by order
@@ -307,6 +310,8 @@ class Step:
         if expected is not None and self.forward_packs_seen != expected and self.planned:
             self.mismatch(f"the forward saved {self.forward_packs_seen} tensors for backward, the plan's saved "
                           f"{expected} (parameters frozen or unfrozen since it was profiled, or another model)")
+        if self.cands.dropped is not None and self.planned:
+            self.ctx.drops_held(self, self.cands.held_bytes())
         if self.mismatches.any_rank is not None:  # every rank acts if any rank's step did not match
             message = self.mismatches.agree()
             if message is not None:

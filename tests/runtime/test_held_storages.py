@@ -140,3 +140,63 @@ def test_a_held_storage_makes_a_tighter_cap_infeasible():
     _, profile = _profiled("cache")
     with pytest.raises(InfeasibleCapError):
         solve(profile, memory_cap_bytes=int(profile.peak_bytes * 0.91), strategy="recompute", time_limit_s=20)
+
+
+def _plain_mlp_plan():
+    """An MLP that keeps nothing (its relu outputs die with their last use), profiled, and a recompute plan at
+    the smallest cap it reaches."""
+    from regen.planner.solve import solve_within_reach
+    from regen.profiler import profile_workload
+
+    class PlainMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())])
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x, target=None):
+            return self.head(self.layers(x))
+
+    torch.manual_seed(0)
+    w = Workload("mlp", PlainMLP(), (torch.randn(256, 64), torch.randint(0, 4, (256,))), _loss)
+    profile = profile_workload(w, "cpu", repeats=1, warmup_steps=1, progress=None)
+    plan = solve_within_reach(profile, int(profile.peak_bytes * 0.7), "recompute", time_limit_s=20)
+    assert plan.action_counts()["recompute"] > 1
+    return w, plan
+
+
+def test_storages_held_at_run_time_but_not_when_profiled_are_counted_and_warned_about():
+    """Activations kept after the model was profiled (a debugging hook that collects them from then on):
+    the plan's drops free nothing, and regen's own count of what it dropped says so, once, on a CPU device
+    too."""
+    from regen.runtime import CapExceededWarning
+
+    w, plan = _plain_mlp_plan()
+    kept = []
+    hooks = [m.register_forward_hook(lambda m, args, out: kept.append(out)) for m in w.model.layers
+             if isinstance(m, nn.ReLU)]
+    try:
+        with regen.apply(w.model, plan) as handle:
+            with pytest.warns(CapExceededWarning, match="by regen's count") as caught:
+                for _ in range(2):
+                    kept.clear()
+                    _step(w)
+                    w.model.zero_grad(set_to_none=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len([c for c in caught if issubclass(c.category, CapExceededWarning)]) == 1
+    assert handle.stats.planned_steps == 2
+
+
+def test_a_plan_whose_drops_free_their_bytes_gives_no_warning():
+    import warnings
+
+    from regen.runtime import CapExceededWarning
+
+    w, plan = _plain_mlp_plan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CapExceededWarning)
+        with regen.apply(w.model, plan) as handle:
+            _step(w)
+    assert handle.stats.planned_steps == 1

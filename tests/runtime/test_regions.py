@@ -203,6 +203,55 @@ def test_other_batch_size_raises_or_runs_unplanned():
     assert_nothing_left(handle, other.model)
 
 
+class _HiddenStateBlock(torch.nn.Module):
+    """A block whose forward depends on state the probe cannot see (a count kept inside a list it mutates):
+    its replay in backward does not run as its forward ran."""
+
+    def __init__(self, width: int, how: str):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.how, self.count = how, [0]
+
+    def forward(self, x):
+        self.count[0] += 1
+        rows = x.shape[0]
+        if self.count[0] % 2 == 0:  # the replay, as the second call of the step
+            if self.how == "raises":
+                raise ValueError("called twice")
+            x = torch.cat([x, x])  # saves tensors twice the size
+        return x[:rows] + self.fc2(torch.relu(self.fc1(x)))[:rows]
+
+
+@pytest.mark.parametrize("how", ["geometry", "raises"])
+def test_a_replay_that_does_not_run_as_its_forward_is_one_clear_error_naming_the_module(how):
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+    from regen.workloads import Workload
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_HiddenStateBlock(32, how) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                b.count[0] = 0  # each block's call in a forward is its first of the step
+                x = b(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    w = Workload(name="hidden-state", model=Net(), batch=(torch.randn(64, 32),), loss_fn=None)
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=0, progress=None)
+    assert not any(c.leaves_behind for c in profile.module_calls)  # invisible to the probe
+    plan = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+    with regen.apply(w.model, plan, on_mismatch="raise"):
+        loss = w.model(*w.batch)
+        with pytest.raises(PlanMismatchError, match="replaying module 'blocks.1'") as caught:
+            loss.backward()
+    assert ("called twice" in str(caught.value)) == (how == "raises")
+    assert ("storage bytes" in str(caught.value)) == (how == "geometry")
+
+
 def test_a_plan_for_a_module_the_model_lacks_is_refused():
     _, _, plan = _region_plan("gpt", "blocks")
     mlp = make("mlp")
