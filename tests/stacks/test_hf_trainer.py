@@ -9,20 +9,12 @@ import torch  # noqa: E402
 
 import regen  # noqa: E402
 from plans import profile, solve_halfway, weights_and_buffers  # noqa: E402
-from regen.integrations.hf import regen_callback  # noqa: E402
+from regen.integrations.hf import regen_callback, trainer_step  # noqa: E402
 from regen.models import hf_gpt2  # noqa: E402
 from regen.workloads import Workload  # noqa: E402
 
 BATCH, SEQ, SAMPLES, STEPS = 2, 32, 6, 3
 GPT2_ARGS = {"seq_len": SEQ, "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128}
-
-
-def _trainer_batch(batch_size=BATCH):
-    """The step the Trainer runs: GPT-2 takes loss kwargs, so the Trainer passes `num_items_in_batch` (the
-    count of shifted labels) and the model's loss is a sum divided by it; the profiled batch has it too."""
-    model, batch = hf_gpt2(batch_size=batch_size, **GPT2_ARGS)
-    batch["num_items_in_batch"] = batch["labels"][..., 1:].ne(-100).sum()
-    return model, batch
 
 
 def _dataset():
@@ -31,8 +23,8 @@ def _dataset():
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def _train(tmp_path, callbacks):
-    """3 Trainer steps of a fresh model: (the losses, the weights after them, the model)."""
+def _trainer(tmp_path, callbacks, model):
+    """A Trainer of `model` for STEPS steps, and the losses its training steps return."""
     from transformers import Trainer, TrainingArguments
 
     losses = []
@@ -43,24 +35,43 @@ def _train(tmp_path, callbacks):
             losses.append(loss)
             return loss
 
-    model, _ = hf_gpt2(batch_size=BATCH, **GPT2_ARGS)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
                              learning_rate=1e-3, use_cpu=True, report_to="none", save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks)
+    return RecordingTrainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks), losses
+
+
+def _model(name: str):
+    """GPT-2 as regen's built-in, or a Qwen3 at its config's defaults (`use_cache=True`, which the Trainer
+    turns off)."""
+    from regen.zoo import qwen3
+
+    return qwen3(batch_size=BATCH)[0] if name == "qwen3" else hf_gpt2(batch_size=BATCH, **GPT2_ARGS)[0]
+
+
+def _train(tmp_path, callbacks, name: str):
+    """3 Trainer steps of a fresh model: (the losses, the weights after them, the model)."""
+    model = _model(name)
+    trainer, losses = _trainer(tmp_path, callbacks, model)
     torch.manual_seed(0)  # the sampler's order and dropout: the same in both runs
     trainer.train()
     return losses, weights_and_buffers(model), model
 
 
-def test_trainer_steps_under_a_plan_equal_unplanned(tmp_path):
-    model, batch = _trainer_batch()
-    plan = solve_halfway(profile(Workload(name="trainer-gpt2", model=model, batch=batch, loss_fn=None)), "recompute")
+@pytest.mark.parametrize("name", ["gpt2", "qwen3"])
+def test_trainer_steps_under_a_plan_equal_unplanned_and_every_step_is_planned(tmp_path, name):
+    """The profile is taken through the Trainer's own step (`trainer_step`): the call it makes, with the
+    `num_items_in_batch` it computes (a float32 in transformers 5, an int64 in 4), so every step runs under the
+    plan and none in dynamic mode."""
+    model, batch = trainer_step(_trainer(tmp_path / "profiled", [], _model(name))[0])
+    assert "num_items_in_batch" in batch
+    plan = solve_halfway(profile(Workload(name="trainer", model=model, batch=batch, loss_fn=None)), "recompute")
     assert plan.action_counts()["recompute"] > 0
 
-    losses, weights, _ = _train(tmp_path / "plain", [])
-    callback = regen_callback(plan)
-    planned_losses, planned_weights, planned_model = _train(tmp_path / "planned", [callback])
+    losses, weights, _ = _train(tmp_path / "plain", [], name)
+    callback = regen_callback(plan, on_mismatch="dynamic")
+    planned_losses, planned_weights, planned_model = _train(tmp_path / "planned", [callback], name)
+    assert callback.stats.planned_steps == STEPS and callback.stats.dynamic_steps == 0
     assert len(losses) == STEPS
     assert all(torch.equal(a, b) for a, b in zip(losses, planned_losses)), (losses, planned_losses)
     assert weights.keys() == planned_weights.keys()
