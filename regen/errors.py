@@ -30,9 +30,10 @@ class InfeasibleCapError(RegenError):
 
     exit_code = 3
 
-    def __init__(self, message: str, smallest_feasible_cap_bytes: int | None = None):
+    def __init__(self, message: str, smallest_feasible_cap_bytes: int | None = None, plan_at_smallest=None):
         super().__init__(message)
         self.smallest_feasible_cap_bytes = smallest_feasible_cap_bytes
+        self.plan_at_smallest = plan_at_smallest  # the planner's choices at that cap, when it has them
 
 
 class SolverError(RegenError):

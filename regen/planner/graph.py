@@ -170,6 +170,8 @@ class PlanningGraph:
     unpack_steps: list[int] = field(default_factory=list)
     # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
     host_memory_cap_bytes: int | None = None
+    # (name, choices): plans of this graph the caller already had, for the MILP to start from (regen.planner.solve)
+    start_plans: list[tuple[str, dict]] = field(default_factory=list)
     costs: RuntimeCharges = field(default_factory=lambda: RuntimeCharges())  # regen's own time per event
     # forward op -> device bytes the runtime holds from capturing it for a recipe (residency.op_capture_bytes)
     capture_bytes: dict[int, int] = field(default_factory=dict)

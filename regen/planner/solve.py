@@ -34,13 +34,15 @@ SWAPPING_STRATEGIES = ("hybrid", "swap", "str", "offload-all")  # strategies tha
 
 def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", time_limit_s: float = 60.0,
           bandwidth_gb_s: float | None = None, progress: Progress = None, rel_gap: float = DEFAULT_REL_GAP,
-          link_ratio: float | None = None, host_memory_cap_bytes: int | None = None) -> Plan:
+          link_ratio: float | None = None, host_memory_cap_bytes: int | None = None,
+          start_plans: list[tuple[str, dict]] | None = None) -> Plan:
     """A plan for `profile` under `memory_cap_bytes`, checked by the simulator.
 
     The MILP strategies stop at `rel_gap` (relative gap between the plan and the solver's bound, 1% by
     default) or at `time_limit_s`, whichever comes first. The host link is `bandwidth_gb_s` or
     `link_ratio` (one of them, or neither for the profile's own bandwidth; regen.planner.link), and the
-    host pool stays within `host_memory_cap_bytes` (default: a fraction of this machine's RAM)."""
+    host pool stays within `host_memory_cap_bytes` (default: a fraction of this machine's RAM). `start_plans`: (name, choices) plans
+    of this profile's graph the MILP strategies may start from (the least-peak plan of an InfeasibleCapError)."""
     if strategy not in STRATEGIES:
         raise RegenError(f"unknown strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
     if not memory_cap_bytes or memory_cap_bytes <= 0:
@@ -66,6 +68,7 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     t0 = time.perf_counter()
     graph = build_graph(profile, bw, bw)
     graph.host_memory_cap_bytes = host_memory_cap_bytes
+    graph.start_plans = list(start_plans or [])
     decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
     say(f"planning {len(graph.candidates)} saved tensors ({len(decidable)} with a choice) over "
         f"{graph.num_steps} ops; cap {format_bytes(memory_cap_bytes)} of unplanned peak "
@@ -107,4 +110,5 @@ def solve_within_reach(profile: Profile, memory_cap_bytes: int, strategy: str = 
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
-        return solve(profile, exc.smallest_feasible_cap_bytes, strategy, **options)
+        start = [("least-peak plan", exc.plan_at_smallest)] if exc.plan_at_smallest is not None else []
+        return solve(profile, exc.smallest_feasible_cap_bytes, strategy, start_plans=start, **options)

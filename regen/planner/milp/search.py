@@ -172,7 +172,7 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
     recompute-only greedy's or (up to RECOMPUTE_WARM_START_MAX_CANDIDATES) the recompute-only MILP's
     plan, whichever is the fastest under the cap, so the search starts from a plan at least as good as
     each of them."""
-    candidates = []
+    candidates = list(graph.start_plans)  # plans the caller had (the least-peak plan of this graph)
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_recompute)
     if greedy is not None:
         candidates.append(("greedy", greedy))
@@ -238,31 +238,43 @@ def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: Simulatio
 def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
                      say: Say, lower: int) -> None:
     say("the cap is infeasible; searching for the smallest feasible cap")
-    smallest = smallest_feasible_cap(graph, allow_swap, allow_recompute, min(time_limit_s, MIN_CAP_TIME_LIMIT_S))
+    smallest, choices = least_peak_plan(graph, allow_swap, allow_recompute, min(time_limit_s, MIN_CAP_TIME_LIMIT_S))
     found = (f"the smallest feasible cap found is {format_bytes(smallest)} ({smallest} bytes)" if smallest is not None
              else "no feasible plan was found at any cap")
     raise InfeasibleCapError(
         f"no plan meets the memory cap of {format_bytes(cap)} ({cap} bytes): {found}; no plan can go below "
         f"{format_bytes(lower)} (memory that stays resident whatever the actions)",
-        smallest_feasible_cap_bytes=smallest)
+        smallest_feasible_cap_bytes=smallest, plan_at_smallest=choices)
 
 
-def smallest_feasible_cap(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True,
-                          time_limit_s: float = MIN_CAP_TIME_LIMIT_S) -> int | None:
-    """The lowest cap at which a plan passes the simulator: the min-peak MILP, else the greedy at cap 0."""
-    best = None
+def min_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool,
+                  time_limit_s: float) -> tuple[dict[int, Choice], SimulationResult, int] | None:
+    """The min-peak MILP's plan, its simulation and the least cap both the MILP and the simulator give it
+    (None when the MILP finds none in time, or its plan is not valid)."""
     try:
         model = Model(graph, None, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute,
                                                 minimize_peak=True))
         result = solve_model(model, time_limit_s)
-        sim = simulate(graph, result.choices)
-        if sim.valid:
-            best = max(sim.peak_bytes, result.min_cap_bytes or 0)
     except (CapInfeasible, SolverError):
-        pass
-    if best is None:  # the most aggressive greedy plan: it stops when nothing more can go
-        choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)
-        sim = simulate(graph, choices)
-        if sim.valid:
-            best = sim.peak_bytes
-    return best
+        return None
+    sim = simulate(graph, result.choices)
+    return (result.choices, sim, max(sim.peak_bytes, result.min_cap_bytes or 0)) if sim.valid else None
+
+
+def smallest_feasible_cap(graph: PlanningGraph, allow_swap: bool = True, allow_recompute: bool = True,
+                          time_limit_s: float = MIN_CAP_TIME_LIMIT_S) -> int | None:
+    """The lowest cap at which a plan passes the simulator (`least_peak_plan`)."""
+    return least_peak_plan(graph, allow_swap, allow_recompute, time_limit_s)[0]
+
+
+def least_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool,
+                    time_limit_s: float) -> tuple[int | None, dict[int, Choice] | None]:
+    """(the lowest cap at which a plan passes the simulator, that plan): the min-peak MILP's, else the
+    greedy's at cap 0; (None, None) when neither is valid. The plan is a warm start for a solve at that cap
+    (`solve(..., start_plans=...)`), where the MILP may otherwise search long for its first plan."""
+    least = min_peak_plan(graph, allow_swap, allow_recompute, time_limit_s)
+    if least is not None:
+        return least[2], least[0]
+    choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)  # all it can drop
+    sim = simulate(graph, choices)
+    return (sim.peak_bytes, choices) if sim.valid else (None, None)
