@@ -425,6 +425,18 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
     ])
 
 
+# bench/zoo.py writes its table between these lines of docs/benchmarks.md; this script keeps it when it writes
+ZOO_BEGIN = "<!-- zoo: written by bench/zoo.py -->"
+ZOO_END = "<!-- /zoo -->"
+
+
+def kept_zoo_section(path: Path) -> str:
+    """The zoo section of the page at `path` (with a blank line before it), or nothing."""
+    text = path.read_text() if path.exists() else ""
+    begin, end = text.find(ZOO_BEGIN), text.find(ZOO_END)
+    return "\n\n" + text[begin:end + len(ZOO_END)] + "\n" if 0 <= begin < end else ""
+
+
 def machine() -> str:
     return (f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
             f"Python {platform.python_version()}, torch {torch.__version__}, "
@@ -472,7 +484,7 @@ def main(argv=None) -> int:
             output = args.output or str(ROOT / "docs" / "benchmarks.md")
             command = "python bench/compare.py" + (f" {' '.join(argv)}" if argv else "")
             Path(output).write_text(link_document(body, command, time.perf_counter() - t0, args.timed_steps,
-                                                  compute_threads))
+                                                  compute_threads) + kept_zoo_section(Path(output)))
             print(f"wrote {output}", file=sys.stderr)
         return 0
     results = []
