@@ -18,7 +18,7 @@ import regen  # noqa: E402
 from common import assert_nothing_left, assert_same, run_and_grads  # noqa: E402
 from plans import profile, solve_halfway  # noqa: E402
 from regen.formats.profile import KIND_PARAMETER  # noqa: E402
-from regen.workloads import build_workload  # noqa: E402
+from regen.workloads import Workload, build_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA_ARGS = {"seq_len": 32, "n_embd": 32, "n_head": 2, "vocab_size": 128}
@@ -75,4 +75,37 @@ def test_lora_adapter_gradients_equal_unplanned(strategy):
     assert_same(reference, first)
     assert_same(reference, second)
     assert handle.stats.planned_steps == 2
+    assert_nothing_left(handle)
+
+
+def _lora_llama():
+    """LoRA adapters on a Llama at its config's defaults (`use_cache=True`), eager attention: a plan solved at
+    60% of its peak replayed its layers and appended to the key/value cache a second time, before regen turned
+    the cache off for training steps."""
+    from peft import LoraConfig, get_peft_model
+
+    from regen.zoo import llama
+
+    model, batch = llama(batch_size=2)
+    model.config._attn_implementation = "eager"
+    assert model.config.use_cache is True
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=["q_proj", "v_proj", "up_proj"]))
+    return Workload(name="lora-llama", model=model, batch=batch, loss_fn=None)
+
+
+def test_lora_on_a_llama_at_its_defaults_trains_exactly_under_a_plan():
+    from regen.planner.solve import solve_within_reach
+
+    w = _lora_llama()
+    prof = profile(w)
+    assert not any(c.leaves_behind for c in prof.module_calls)  # the cache is off: layers can be replayed
+    plan = solve_within_reach(prof, int(prof.peak_bytes * 0.6), "recompute", time_limit_s=20)
+    assert plan.action_counts()["recompute"] > 0 and plan.regions
+    reference = [run_and_grads(w) for _ in range(2)]
+    with regen.apply(w.model, plan, on_mismatch="raise") as handle:
+        for ref in reference:
+            assert_same(ref, run_and_grads(w))
+    assert handle.stats.planned_steps == 2 and handle.stats.region_replays > 0
+    assert w.model.base_model.model.config.use_cache is True  # put back
     assert_nothing_left(handle)
