@@ -24,7 +24,7 @@ backward; the forward's pack count is, every step).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -53,8 +53,6 @@ class RegionCall:
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
     packed: int | None = None  # packs during the call, once it returned
-    # per pack of the call that gives a member: (shape, stride, storage offset, dtype, storage bytes) in forward
-    member_geometry: dict[int, tuple] = field(default_factory=dict)
     replayed: bool = False
     weak_inputs: tuple | None = None  # after the replay: (args, kwargs) with weak references to tensors
 
@@ -107,8 +105,9 @@ class RegionReplays:
                            f"expects {expected}")
 
     def forward_packed(self, x: torch.Tensor) -> None:
-        """A tensor was packed in the step's forward (counted already): keep its geometry when it gives a
-        member of an open region call, to check the replay's against it."""
+        """A tensor was packed in the forward of a step that matches packs through the writer map (counted
+        already): keep its geometry when it gives a member of an open region call, to check replays against
+        (later steps match packs by order, shapes and dtypes checked)."""
         if not self._open:
             return
         k_step = self._forward_packs() - 1
@@ -116,7 +115,7 @@ class RegionReplays:
             k = k_step - rc.packs_at_call
             keys = rc.info.pack_keys
             if k < len(keys) and keys[k] is not None:
-                rc.member_geometry[k] = _geometry(x)
+                rc.info.member_geometry[k] = _geometry(x)
 
     def captured(self, rid: int) -> bool:
         """The region's call ran in this step's forward (its members can be dropped)."""
@@ -193,7 +192,7 @@ def _geometry(x: torch.Tensor) -> tuple:
 
 def _check_geometry(rc: RegionCall, k: int, x: torch.Tensor) -> None:
     """The replay's k-th pack views its member's storage as the forward's did: else a PlanMismatchError."""
-    expected = rc.member_geometry.get(k)
+    expected = rc.info.member_geometry.get(k)
     found = _geometry(x)
     if expected is None or found == expected:
         return

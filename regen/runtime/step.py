@@ -214,11 +214,12 @@ class Step:
         return result
 
     def _count_forward_pack(self, x: torch.Tensor) -> None:
-        """Count a forward pack (slow or fast path), note it for the open region calls and release the swaps
-        due before it."""
+        """Count a forward pack (slow or fast path), note it for the open region calls (slow path) and release
+        the swaps due before it."""
         k = self.forward_packs_seen
         self.forward_packs_seen = k + 1
-        self.regions.forward_packed(x)
+        if self.sequence is None:
+            self.regions.forward_packed(x)
         due = self._due_at_pack
         if due and due[0][0] <= k:
             self.swaps.release_due_at_pack(k)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -47,14 +48,17 @@ def storage_bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def view_of(base: torch.Tensor, geometry: "Geometry") -> torch.Tensor:
-    """The tensor with `geometry` over the storage of `base` (dtype may differ from base's)."""
+    """The tensor with `geometry` over the storage of `base` (dtype may differ from base's): `base` itself when
+    it already is that view and has no autograd history (a replay's packed tensor, most entries)."""
+    if (base.dtype == geometry.dtype and not base.requires_grad and base.shape == geometry.size
+            and base.stride() == geometry.stride and base.storage_offset() == geometry.storage_offset):
+        return base
     return torch.empty(0, dtype=geometry.dtype, device=base.device).set_(
         base.untyped_storage(), geometry.storage_offset, geometry.size, geometry.stride)
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """How a saved entry views its storage."""
+class Geometry(NamedTuple):
+    """How a saved entry views its storage (a named tuple: one is made per swapped or dropped entry)."""
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -63,7 +67,7 @@ class Geometry:
 
     @staticmethod
     def of(t: torch.Tensor) -> "Geometry":
-        return Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        return Geometry(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
 
 
 @dataclass
