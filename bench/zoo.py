@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare import (PROFILE_WARMUP_S, SOLVE_TIME_LIMIT_S, WARMUP_STEPS, ZOO_BEGIN, ZOO_END, Variant,  # noqa: E402
                      _measured, _planned, build, machine, time_round_robin)
-from regen.errors import InfeasibleCapError  # noqa: E402
+from regen.errors import InfeasibleCapError, SolverError  # noqa: E402
 from regen.zoo import ZOO, enable_checkpointing  # noqa: E402
 
 LINK_RATIO = 0.9
@@ -72,9 +72,16 @@ class ArchResult:
     smallest_cap_bytes: int | None
     checkpointing: str  # which checkpointing the peer is
     rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # plans the solver found none for in its time limit
 
     def row(self, variant: str) -> Row | None:
         return next((r for r in self.rows if r.variant == variant), None)
+
+
+def load_result(doc: dict) -> ArchResult:
+    """An ArchResult from its JSON (`--json`)."""
+    rows = [Row(**r) for r in doc.pop("rows")]
+    return ArchResult(**doc, rows=rows)
 
 
 def spec_of(name: str, size: str) -> dict:
@@ -91,26 +98,30 @@ def smallest_cap(profile, time_limit_s: float) -> int | None:
         return exc.smallest_feasible_cap_bytes
 
 
-def regen_plans(profile, caps: list[tuple[str, int]], time_limit_s: float, say) -> list[tuple[str, object, int]]:
+def regen_plans(profile, caps: list[tuple[str, int]], time_limit_s: float,
+                say) -> tuple[list[tuple[str, object, int]], list[str]]:
     """(row label, plan, cap) of recompute and hybrid plans at each (name, cap), or at the smallest cap a
-    strategy reaches when the cap is below it."""
+    strategy reaches when the cap is below it; and what could not be solved (the solver found no plan in its
+    time limit), as notes."""
     from regen.planner import solve
+    from regen.planner.solve import solve_within_reach
 
-    plans = []
+    plans, unsolved = [], []
     for cap_name, cap in caps:
         for strategy in ("recompute", "hybrid"):
             link = {"link_ratio": LINK_RATIO} if strategy == "hybrid" else {}
             label = f"regen {strategy} @ {cap_name}"
             try:
-                plans.append((label, solve(profile, cap, strategy, time_limit_s=time_limit_s, **link), cap))
-            except InfeasibleCapError as exc:
-                if exc.smallest_feasible_cap_bytes is None:
-                    raise
+                plan = solve_within_reach(profile, cap, strategy, time_limit_s=time_limit_s, **link)
+            except SolverError as exc:
+                say(f"{label}: {exc}")
+                unsolved.append(f"{label}: no plan within the {time_limit_s:g} s limit")
+                continue
+            if plan.memory_cap_bytes != cap:
                 say(f"{label}: out of reach; at the smallest cap it reaches instead")
-                cap = exc.smallest_feasible_cap_bytes
-                plans.append((f"{label} (reaches {cap / 2**20:.2f} MiB)",
-                              solve(profile, cap, strategy, time_limit_s=time_limit_s, **link), cap))
-    return plans
+                label = f"{label} (reaches {plan.memory_cap_bytes / 2**20:.2f} MiB)"
+            plans.append((label, plan, plan.memory_cap_bytes))
+    return plans, unsolved
 
 
 def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say) -> ArchResult:
@@ -132,10 +143,11 @@ def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say)
     caps = [("checkpointing's peak", checkpointing_peak),
             (f"{LOW_CAP_FRACTION:.0%}", int(profile.peak_bytes * LOW_CAP_FRACTION))]
     variants = [unplanned, peer]
-    for label, plan, cap in regen_plans(profile, caps, time_limit_s, lambda m: say(f"[{name}] {m}")):
+    plans, unsolved = regen_plans(profile, caps, time_limit_s, lambda m: say(f"[{name}] {m}"))
+    for label, plan, cap in plans:
         variants.append(_measured(_planned(label, spec, plan, cap), start, name, say))
     time_round_robin(variants, timed_steps, name, say)
-    result = ArchResult(name, start + unplanned.increase_bytes, floor, which)
+    result = ArchResult(name, start + unplanned.increase_bytes, floor, which, notes=unsolved)
     for v in variants:
         if v.handle is not None:
             v.handle.remove()
@@ -173,7 +185,8 @@ def table(results: list[ArchResult]) -> str:
                        "regen hybrid @ 50%"):
             cells.append(_cell(_find(r, prefix), r, unplanned))
         lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = [f"{r.name}, {note}" for r in results for note in r.notes]
+    return "\n".join(lines + ([""] + [f"Not solved: {'; '.join(notes)}."] if notes else []))
 
 
 def summary(results: list[ArchResult]) -> list[str]:
@@ -245,7 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="solver time limit per plan (s)")
     parser.add_argument("--timed-steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks.md")
-    parser.add_argument("--json", metavar="PATH", help="also write every row as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write every row as JSON to PATH (after each architecture)")
+    parser.add_argument("--from-json", nargs="+", metavar="PATH",
+                        help="no run: the table and the page from the JSON of earlier runs (architectures in order)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers
@@ -258,15 +273,18 @@ def main(argv=None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    results = []
-    for name in args.models:
-        results.append(bench_arch(name, args.size, args.time_limit, args.timed_steps, say))
-        say(table(results[-1:]))
+    if args.from_json:
+        results = [load_result(r) for path in args.from_json for r in json.loads(Path(path).read_text())]
+    else:
+        results = []
+        for name in args.models:
+            results.append(bench_arch(name, args.size, args.time_limit, args.timed_steps, say))
+            say(table(results[-1:]))
+            if args.json:  # after each architecture: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     body, lines = table(results), summary(results)
     print(body)
     print("\n".join(lines))
-    if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     if not args.no_write:
         command = "python bench/zoo.py" + (f" {' '.join(argv)}" if argv else "")
         write_section(ROOT / "docs" / "benchmarks.md",

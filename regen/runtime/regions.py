@@ -36,6 +36,7 @@ from regen.runtime.plan_index import PlanIndex, RegionInfo
 from regen.runtime.tracker import regen_ops
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
 @dataclass
@@ -141,10 +142,15 @@ class RegionReplays:
             k = len(packed)
             if k >= stop:
                 raise _ReplayDone
-            with regen_ops():
-                if keys[k] is not None:
+            if keys[k] is None:
+                packed.append(None)
+            elif _dispatch_stack_len() == 0:  # no mode to hide regen's own detach from
+                _check_geometry(rc, k, x)
+                packed.append(x.detach())
+            else:
+                with regen_ops():
                     _check_geometry(rc, k, x)
-                packed.append(x.detach() if keys[k] is not None else None)
+                    packed.append(x.detach())
             if k + 1 == stop:
                 raise _ReplayDone  # every member it rebuilds is packed: the rest of the forward is not needed
             return None

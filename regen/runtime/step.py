@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from regen.errors import RegenError
+from regen.formats.plan import ACTION_RECOMPUTE
 from regen.runtime.candidates import CandidateTable, Kept, Saved
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.mismatch import MismatchPolicy
@@ -288,10 +289,15 @@ class Step:
             return obj.unpack()
         obj.check_version()
         cand = obj.cand
-        with self.ctx.pause_tracker():
-            base = self.cands.materialize(cand)
-        with regen_ops():
+        base = cand.storage
+        if base is None or cand.mode != ACTION_RECOMPUTE:  # not rebuilt yet (or a swap, or a kept recipe input)
+            with self.ctx.pause_tracker():
+                base = self.cands.materialize(cand)
+        if _dispatch_stack_len() == 0:  # no mode to hide regen's own ops from
             out = view_of(base, obj.geometry)
+        else:
+            with regen_ops():
+                out = view_of(base, obj.geometry)
         del base
         if not obj.unpacked:
             obj.unpacked = True
