@@ -73,6 +73,7 @@ class ArchResult:
     checkpointing: str  # which checkpointing the peer is
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # plans the solver found none for in its time limit
+    calibration: dict | None = None  # the profile's (formats.Calibration), None when not calibrated
 
     def row(self, variant: str) -> Row | None:
         return next((r for r in self.rows if r.variant == variant), None)
@@ -124,14 +125,20 @@ def regen_plans(profile, caps: list[tuple[str, int]], time_limit_s: float,
     return plans, unsolved
 
 
-def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say) -> ArchResult:
+def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say, calibrated: bool = True
+               ) -> ArchResult:
+    from regen.calibration import calibrate
     from regen.profiler import profile_workload
     from regen.runtime.costs import measure_runtime_costs
 
     spec = spec_of(name, size)
     say(f"[{name}] profiling")
-    profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
+    workload = build(spec)
+    profile = profile_workload(workload, device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
                                progress=None, runtime_probe=measure_runtime_costs)
+    if calibrated:
+        profile.calibration = calibrate(workload, profile, lambda m: say(f"[{name}] {m}"))
+    del workload
     start = profile.memory_at_start_bytes
     unplanned = _measured(Variant("no plan", build(spec), predicted_step_time_s=profile.step_time_s), start, name, say)
     peer_workload = build(spec)
@@ -147,7 +154,8 @@ def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say)
     for label, plan, cap in plans:
         variants.append(_measured(_planned(label, spec, plan, cap), start, name, say))
     time_round_robin(variants, timed_steps, name, say)
-    result = ArchResult(name, start + unplanned.increase_bytes, floor, which, notes=unsolved)
+    result = ArchResult(name, start + unplanned.increase_bytes, floor, which, notes=unsolved,
+                        calibration=None if profile.calibration is None else dataclasses.asdict(profile.calibration))
     for v in variants:
         if v.handle is not None:
             v.handle.remove()
@@ -175,8 +183,8 @@ def _find(result: ArchResult, prefix: str) -> Row | None:
 
 def table(results: list[ArchResult]) -> str:
     lines = ["| architecture | checkpointing: peak, time | regen's smallest cap | recompute @ ckpt peak | "
-             "hybrid @ ckpt peak | recompute @ 50% | hybrid @ 50% |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "hybrid @ ckpt peak | recompute @ 50% | hybrid @ 50% | calibration |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         unplanned = r.row("no plan")
         floor = f"{r.smallest_cap_bytes / r.unplanned_peak_bytes:.2f}" if r.smallest_cap_bytes else "–"
@@ -184,6 +192,8 @@ def table(results: list[ArchResult]) -> str:
         for prefix in ("regen recompute @ checkpointing", "regen hybrid @ checkpointing", "regen recompute @ 50%",
                        "regen hybrid @ 50%"):
             cells.append(_cell(_find(r, prefix), r, unplanned))
+        cal = r.calibration
+        cells.append("–" if not cal else f"x{cal['recompute_scale']:.2f}, {cal['swap_byte_s'] * 2**20 * 1e3:.2f} ms/MiB")
         lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
     notes = [f"{r.name}, {note}" for r in results for note in r.notes]
     return "\n".join(lines + ([""] + [f"Not solved: {'; '.join(notes)}."] if notes else []))
@@ -233,7 +243,9 @@ def document(body: str, lines: list[str], command: str, elapsed_s: float, timed_
         f"(or at the smallest cap a strategy reaches); hybrid plans swap over an emulated link at R = "
         f"{LINK_RATIO} (copying every saved tensor one way takes {LINK_RATIO} x the unplanned step), on copy "
         f"threads, compute on {threads} thread{'s' if threads > 1 else ''}. The smallest cap is the least "
-        "a recompute-only plan reaches.",
+        "a recompute-only plan reaches. Profiles are calibrated as `regen profile` calibrates them "
+        "(regen.calibration) unless the command says `--no-calibrate`; the calibration column is the recompute "
+        "scale and the per-MiB swap charge it measured.",
         "",
         body,
         "",
@@ -258,6 +270,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="solver time limit per plan (s)")
     parser.add_argument("--timed-steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks.md")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="plan from the profile alone, without regen.calibration's figures")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON to PATH (after each architecture)")
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
                         help="no run: the table and the page from the JSON of earlier runs (architectures in order)")
@@ -278,7 +292,8 @@ def main(argv=None) -> int:
     else:
         results = []
         for name in args.models:
-            results.append(bench_arch(name, args.size, args.time_limit, args.timed_steps, say))
+            results.append(bench_arch(name, args.size, args.time_limit, args.timed_steps, say,
+                                      calibrated=not args.no_calibrate))
             say(table(results[-1:]))
             if args.json:  # after each architecture: a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))

@@ -72,16 +72,36 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
     say = _progress(args.quiet)
     device, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
-    profile = profile_workload(build(), device=device, repeats=args.repeats, warmup_steps=args.warmup,
+    workload = build()
+    profile = profile_workload(workload, device=device, repeats=args.repeats, warmup_steps=args.warmup,
                                warmup_s=args.warmup_s,
                                progress=None if args.quiet else _print_progress, runtime_probe=measure_runtime_costs,
                                park=args.park)
     if not _is_rank_0():  # profiled on every rank of a process group (FSDP's collectives); rank 0 writes it
         return 0
+    _calibrate(args, workload, profile, say)
     save_profile(profile, args.output)
     say(f"wrote {args.output}: {len(profile.ops)} ops, {len(profile.saved_tensors)} saved tensors, "
         f"unplanned peak {format_bytes(profile.peak_bytes)}")
     return 0
+
+
+def _calibrate(args: argparse.Namespace, workload, profile, say) -> None:
+    """The profile's calibration (regen.calibration), unless asked not to or the step cannot run unplanned."""
+    import torch.distributed as dist
+
+    from regen.calibration import calibrate
+
+    if args.no_calibrate:
+        return
+    if args.park or any("park" in note for note in profile.notes):
+        say("calibration: skipped (the unplanned step does not fit on the device)")
+        return
+    if dist.is_available() and dist.is_initialized():
+        say("calibration: skipped (a process group: the ranks would time plans one by one)")
+        return
+    with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
+        profile.calibration = calibrate(workload, profile, say)
 
 
 def _is_rank_0() -> bool:
@@ -266,6 +286,10 @@ def _add_profile_command(sub) -> None:
     p.add_argument("--park", action="store_true",
                    help="park saved tensors in host memory while profiling, for a step that does not fit on the "
                         "device (the profile is the same; on CUDA an out-of-memory warm-up step does this by itself)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the calibration (a recompute and a hybrid plan timed against the unplanned step, "
+                        "so that plans charge what recomputes and swaps cost this workload: two short solves and 45 "
+                        "steps, at most about a minute of them)")
     p.add_argument("-o", "--output", required=True, help="where to write the profile (YAML)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     p.set_defaults(func=cmd_profile)

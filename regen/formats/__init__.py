@@ -5,6 +5,7 @@ from pathlib import Path
 
 from regen.formats.profile import (
     PROFILE_FORMAT,
+    Calibration,
     CallInput,
     CallSignature,
     DeviceInfo,
@@ -31,6 +32,7 @@ from regen.formats.plan import (
     RecipeOp,
     RegionDecision,
     SolverReport,
+    TimeParts,
     PLAN_VERSIONS,
     load_plan,
     plan_from_document,
@@ -38,10 +40,10 @@ from regen.formats.plan import (
 )
 
 __all__ = [
-    "PROFILE_FORMAT", "CallInput", "CallSignature", "DeviceInfo", "ModuleCall", "OpRecord", "Profile",
+    "PROFILE_FORMAT", "Calibration", "CallInput", "CallSignature", "DeviceInfo", "ModuleCall", "OpRecord", "Profile",
     "RuntimeCosts", "SavedEntry", "SavedTensor", "StaticMemory", "TensorRecord", "load_profile", "op_fingerprint",
     "save_profile",
-    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport",
+    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport", "TimeParts",
     "load_plan", "save_plan",
     "load_profile_or_plan",
 ]

@@ -159,6 +159,16 @@ LINK_SOURCES = (LINK_FROM_RATIO, LINK_FROM_BANDWIDTH, LINK_FROM_PROFILE)
 
 
 @dataclass
+class TimeParts:
+    """What the simulator's step time of a plan adds to the unplanned ops, by cause (seconds)."""
+
+    recompute_s: float = 0.0  # recipes and module replays, as the planner charges them (with its calibration)
+    swap_calls_s: float = 0.0  # the swaps' cost to the compute thread, not their transfers
+    dispatch_s: float = 0.0  # forward ops through the runtime's dispatch mode (recipe tracking)
+    link_wait_s: float = 0.0  # the compute thread waiting for copies
+
+
+@dataclass
 class PlanLink:
     """The host link a plan was solved for (its bandwidths are the plan's d2h/h2d_bytes_per_s)."""
 
@@ -193,6 +203,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     regions: list[RegionDecision] = field(default_factory=list)  # module calls replayed in backward
     tracking_starts: list[TrackingStart] = field(default_factory=list)  # where recipe tracking windows open
+    simulated_parts: TimeParts | None = None  # the simulated step's additions by cause (absent in older plans)
 
     def region_member_count(self) -> int:
         """Recompute decisions rebuilt by a region replay (Decision.region)."""
@@ -291,6 +302,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             host_memory_cap_bytes=(int(doc["host_memory_cap_bytes"]) if doc.get("host_memory_cap_bytes") is not None
                                    else None),
             call=call_signature_from_document(doc.get("call"), where),
+            simulated_parts=_optional_parts(doc.get("simulated_parts"), where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed plan ({exc})") from None
@@ -313,6 +325,17 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
         if r.id != i:
             raise FormatError(f"{where}: regions[{i}] has id {r.id}; regions are numbered 0..{len(plan.regions) - 1}")
     return plan
+
+
+def _optional_parts(doc: Any, where: str) -> TimeParts | None:
+    if doc is None:
+        return None
+    parts = build_dataclass(TimeParts, doc, f"{where}: simulated_parts")
+    figures = {f: float(getattr(parts, f)) for f in ("recompute_s", "swap_calls_s", "dispatch_s", "link_wait_s")}
+    bad = [f for f, v in figures.items() if not v >= 0 or v == float("inf")]
+    if bad:
+        raise FormatError(f"{where}: simulated_parts.{bad[0]} must be a non-negative number of seconds")
+    return TimeParts(**figures)
 
 
 def merged_windows(starts: list[tuple[int, Any]], tracked, closing_ops: list[int] = ()) -> list[tuple[int, int, Any]]:

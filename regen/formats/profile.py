@@ -42,6 +42,15 @@ Runtime costs (optional)
 round trip per tracked forward op, capturing and replaying a recipe op, a recipe's fixed cost, the
 compute thread's share of a swap), which the planner adds to a plan's predicted time. Profiles without
 it are planned without those costs; profiles written before `swap_s` existed load with 0 for it.
+
+Calibration (optional)
+----------------------
+`Profile.calibration` (`Calibration`) holds what the workload's own steps said about those charges: a
+recompute plan and a hybrid plan run against the unplanned step, interleaved (regen.calibration). Its
+`recompute_scale` multiplies what the planner charges for a recompute (its ops, regen's own work around
+them), `swap_byte_s` adds a charge per swapped byte to `swap_s` (what copies take from compute beside them:
+on a CPU device the emulated link's memcpy on the same cores). Profiles without it are planned with the
+probe's figures alone (scale 1, no per-byte charge).
 """
 
 from __future__ import annotations
@@ -187,6 +196,21 @@ class RuntimeCosts:
     swap_s: float = 0.0
 
 
+CALIBRATION_SCALE_BOUNDS = (0.5, 3.0)  # a recompute_scale outside these is a measurement gone wrong
+CALIBRATION_MAX_SWAP_BYTE_S = 1e-8  # 10 ns a byte (0.1 GB/s of compute lost per swap): beyond, the same
+
+
+@dataclass
+class Calibration:
+    """The planner's charges checked against the workload's own steps (regen.calibration)."""
+
+    recompute_scale: float  # measured time of a plan's recomputes over what the planner charged for them
+    swap_byte_s: float  # compute-thread time per swapped byte, beyond RuntimeCosts.swap_s
+    rounds: int  # interleaved rounds of (unplanned, recompute plan, hybrid plan) steps it measured
+    method: str
+    notes: list[str] = field(default_factory=list)  # figures that fell back to their defaults, and why
+
+
 @dataclass
 class StaticMemory:
     parameter_bytes: int
@@ -247,6 +271,7 @@ class Profile:
     # optional: the forward (model call through the loss) of the plain steps, median; it tells the time the
     # forward spends outside ops (module code a region replay runs again) from the backward's
     forward_time_s: float | None = None
+    calibration: Calibration | None = None  # optional: without it the probe's charges stand alone
 
     # ---- convenience -------------------------------------------------------------------------
     @property
@@ -344,6 +369,7 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             runtime_costs=_runtime_costs(doc, where),
             call=call_signature_from_document(doc.get("call"), where),
             forward_time_s=None if doc.get("forward_time_s") is None else float(doc["forward_time_s"]),
+            calibration=_calibration(doc, where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None
@@ -361,6 +387,23 @@ def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
     if any(not (v >= 0) for v in figures):
         raise FormatError(f"{where}: runtime_costs must be non-negative seconds")
     return RuntimeCosts(*figures[:4], method=str(built.method), swap_s=figures[4])
+
+
+def _calibration(doc: dict[str, Any], where: str) -> Calibration | None:
+    built = doc.get("calibration")
+    if built is None:
+        return None
+    c = build_dataclass(Calibration, built, f"{where}: calibration")
+    scale, byte_s, rounds = float(c.recompute_scale), float(c.swap_byte_s), int(c.rounds)
+    lo, hi = CALIBRATION_SCALE_BOUNDS
+    if not lo <= scale <= hi:
+        raise FormatError(f"{where}: calibration.recompute_scale {c.recompute_scale} is outside [{lo}, {hi}]")
+    if not 0 <= byte_s <= CALIBRATION_MAX_SWAP_BYTE_S:
+        raise FormatError(f"{where}: calibration.swap_byte_s {c.swap_byte_s} is outside "
+                          f"[0, {CALIBRATION_MAX_SWAP_BYTE_S:g}] s a byte")
+    if rounds < 0:
+        raise FormatError(f"{where}: calibration.rounds must be non-negative")
+    return Calibration(scale, byte_s, rounds, str(c.method), [str(n) for n in c.notes or []])
 
 
 def _check_consistency(profile: Profile, where: str) -> None:

@@ -73,7 +73,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
         baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
         notes=list(result.notes) + _figure_notes(decisions, compute), regions=regions, call=profile.call,
-        tracking_starts=_tracking_starts(graph, result.choices),
+        tracking_starts=_tracking_starts(graph, result.choices), simulated_parts=sim.parts,
     )
 
 

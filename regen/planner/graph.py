@@ -105,8 +105,9 @@ class Candidate:
 @dataclass(frozen=True)
 class RuntimeCharges:
     """The time regen's runtime adds per event, as the planner charges it (docs/internals.md "What a
-    plan's predicted time charges"): the profile's `runtime_costs` (zero without them), and the Python
-    time between forward ops that a module replay runs again."""
+    plan's predicted time charges"): the profile's `runtime_costs` (zero without them), the Python time
+    between forward ops that a module replay runs again, and the profile's `calibration` (what the
+    workload's own planned steps said about those charges: none without it)."""
 
     dispatch_op_s: float = 0.0  # every forward op in a tracking window of a per-tensor recipe (windows.py)
     capture_op_s: float = 0.0  # a recipe op, captured in forward
@@ -114,26 +115,34 @@ class RuntimeCharges:
     recipe_s: float = 0.0  # a replayed recipe, besides its ops
     between_forward_ops_s: float = 0.0  # the plain forward's time outside ops, per forward op
     swap_s: float = 0.0  # what a swapped tensor costs the compute thread (not its transfers): RuntimeCosts.swap_s
+    swap_byte_s: float = 0.0  # and per byte it moves (Calibration.swap_byte_s)
+    recompute_scale: float = 1.0  # measured over charged recompute time on the workload (Calibration)
 
     @staticmethod
     def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
-        """The charges of a profile: its probe's figures, and the time the plain forward spends outside
-        ops, per forward op (the module code a region replay runs again)."""
+        """The charges of a profile: its probe's figures, the time the plain forward spends outside
+        ops, per forward op (the module code a region replay runs again), and its calibration."""
         rc = profile.runtime_costs
+        cal = profile.calibration
+        measured = {} if cal is None else {"recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s}
         between_s = _between_forward_ops_s(profile, op_times_s)
         if rc is None:
-            return RuntimeCharges(between_forward_ops_s=between_s)
+            return RuntimeCharges(between_forward_ops_s=between_s, **measured)
         return RuntimeCharges(dispatch_op_s=rc.dispatch_op_s, capture_op_s=rc.capture_op_s,
                               replay_op_s=rc.replay_op_s, recipe_s=rc.recipe_s, between_forward_ops_s=between_s,
-                              swap_s=rc.swap_s)
+                              swap_s=rc.swap_s, **measured)
 
     def recipe_time_s(self, op_times_s: float, num_ops: int) -> float:
         """A per-tensor recipe of `num_ops` ops whose profiled times sum to `op_times_s`."""
-        return op_times_s + num_ops * (self.capture_op_s + self.replay_op_s) + self.recipe_s
+        return self.recompute_scale * (op_times_s + num_ops * (self.capture_op_s + self.replay_op_s) + self.recipe_s)
 
     def region_time_s(self, op_times_s: float, num_ops: int) -> float:
         """A module call of `num_ops` forward ops replayed by running its forward again."""
-        return op_times_s + num_ops * self.between_forward_ops_s
+        return self.recompute_scale * (op_times_s + num_ops * self.between_forward_ops_s)
+
+    def swap_time_s(self, nbytes: int) -> float:
+        """What swapping a tensor of `nbytes` costs the compute thread (its transfers are the link's)."""
+        return self.swap_s + nbytes * self.swap_byte_s
 
 
 def _between_forward_ops_s(profile: Profile, op_times_s: list[float]) -> float:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, TimeParts
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.regions import region_transient_bytes
 from regen.planner.residency import captured_bytes_timeline, resident_without_plan
@@ -46,6 +46,7 @@ class SimulationResult:
     peak_timeline_bytes: list[int]  # planned peak inside each op
     errors: list[str] = field(default_factory=list)  # plan inconsistencies (recipe input not resident...)
     release_steps: dict[int, int] = field(default_factory=dict)  # swapped candidate -> its release step
+    parts: TimeParts = field(default_factory=TimeParts)  # step_time_s beyond the unplanned ops, by cause
 
     @property
     def valid(self) -> bool:
@@ -78,6 +79,7 @@ class _Timing:
     step_time_s: float
     transient_at: list[int]  # recipe transients at each step
     released_at: dict[int, int]  # swapped candidate index -> release step of its device copy
+    parts: TimeParts = field(default_factory=TimeParts)
 
 
 class _Releases:
@@ -119,7 +121,8 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
     timeline, peaks = _memory_pass(graph, choices, timing)
     peak = max(max(peaks), max(timeline))
     return SimulationResult(peak_bytes=int(peak), step_time_s=timing.step_time_s, timeline_bytes=timeline,
-                            peak_timeline_bytes=peaks, errors=events.errors, release_steps=timing.released_at)
+                            peak_timeline_bytes=peaks, errors=events.errors, release_steps=timing.released_at,
+                            parts=timing.parts)
 
 
 def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
@@ -190,6 +193,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
     d2h_free = h2d_free = 0.0
     now = 0.0
     transient_at = [0] * n
+    parts = TimeParts()
 
     def wait_for(i: int) -> None:
         nonlocal now
@@ -209,6 +213,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
             in_done[c.index] = h2d_free
         for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.regions)
             now += graph.regions[r].time_s
+            parts.recompute_s += graph.regions[r].time_s
             transient_at[s] += region_transient_bytes(graph, graph.regions[r], ev.rebuilt_by[r])
         for c in ev.recompute_at.get(s, []):
             recipe = choices[c.index].recipe
@@ -224,6 +229,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
                 ev.errors.append(f"candidate {c.id}: recipe input {cands[a].id} ({ach.action}) is not resident "
                                  f"before op {s}")
             now += recipe.time_s
+            parts.recompute_s += recipe.time_s
             transient_at[s] += recipe.transient_bytes
         for c in ev.reads_at.get(s, ()):
             if c.index in in_done:
@@ -233,12 +239,15 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         now += graph.time_s[s]
         if s in ev.tracked_ops:
             now += graph.costs.dispatch_op_s
+            parts.dispatch_s += graph.costs.dispatch_op_s
         for c in ev.swap_out_at.get(s, []):
-            now += graph.costs.swap_s  # the swap's calls on the compute thread, all charged at its copy-out
+            now += graph.costs.swap_time_s(c.bytes)  # the swap's cost to the compute thread, all at its copy-out
+            parts.swap_calls_s += graph.costs.swap_time_s(c.bytes)
             t0 = max(now, d2h_free)
             d2h_free = t0 + c.bytes / graph.d2h_bytes_per_s
             releases.copied_out(c, d2h_free)
-    return _Timing(step_time_s=now, transient_at=transient_at, released_at=releases.released_at)
+    parts.link_wait_s = max(0.0, now - graph.compute_time_s - parts.recompute_s - parts.dispatch_s - parts.swap_calls_s)
+    return _Timing(step_time_s=now, transient_at=transient_at, released_at=releases.released_at, parts=parts)
 
 
 def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timing) -> tuple[list[int], list[int]]:

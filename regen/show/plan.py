@@ -33,6 +33,13 @@ def plan_summary(plan: Plan) -> str:
         f"{duration(plan.predicted.step_time_s)} "
         f"(+{_ratio(plan.predicted.step_time_s - plan.baseline.step_time_s, plan.baseline.step_time_s)}), "
         f"simulated {duration(plan.simulated.step_time_s)}",
+    ]
+    parts = plan.simulated_parts
+    if parts is not None:
+        lines.append(f"  simulated extra   recompute {duration(parts.recompute_s)}, swap calls "
+                     f"{duration(parts.swap_calls_s)}, dispatch {duration(parts.dispatch_s)}, link waits "
+                     f"{duration(parts.link_wait_s)}")
+    lines += [
         "  actions:",
     ]
     rebuilt = plan.rebuilt_count()

@@ -61,6 +61,11 @@ def profile_summary(profile: Profile) -> str:
         lines.append(f"runtime costs: dispatch {rc.dispatch_op_s * 1e6:.1f} us/op, capture {rc.capture_op_s * 1e6:.1f} "
                      f"us/op, replay {rc.replay_op_s * 1e6:.1f} us/op, recipe {rc.recipe_s * 1e6:.1f} us, swap "
                      f"{rc.swap_s * 1e6:.1f} us [{rc.method}]")
+    cal = profile.calibration
+    if cal is not None:
+        lines.append(f"calibration: recompute x{cal.recompute_scale:.2f} its charge, swaps "
+                     f"{cal.swap_byte_s * 2**20 * 1e3:.3f} ms per MiB beyond their calls, over {cal.rounds} rounds"
+                     + "".join(f"; {n}" for n in cal.notes))
     largest = _largest(profile)
     if largest:
         names = {op.index: op.name for op in profile.ops}
@@ -106,6 +111,7 @@ def profile_summary_json(profile: Profile) -> dict[str, Any]:
                           "gradient_bytes": profile.static_memory.gradient_bytes,
                           "optimizer_state_bytes": profile.static_memory.optimizer_state_bytes},
         "runtime_costs": None if profile.runtime_costs is None else asdict(profile.runtime_costs),
+        "calibration": None if profile.calibration is None else asdict(profile.calibration),
         "repeats": profile.repeats,
         "fingerprint": profile.fingerprint,
         "versions": profile.versions,

@@ -135,3 +135,49 @@ def test_each_swap_is_charged_its_calls_by_the_simulator_and_the_milp(small_tran
     assert sim.fits(cap)
     assert charged.objective_s == pytest.approx(sim.step_time_s, rel=1e-3)
     assert sum(ch.action == ACTION_SWAP for ch in charged.choices.values()) < swaps
+
+
+# ---- the calibration's charges (formats.Calibration, regen.calibration) ------------------------------
+
+
+def test_a_calibrated_recompute_is_charged_its_scale():
+    """A recipe and a module replay cost recompute_scale times what the probe's figures alone charge."""
+    from regen.formats.profile import Calibration
+
+    plain = replace(chain_profile(5, seed=1), runtime_costs=COSTS)
+    scaled = replace(plain, calibration=Calibration(recompute_scale=1.5, swap_byte_s=0.0, rounds=3, method="test"))
+    g_plain, g_scaled = build_graph(plain, BYTES_PER_S, BYTES_PER_S), build_graph(scaled, BYTES_PER_S, BYTES_PER_S)
+    assert g_scaled.costs.region_time_s(1.0, 10) == pytest.approx(1.5 * g_plain.costs.region_time_s(1.0, 10))
+    for c_plain, c_scaled in zip(g_plain.candidates, g_scaled.candidates):
+        for r_plain, r_scaled in zip(c_plain.recipes, c_scaled.recipes):
+            assert r_scaled.time_s == pytest.approx(1.5 * r_plain.time_s)
+
+
+def test_the_simulated_parts_add_up_to_the_step():
+    """The simulator's parts of a plan (what the calibration fits against) are its step beyond the ops."""
+    graph = build_graph(replace(chain_profile(5, seed=1), runtime_costs=COSTS), BYTES_PER_S, BYTES_PER_S)
+    recipe = graph.candidates[2].recipes[0]
+    sim = simulate(graph, {2: Choice(ACTION_RECOMPUTE, recipe=recipe)})
+    p = sim.parts
+    assert p.recompute_s == pytest.approx(recipe.time_s) and p.dispatch_s == pytest.approx(3 * COSTS.dispatch_op_s)
+    assert sim.step_time_s == pytest.approx(graph.compute_time_s + p.recompute_s + p.dispatch_s + p.swap_calls_s
+                                            + p.link_wait_s)
+    assert p.swap_calls_s == 0 and p.link_wait_s == pytest.approx(0, abs=1e-12)
+
+
+def test_a_per_byte_swap_charge_reaches_the_milp(small_transformer):
+    """With swaps charged at the calibration's largest per-byte figure, the hybrid MILP stops swapping what it
+    swapped without it: the charge is in its objective, not only in the simulator's judgement."""
+    from regen.formats.plan import ACTION_SWAP
+    from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, Calibration
+    from regen.planner import solve
+
+    cap = small_transformer.memory_at_start_bytes + (small_transformer.peak_bytes
+                                                     - small_transformer.memory_at_start_bytes) * 7 // 10
+    costly = replace(small_transformer, calibration=Calibration(1.0, CALIBRATION_MAX_SWAP_BYTE_S, 3, "test"))
+    plain_plan = solve(small_transformer, cap, "hybrid", time_limit_s=30)
+    costly_plan = solve(costly, cap, "hybrid", time_limit_s=30)
+    swaps = [sum(d.action == ACTION_SWAP for d in p.decisions) for p in (plain_plan, costly_plan)]
+    assert swaps[0] > 0 and swaps[1] < swaps[0]
+    assert costly_plan.simulated_parts.swap_calls_s >= CALIBRATION_MAX_SWAP_BYTE_S * sum(
+        d.bytes for d in costly_plan.decisions if d.action == ACTION_SWAP)

@@ -2,6 +2,8 @@
 
 import pytest
 
+from regen.planner.simulator import SimulationResult
+
 from regen.errors import InfeasibleCapError, RegenError
 from regen.planner import solve, solve_within_reach
 from regen.units import parse_memory_cap
@@ -115,6 +117,19 @@ def test_infeasible_cap_reports_the_smallest_feasible_cap():
     assert within_reach.memory_cap_bytes == smallest and within_reach.simulated.peak_bytes <= smallest
     cap = int(profile.peak_bytes * 0.9)  # within reach: solved at the cap itself
     assert solve_within_reach(profile, cap, "hybrid", time_limit_s=20).memory_cap_bytes == cap
+
+
+def test_the_smallest_cap_is_never_above_the_unplanned_peak(monkeypatch):
+    """When the min-peak MILP finds nothing in its time and the greedy's everything-swapped plan peaks higher
+    than the step itself, the smallest cap is the unplanned peak (keeping everything), not the greedy's."""
+    from regen.planner.graph import build_graph
+    from regen.planner.milp import search
+
+    graph = build_graph(chain_profile(6, seed=3, copy_bytes_per_s=5e9))
+    monkeypatch.setattr(search, "min_peak_plan", lambda *_args: None)
+    monkeypatch.setattr(search, "simulate", lambda *_args: SimulationResult(
+        peak_bytes=2 * graph.unplanned_peak_bytes, step_time_s=1.0, timeline_bytes=[], peak_timeline_bytes=[]))
+    assert search.least_peak_plan(graph, True, True, 1.0) == (graph.unplanned_peak_bytes, {})
 
 
 @pytest.mark.parametrize("text,expected", [("6GiB", 6 * 2**30), ("512MB", 512 * 10**6), ("1.5e9", 1_500_000_000),

@@ -25,12 +25,14 @@ def test_profile_then_show(tmp_path, capsys):
     assert main(["profile", "--model", "mlp", "--batch-size", "8", "--arg", "hidden=32", "--arg", "depth=2",
                  "--repeats", "1", "-o", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "recording one step" in err and "wrote" in err
+    assert "recording one step" in err and "wrote" in err and "calibration: round 3/3" in err
     profile = load_profile(out)
     assert profile.workload == {"name": "mlp", "args": {"hidden": 32, "depth": 2}, "batch_size": 8}
+    assert profile.calibration is not None
 
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
+    assert "calibration: recompute x" in text
     peak_op = profile.peak_op()
     assert f"ops: {len(profile.ops)}" in text
     assert f"{len(profile.saved_tensors)} candidates" in text
@@ -48,8 +50,10 @@ def test_profile_then_show(tmp_path, capsys):
 
 def test_quiet_profile_prints_no_progress(tmp_path, capsys):
     out = tmp_path / "p.yaml"
-    assert main(["profile", "--model", "mlp", "--arg", "hidden=32", "--repeats", "1", "-q", "-o", str(out)]) == 0
+    assert main(["profile", "--model", "mlp", "--arg", "hidden=32", "--repeats", "1", "-q", "--no-calibrate",
+                 "-o", str(out)]) == 0
     assert "recording" not in capsys.readouterr().err
+    assert load_profile(out).calibration is None
 
 
 # A model whose forward raises: ValueError from the user's own code, IndexError from an aten op.

@@ -27,7 +27,7 @@ The formulation of docs/milp.md, O(candidates x window) in size:
   arguments are kept, its time and transient are charged at the replay step;
 * objective: sum_s T_s, plus the runtime's dispatch mode on the forward up to the last op a chosen
   per-tensor recipe needs (regen.planner.milp.tracking), plus the compute thread's share of each swap
-  (`costs.swap_s` x swap_i; the simulator charges it at the copy-out).
+  (`costs.swap_time_s(bytes_i)` x swap_i; the simulator charges it at the copy-out).
 
 Memory is in units of `mem_unit` bytes, time in `time_unit` seconds, so coefficients stay near 1.
 Solving and reading a solution back: regen.planner.milp.solution.
@@ -181,8 +181,8 @@ class Model:
         for v in self.vars.values():
             for k, r in enumerate(v.rec):
                 objective_terms.append((v.c.recipes[k].time_s / tu) * r)
-            if v.swap is not None and g.costs.swap_s:
-                objective_terms.append((g.costs.swap_s / tu) * v.swap)
+            if v.swap is not None and g.costs.swap_time_s(v.c.bytes):
+                objective_terms.append((g.costs.swap_time_s(v.c.bytes) / tu) * v.swap)
         objective_terms += [x for terms in region_time_terms(self).values() for x in terms]
         objective_terms += add_dispatch_charge(self)
         time_obj = pulp.lpSum(objective_terms) + sum(g.time_s) / tu

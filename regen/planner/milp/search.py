@@ -269,12 +269,18 @@ def smallest_feasible_cap(graph: PlanningGraph, allow_swap: bool = True, allow_r
 
 def least_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool,
                     time_limit_s: float) -> tuple[int | None, dict[int, Choice] | None]:
-    """(the lowest cap at which a plan passes the simulator, that plan): the min-peak MILP's, else the
-    greedy's at cap 0; (None, None) when neither is valid. The plan is a warm start for a solve at that cap
-    (`solve(..., start_plans=...)`), where the MILP may otherwise search long for its first plan."""
+    """(the lowest cap at which a plan passes the simulator, that plan): the min-peak MILP's, else the lower of
+    the greedy's at cap 0 and keeping everything (the unplanned peak, which no smallest cap is above). The
+    plan is a warm start for a solve at that cap (`solve(..., start_plans=...)`), where the MILP may otherwise
+    search long for its first plan."""
     least = min_peak_plan(graph, allow_swap, allow_recompute, time_limit_s)
-    if least is not None:
+    if least is not None and least[2] <= graph.unplanned_peak_bytes:
         return least[2], least[0]
     choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)  # all it can drop
     sim = simulate(graph, choices)
-    return (sim.peak_bytes, choices) if sim.valid else (None, None)
+    # keeping everything reaches the unplanned peak: a smallest cap above it is no answer (a greedy plan that
+    # swaps everything can peak higher, its copy-ins' buffers on top of what it could not free in time)
+    found = [(c, p) for c, p in ((least[2], least[0]) if least else (None, None),
+                                 (sim.peak_bytes, choices) if sim.valid else (None, None),
+                                 (graph.unplanned_peak_bytes, {})) if c is not None]
+    return min(found, key=lambda f: f[0])

@@ -1,0 +1,203 @@
+"""Calibration: the planner's charges checked against the workload's own planned steps.
+
+A plan's predicted time is the unplanned step plus what the planner charges for its recomputes and swaps
+(regen.planner.graph.RuntimeCharges): the ops' profiled times and the runtime probe's per-event figures.
+Two things neither sees, and both are paid by the step:
+
+* a recompute runs in backward, next to backward's own working set, on operands gone cold in the caches,
+  with regen's hooks and replays around it (on the zoo's decoders the measured recomputes were 1.2-1.5x
+  their charge);
+* a swap's copies take from compute beside them in proportion to their bytes (on a CPU device the emulated
+  link's memcpy runs on the cores the ops use; on a GPU the copy engines share its memory bandwidth).
+
+`calibrate` measures both on the workload, in the stages' own terms (a Profile in, Plans from the planner,
+steps under `regen.apply`, the figures back into the Profile as `formats.Calibration`):
+
+1. it solves a recompute plan and a hybrid plan at CAP_FRACTION of the profile's peak increase (or the
+   smallest cap each reaches), the hybrid over the device's link (on a CPU device an emulated link at
+   LINK_RATIO);
+2. it runs ROUNDS rounds of blocks (the unplanned step, the recompute plan, the hybrid plan; each block a
+   warm-up step and STEPS_PER_BLOCK timed steps under one handle), the order turned each round, so that
+   load and drift hit all three alike; the step is forward and backward, gradients dropped after each;
+3. per round, each plan's extra time over the unplanned block (medians) against the simulator's parts of
+   that plan (`Plan.simulated_parts`):
+   recompute_scale = (extra - dispatch - swap calls - link waits) / charged recompute, from the recompute
+   plan; swap_byte_s = (extra - scale x recompute - dispatch - swap calls - link waits) / swapped bytes,
+   from the hybrid plan; the median over rounds of each.
+
+A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the
+step; no swap), or that lands outside the bounds `formats.Calibration` accepts, keeps its default (scale 1,
+no per-byte charge) with a note in the calibration and on the progress line, never silently. A plan step
+that fails is the same: no calibration, a note, and the profile is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from regen.caches import training_caches_off
+from regen.errors import RegenError
+from regen.formats.plan import ACTION_SWAP, Plan, TimeParts
+from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE_BOUNDS, Calibration, Profile
+from regen.workloads import Workload, training_step
+
+CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
+LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.link)
+ROUNDS = 3
+STEPS_PER_BLOCK = 4
+BUDGET_S = 60.0  # rounds after the first stop once the calibration has taken this long
+SOLVE_TIME_LIMIT_S = 20.0
+SOLVE_REL_GAP = 0.05  # a calibration plan need not be the best one, only a typical one
+MIN_SIGNAL_FRACTION = 0.02  # of the unplanned step: less charged recompute than this is not measured
+METHOD = (f"a recompute and a hybrid plan at {CAP_FRACTION:.0%} of the peak increase against the unplanned step, "
+          f"interleaved blocks of {STEPS_PER_BLOCK} timed steps, median over rounds (regen.calibration)")
+
+
+@dataclass
+class _Variant:
+    name: str
+    plan: Plan | None
+    times_s: list[list[float]] = field(default_factory=list)  # per round, the block's timed steps
+
+
+def calibrate(workload: Workload, profile: Profile, progress: Callable[[str], None] | None = None) -> Calibration:
+    """The workload's calibration of `profile`'s charges (see the module doc); the profile is not changed."""
+    say = progress or (lambda _m: None)
+    notes: list[str] = []
+    profile = dataclasses.replace(profile, calibration=None)  # plans charged as the probe alone says
+    try:
+        variants = [_Variant("unplanned", None)] + _calibration_plans(profile, notes, say)
+    except RegenError as exc:
+        return _defaults([f"no calibration plan: {exc}"], say)
+    if len(variants) == 1:
+        return _defaults(notes or ["no calibration plan"], say)
+    try:
+        rounds = _measure(workload, variants, profile.device.type, say)
+    except (RegenError, torch.OutOfMemoryError) as exc:
+        return _defaults([f"a calibration step failed: {exc}"], say)
+    base, by_name = variants[0], {v.name: v for v in variants}
+    scale = _fit_recompute_scale(base, by_name.get("recompute"), profile.step_time_s, notes)
+    byte_s = _fit_swap_byte_s(base, by_name.get("hybrid"), scale, notes)
+    for note in notes:
+        say(f"calibration: {note}")
+    say(f"calibration: recompute x{scale:.2f}, swaps {byte_s * 2**20 * 1e3:.3f} ms per MiB over {rounds} rounds")
+    return Calibration(recompute_scale=scale, swap_byte_s=byte_s, rounds=rounds, method=METHOD, notes=notes)
+
+
+def _defaults(notes: list[str], say) -> Calibration:
+    for note in notes:
+        say(f"calibration: {note}; the probe's charges stand")
+    return Calibration(recompute_scale=1.0, swap_byte_s=0.0, rounds=0, method=METHOD, notes=notes)
+
+
+def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant]:
+    """A recompute plan and a hybrid plan at CAP_FRACTION (or the smallest cap each reaches)."""
+    from regen.planner.solve import solve_within_reach
+
+    start = profile.memory_at_start_bytes
+    cap = start + int(CAP_FRACTION * max(0, profile.peak_bytes - start))
+    link = {"link_ratio": LINK_RATIO} if profile.device.type == "cpu" else {}
+    say(f"calibration: solving a recompute and a hybrid plan at {CAP_FRACTION:.0%} of the peak increase")
+    variants = []
+    for strategy, options in (("recompute", {}), ("hybrid", link)):
+        plan = solve_within_reach(profile, cap, strategy, time_limit_s=SOLVE_TIME_LIMIT_S, rel_gap=SOLVE_REL_GAP,
+                                  **options)
+        if plan.simulated_parts is None:
+            raise RegenError(f"the {strategy} plan has no simulated parts")
+        if strategy == "hybrid" and not any(d.action == ACTION_SWAP for d in plan.decisions):
+            notes.append("the hybrid plan swaps nothing: no per-byte swap charge")
+            continue
+        variants.append(_Variant(strategy, plan))
+    return variants
+
+
+def _measure(workload: Workload, variants: list[_Variant], device_type: str, say) -> int:
+    """ROUNDS rounds of one block per variant, the order turned each round; the rounds run."""
+    import regen
+    from regen.runtime import stacks
+
+    caches = training_caches_off(workload.model)  # as under regen.apply and while profiling
+    t0 = time.perf_counter()
+    try:
+        for r in range(ROUNDS):
+            if r and time.perf_counter() - t0 > BUDGET_S:
+                break
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for v in order:
+                swaps = v.plan is not None and any(d.action == ACTION_SWAP for d in v.plan.decisions)
+                handle = None if v.plan is None else regen.apply(
+                    workload.model, v.plan, on_mismatch="raise", emulate_link=swaps and device_type == "cpu")
+                try:
+                    v.times_s.append(_block(workload, device_type, stacks.pop_finished))
+                finally:
+                    if handle is not None:
+                        handle.remove()
+            say(f"calibration: round {r + 1}/{ROUNDS}")
+    finally:
+        caches.restore()
+    return len(variants[0].times_s)
+
+
+def _block(workload: Workload, device_type: str, pop_finished) -> list[float]:
+    """A warm-up step and STEPS_PER_BLOCK timed steps; gradients dropped after each."""
+    times = []
+    for k in range(STEPS_PER_BLOCK + 1):
+        pop_finished()  # hooks a finished regen step left pushed: not this step's time
+        _sync(device_type)
+        t0 = time.perf_counter()
+        training_step(workload)
+        _sync(device_type)
+        if k:
+            times.append(time.perf_counter() - t0)
+        workload.model.zero_grad(set_to_none=True)
+    return times
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _extras_s(base: _Variant, v: _Variant) -> list[float]:
+    """Per round, the plan's block median over the unplanned block's."""
+    return [statistics.median(p) - statistics.median(b) for b, p in zip(base.times_s, v.times_s)]
+
+
+def _unexplained_s(parts: TimeParts) -> float:
+    """What the simulator charges besides recomputes and the per-byte part of swaps."""
+    return parts.dispatch_s + parts.swap_calls_s + parts.link_wait_s
+
+
+def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str]) -> float:
+    if v is None:
+        return 1.0
+    parts = v.plan.simulated_parts
+    if parts.recompute_s < MIN_SIGNAL_FRACTION * step_time_s:
+        notes.append(f"the recompute plan recomputes {parts.recompute_s * 1e3:.2f} ms, too little to measure: scale 1")
+        return 1.0
+    scale = statistics.median((e - _unexplained_s(parts)) / parts.recompute_s for e in _extras_s(base, v))
+    lo, hi = CALIBRATION_SCALE_BOUNDS
+    if not lo <= scale <= hi:
+        notes.append(f"recompute measured x{scale:.2f} its charge, outside [{lo}, {hi}]: scale 1")
+        return 1.0
+    return scale
+
+
+def _fit_swap_byte_s(base: _Variant, v: _Variant | None, scale: float, notes: list[str]) -> float:
+    if v is None:
+        return 0.0
+    parts = v.plan.simulated_parts
+    swapped = sum(d.bytes for d in v.plan.decisions if d.action == ACTION_SWAP)
+    per_round = [(e - scale * parts.recompute_s - _unexplained_s(parts)) / swapped for e in _extras_s(base, v)]
+    byte_s = max(0.0, statistics.median(per_round))
+    if byte_s > CALIBRATION_MAX_SWAP_BYTE_S:
+        notes.append(f"swaps measured {byte_s * 1e9:.1f} ns a byte, over {CALIBRATION_MAX_SWAP_BYTE_S * 1e9:g}: "
+                     f"no per-byte charge")
+        return 0.0
+    return byte_s

@@ -1,0 +1,107 @@
+"""regen.calibration: the planner's charges fitted to the workload's own planned steps."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from regen import calibration as cal
+from regen.formats.plan import ACTION_SWAP, TimeParts
+from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, Calibration
+
+STEP_S = 0.100
+
+
+def _variant(name, times_per_round, parts=None, swapped_bytes=0):
+    decisions = [SimpleNamespace(action=ACTION_SWAP, bytes=swapped_bytes)] if swapped_bytes else []
+    plan = None if parts is None else SimpleNamespace(simulated_parts=parts, decisions=decisions)
+    return cal._Variant(name, plan, times_s=[list(t) for t in times_per_round])
+
+
+def test_the_recompute_scale_is_the_measured_extra_over_the_charge():
+    """A plan charged 20 ms of recomputes whose steps take 30 ms more (round after round, whatever the
+    unplanned step did in that round): x1.5; a round of noise does not move the median."""
+    base = _variant("unplanned", [[0.100, 0.102], [0.110, 0.110], [0.100, 0.100]])
+    plan = _variant("recompute", [[0.131, 0.131], [0.140, 0.140], [0.190, 0.190]],
+                    TimeParts(recompute_s=0.020))
+    notes = []
+    assert cal._fit_recompute_scale(base, plan, STEP_S, notes) == pytest.approx(1.5)
+    assert notes == []
+
+
+def test_too_little_recompute_or_a_wild_figure_keeps_scale_one_with_a_note():
+    base = _variant("unplanned", [[0.100]])
+    notes = []
+    small = _variant("recompute", [[0.110]], TimeParts(recompute_s=0.001))
+    assert cal._fit_recompute_scale(base, small, STEP_S, notes) == 1.0 and "too little" in notes[-1]
+    wild = _variant("recompute", [[0.300]], TimeParts(recompute_s=0.020))
+    assert cal._fit_recompute_scale(base, wild, STEP_S, notes) == 1.0 and "outside" in notes[-1]
+
+
+def test_the_per_byte_swap_charge_is_what_the_hybrid_plan_costs_beyond_its_recomputes_and_calls():
+    """10 MB swapped, 5 ms of recomputes at x2 and 1 ms of swap calls charged, 25 ms measured: 14 ms over
+    10 MB is 1.4 ns a byte."""
+    base = _variant("unplanned", [[0.100], [0.100]])
+    hybrid = _variant("hybrid", [[0.125], [0.125]], TimeParts(recompute_s=0.005, swap_calls_s=0.001),
+                      swapped_bytes=10_000_000)
+    notes = []
+    assert cal._fit_swap_byte_s(base, hybrid, 2.0, notes) == pytest.approx(1.4e-9)
+    faster = _variant("hybrid", [[0.101], [0.101]], TimeParts(recompute_s=0.005), swapped_bytes=10_000_000)
+    assert cal._fit_swap_byte_s(base, faster, 1.0, notes) == 0.0  # never a negative charge
+    slow = _variant("hybrid", [[10.0], [10.0]], TimeParts(), swapped_bytes=10_000)
+    assert cal._fit_swap_byte_s(base, slow, 1.0, notes) == 0.0 and "no per-byte charge" in notes[-1]
+
+
+def test_a_calibration_out_of_bounds_in_a_file_is_one_format_error(tmp_path):
+    from regen.errors import FormatError
+    from regen.formats import load_profile, save_profile
+    from regen.graphs.synthetic import chain_profile
+
+    path = tmp_path / "p.yaml"
+    good = replace(chain_profile(4, seed=1), calibration=Calibration(1.3, 2e-10, 3, "test", ["a note"]))
+    save_profile(good, path)
+    assert load_profile(path).calibration == good.calibration
+    for bad in (Calibration(9.0, 0.0, 3, "test"), Calibration(1.0, 10 * CALIBRATION_MAX_SWAP_BYTE_S, 3, "test"),
+                Calibration(1.0, -1e-9, 3, "test")):
+        save_profile(replace(good, calibration=bad), path)
+        with pytest.raises(FormatError, match="calibration"):
+            load_profile(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    from regen.profiler import profile_workload
+    from regen.workloads import build_workload
+
+    workload = build_workload("gpt", batch_size=4, args=dict(vocab_size=128, context=32, d_model=32, n_layer=2,
+                                                              n_head=2))
+    return workload, profile_workload(workload, device="cpu", repeats=1, warmup_steps=1, progress=None)
+
+
+def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone(tiny_gpt, monkeypatch):
+    """On a real model: both plans run under regen.apply against the unplanned step, every round; the
+    figures are within the bounds the profile format accepts (or defaults with a note saying why)."""
+    workload, profile = tiny_gpt
+    monkeypatch.setattr(cal, "ROUNDS", 2)
+    lines = []
+    calibration = cal.calibrate(workload, profile, lines.append)
+    assert profile.calibration is None
+    assert calibration.rounds == 2
+    lo, hi = cal.CALIBRATION_SCALE_BOUNDS
+    assert lo <= calibration.recompute_scale <= hi and 0 <= calibration.swap_byte_s <= CALIBRATION_MAX_SWAP_BYTE_S
+    assert any(line.startswith("calibration: recompute x") for line in lines)
+    assert all(p.grad is None for p in workload.model.parameters())
+
+
+def test_a_plan_step_that_fails_keeps_the_defaults_with_a_note(tiny_gpt, monkeypatch):
+    import regen
+    from regen.errors import PlanMismatchError
+
+    def refuse(*_args, **_kwargs):
+        raise PlanMismatchError("not this model")
+
+    workload, profile = tiny_gpt
+    monkeypatch.setattr(regen, "apply", refuse)
+    calibration = cal.calibrate(workload, profile)
+    assert (calibration.recompute_scale, calibration.swap_byte_s, calibration.rounds) == (1.0, 0.0, 0)
+    assert "a calibration step failed: not this model" in calibration.notes[0]
