@@ -110,7 +110,7 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
                                   **options)
         if plan.simulated_parts is None:
             raise RegenError(f"the {strategy} plan has no simulated parts")
-        if strategy == "hybrid" and not any(d.action == ACTION_SWAP for d in plan.decisions):
+        if strategy == "hybrid" and not plan.action_counts()[ACTION_SWAP]:
             notes.append("the hybrid plan swaps nothing: no per-byte swap charge")
             continue
         variants.append(_Variant(strategy, plan))
@@ -130,9 +130,9 @@ def _measure(workload: Workload, variants: list[_Variant], device_type: str, say
                 break
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for v in order:
-                swaps = v.plan is not None and any(d.action == ACTION_SWAP for d in v.plan.decisions)
                 handle = None if v.plan is None else regen.apply(
-                    workload.model, v.plan, on_mismatch="raise", emulate_link=swaps and device_type == "cpu")
+                    workload.model, v.plan, on_mismatch="raise",
+                    emulate_link=device_type == "cpu" and v.plan.action_counts()[ACTION_SWAP] > 0)
                 try:
                     v.times_s.append(_block(workload, device_type, stacks.pop_finished))
                 finally:
