@@ -1,5 +1,6 @@
 """The two files that connect regen's stages: the profile (profiler -> planner) and the plan
-(planner -> runtime). Each stage imports only these types, never another stage's internals."""
+(planner -> runtime). Each stage imports only these types, never another stage's internals; `plan_rules` holds the few
+rules about a plan that the planner and the runtime both apply (written once, used by both)."""
 
 from pathlib import Path
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from regen.errors import RegenError
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
-                                RegionDecision, TrackingStart, host_range_bytes)
+                                RegionDecision, TrackingStart)
+from regen.formats.plan_rules import host_range_bytes
 from regen.planner.graph import PlanningGraph
 from regen.planner.recipes import Recipe, recipe_transient_bytes
 from regen.planner.result import Choice, StrategyResult

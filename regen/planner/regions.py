@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from regen.formats.plan import replay_stop_pack
+from regen.formats.plan_rules import replay_stop_pack
 from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
 from regen.opinfo import is_distributed
 from regen.planner.gathered import gathered_storages, resharded_read

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regen.formats.plan import TrackingStart, merged_windows
+from regen.formats.plan import TrackingStart
+from regen.formats.plan_rules import merged_windows
 from regen.formats.profile import Profile
 
 ROOT_START = TrackingStart(module="", call=0, first_op=0)  # the step's start: always a window start
@@ -48,7 +49,7 @@ class WindowStarts:
         return WindowStarts(first_ops=ops, starts=[by_op[op][1] for op in ops], closing_ops=closing)
 
     def windows(self, tracked_ops) -> list[tuple[int, int, TrackingStart]]:
-        """The merged windows of `tracked_ops` (formats.plan.merged_windows, as the runtime has them)."""
+        """The merged windows of `tracked_ops` (formats.plan_rules.merged_windows, as the runtime has them)."""
         return merged_windows(list(zip(self.first_ops, self.starts)), tracked_ops, self.closing_ops)
 
     def covered(self, tracked_ops) -> frozenset[int]:

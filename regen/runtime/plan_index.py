@@ -14,7 +14,8 @@ import torch
 
 from regen.errors import FormatError
 from regen.formats.plan import (ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, RegionDecision, rebuilt_with_error,
-                                region_error, replay_stop_pack)
+                                region_error)
+from regen.formats.plan_rules import replay_stop_pack
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:

@@ -2,7 +2,7 @@
 
 * `HostPool`: host memory allocated once, by `regen.apply`, its first chunk the plan's `host_pool_bytes`
   (pinned for a model on CUDA: allocating pinned memory per tensor forces a device sync; a pool made
-  pageable is made again, pinned, at the first CUDA copy-out: a model moved to the GPU after apply), and handed out as byte ranges (`formats.plan.host_range_bytes`: rounded up to
+  pageable is made again, pinned, at the first CUDA copy-out: a model moved to the GPU after apply), and handed out as byte ranges (`formats.plan_rules.host_range_bytes`: rounded up to
   512 bytes, as the plan sizes it), first fit; it grows by whole chunks when a step needs more than it
   holds, and every range goes back to it when its step is done, so later steps reuse it. Its ranges
   and pending read events are taken and given back under a lock (engines of several devices share it).
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from regen.formats.plan import host_range_bytes
+from regen.formats.plan_rules import host_range_bytes
 
 MIN_CHUNK_BYTES = 1 << 20  # a pool never grows by less than this
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from regen.formats.plan import merged_windows
+from regen.formats.plan_rules import merged_windows
 from regen.runtime.region_hooks import new_submodules
 
 ROOT = ("", 0)  # the step's start, where the root's call begins (count 0)

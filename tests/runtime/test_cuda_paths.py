@@ -26,7 +26,7 @@ from common import assert_nothing_left, assert_same, make, run_and_grads, traced
 from fake_cuda import FakeCuda
 from handmade import PLANS, trace_workload
 from regen.errors import RegenError, WorkloadError
-from regen.formats.plan import host_range_bytes
+from regen.formats.plan_rules import host_range_bytes
 from regen.profiler.capture import TimingMode
 from regen.runtime.swap import MIN_CHUNK_BYTES, HostPool
 from regen.runtime.swap_cuda import CudaEngine

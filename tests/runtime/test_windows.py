@@ -32,7 +32,7 @@ def test_each_tracked_op_is_followed_from_the_latest_call_that_started_before_it
 def test_a_window_runs_on_to_the_first_pack_after_its_last_tracked_op():
     """The runtime lets its dispatch mode go in a pack hook: given the ops after which the forward packs,
     the shared rule ends each window there, and a window that then reaches the next one merges with it."""
-    from regen.formats.plan import merged_windows
+    from regen.formats.plan_rules import merged_windows
 
     starts = [(0, "root"), (8, "a"), (30, "b")]
     assert merged_windows(starts, {3, 31}) == [(0, 3, "root"), (30, 31, "b")]

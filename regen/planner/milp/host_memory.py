@@ -4,7 +4,7 @@ the runtime's host pool holds (pinned on CUDA), stay within `PlanningGraph.host_
 A swapped candidate t holds its host range from the op after which its copy-out is issued to its first
 backward use (regen.planner.export computes the plan's host pool the same way), so at every such issue
 point s: `sum_{t: issue_after_t <= s <= b_t} m_t swap_t <= host cap`, m_t being t's host range (its
-bytes rounded up as the runtime's pool hands them out: formats.plan.host_range_bytes). When every
+bytes rounded up as the runtime's pool hands them out: formats.plan_rules.host_range_bytes). When every
 swappable candidate fits at once the constraint is left out.
 """
 
@@ -14,7 +14,7 @@ import heapq
 
 import pulp
 
-from regen.formats.plan import host_range_bytes
+from regen.formats.plan_rules import host_range_bytes
 from regen.planner.milp.highs import new_var
 
 
