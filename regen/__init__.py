@@ -12,9 +12,8 @@ unmodified training loop:
             optimizer.step(); optimizer.zero_grad()
 """
 
-__version__ = "0.1.0"
-
-from regen.formats import load_plan, load_profile  # noqa: E402
+from regen.formats import load_plan, load_profile
+from regen.version import __version__
 
 __all__ = ["__version__", "apply", "load_plan", "load_profile"]
 
@@ -48,7 +47,7 @@ def _cuda_link_gb_s(model) -> tuple[float, float] | None:
     well under a second); None for a model elsewhere."""
     import torch
 
-    from regen.runtime.regions import module_device
+    from regen.runtime.modules import module_device
 
     device = module_device(model) if isinstance(model, torch.nn.Module) else None
     if device is None or device.type != "cuda":

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from regen import __version__
+from regen.version import __version__
 from regen.errors import RegenError
 from regen.units import format_bytes
 

@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-import regen
+from regen.version import __version__ as regen_version
 from regen.errors import DeviceError
 from regen.formats.profile import DeviceInfo
 from regen.profiler.bandwidth import Bandwidth
@@ -69,7 +69,7 @@ def _host_memory_bytes() -> int:
 
 def library_versions() -> dict[str, str]:
     """python, torch, regen, and the optional libraries that are installed (read without importing them)."""
-    versions = {"python": platform.python_version(), "torch": str(torch.__version__), "regen": str(regen.__version__)}
+    versions = {"python": platform.python_version(), "torch": str(torch.__version__), "regen": regen_version}
     if torch.version.cuda:
         versions["cuda"] = str(torch.version.cuda)
     for name in OPTIONAL_LIBRARIES:

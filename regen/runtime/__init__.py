@@ -6,7 +6,7 @@
 * tracker.py: the dispatch mode that numbers forward ops;
 * forward_ops.py: what a step does per forward op: writer map, fingerprint, recipe captures;
 * packing.py: which decision a saved tensor gets (through the writer map, or by pack order);
-* candidates.py: one step's candidates: keep, swap or drop at pack, resident again at unpack;
+* planned_storages.py: one step's candidates: keep, swap or drop at pack, resident again at unpack;
 * swap_queue.py: one step's copy-outs, copy-in schedule and release; swap.py: the host pool and the
   SwapEngine interface, whose backends are swap_cuda.py (CUDA streams), link.py (an emulated host link on
   CPU, `emulate_link=True`) and swap.py's synchronous one;

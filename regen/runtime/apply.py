@@ -8,15 +8,15 @@ through one handle, is refused). The handle pushes, for each step, the step's pa
 and, while the step needs it, the handle's `ForwardTracker` dispatch mode (tracker.py), which numbers the
 forward ops (the loss included) until the plan's `num_forward_ops` have run or backward begins:
 
-* pack: the swapped storages due at this pack are released (their release points, swap_queue.py); the
+* pack: the swapped storages due at this pack are released (their release points, swap/queue.py); the
   tensor's plan entry is found (packing.py) by the writer map of its storage, `(producer_op,
   output_slot)`, checked by shape and dtype; then it is kept (`x.detach()`), swapped (storage copied to
-  the host pool, a handle returned: swap_queue.py, swap.py) or dropped for recompute (a handle
+  the host pool, a handle returned: regen.runtime.swap) or dropped for recompute (a handle
   returned; its recipe ops were captured as they ran: forward_ops.py, recompute.py);
 * unpack: counts the step's unpacks (the backward clock of docs/internals.md), releases the swapped
   storages due there, issues the copy-ins
   and region replays scheduled at that position, and rebuilds the entry over its restored or recomputed
-  storage (candidates.py).
+  storage (planned_storages.py).
 
 Plans with regions (`Plan.regions`) also get a forward pre-hook and a forward hook on each region's
 module: the step captures the region's call (arguments, RNG and autocast state) and replays the
@@ -52,8 +52,8 @@ Restored and recomputed storages are dropped after their last unpack; host range
 when autograd frees the handles; an exception inside the `with` block aborts the live steps and leaves
 no hook installed.
 
-The copies run on the device's `SwapEngine` (swap.py): CUDA streams on a GPU; on a CPU device, with
-`emulate_link=True`, an emulated link at the plan's bandwidths (link.py: copy threads, real stalls),
+The copies run on the device's `SwapEngine` (regen.runtime.swap): CUDA streams on a GPU; on a CPU device, with
+`emulate_link=True`, an emulated link at the plan's bandwidths (swap/emulated.py: copy threads, real stalls),
 else synchronous copies, with a warning for a plan that swaps (a CPU has no link: its host pool is the
 same RAM). Background copy threads stop when the handle is removed and no step holds copies any more,
 when an exception ends the `with` block, or at interpreter exit.
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import TYPE_CHECKING
 import weakref
 from pathlib import Path
 
@@ -72,25 +71,25 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from regen.caches import announced_caches_off
-from regen.errors import DATA_PARALLEL_REFUSED, PlanMismatchError, RegenError
+from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan
+from regen.runtime.dynamic.engine import DynamicStats
+from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
 from regen.runtime.learned import Learner
 from regen.ranks import rank_agreement
 from regen.runtime.peak_check import PeakCheck
 from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
 from regen.runtime.region_hooks import RegionHooks
-from regen.runtime.regions import module_device
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.mismatch import PlanMismatchWarning
+from regen.runtime.modules import check_model, module_device, starts_a_step, unwrap_model
 from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
 from regen.runtime.windows import WindowHooks
 
-if TYPE_CHECKING:
-    from regen.runtime.dynamic.engine import DynamicStats
 
 ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 
@@ -110,14 +109,6 @@ def _checked_plan_states(model: nn.Module, plan: Plan | str | Path | list | None
     return states
 
 
-def check_model(model: nn.Module, why: str) -> None:
-    """`model` is an eager nn.Module; `why`: the reason a torch.compile'd one is refused, and what to apply."""
-    if not isinstance(model, nn.Module):
-        raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        raise RegenError(f"regen.apply: this module is torch.compile'd; {why} to the original module "
-                         f"(model._orig_mod) and train it without torch.compile")
-
 
 class RegenHandle:
     """The object `regen.apply` returns: a context manager, or call `.remove()` when done."""
@@ -129,7 +120,7 @@ class RegenHandle:
         `learner`: what learns a plan for a call no plan fits (learned.py)."""
         states = _checked_plan_states(model, plan, on_mismatch, learner)
         self.model = model
-        self.root = _unwrap(model)
+        self.root = unwrap_model(model)
         self.plan_states = states  # one per plan, each with what its steps found (plan_set.py)
         self.on_mismatch = on_mismatch
         # the steps no plan fits run under the smallest cap of the set: within every cap the user solved for
@@ -242,13 +233,8 @@ class RegenHandle:
     # ---- step boundaries ------------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
         self._depth += 1
-        if self._depth > 1 or not torch.is_grad_enabled():  # eval() with grad is planned too: its ops decide
+        if not starts_a_step(self._depth, "regen plans"):
             return
-        if torch._C._current_graph_task_id() != -1:  # a forward run inside backward (checkpoint): leave it
-            return
-        if torch.compiler.is_compiling():
-            raise RegenError("regen.apply: the model is being run by torch.compile; regen plans eager "
-                             "execution, so train the module under regen.apply without torch.compile")
         prev = self.current
         if prev is not None and prev.phase != PHASE_CLOSED:
             prev.end_forward()
@@ -272,7 +258,7 @@ class RegenHandle:
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
         if self.peak_check.step_started(step, self.stats.steps, state.plan.memory_cap_bytes):
-            step.cands.watch_drops()
+            step.storages.watch_drops()
         self.current = step
         self.live_steps.append(step)
         if step.needs_tracker:
@@ -403,15 +389,6 @@ def _close_engines(engines: dict) -> None:
     engines.clear()
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module whose forward the plan describes: DistributedDataParallel wraps it (DataParallel is
-    refused)."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        if isinstance(model, nn.DataParallel):
-            raise RegenError(f"regen.apply: {DATA_PARALLEL_REFUSED}")
-        model = model.module
-    return model
-
 
 def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mismatch: str = "dynamic",
           emulate_link: bool = False, memory_cap: int | str | None = None, policy: str | None = None,
@@ -425,7 +402,7 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
     `"raise"` it raises PlanMismatchError; with `"keep"` it warns and runs unplanned. A mismatch found
     mid-step (a planned call whose ops differ from the plan's) raises, or with "keep" runs unplanned.
     `emulate_link=True` (CPU devices only) runs the plan's swaps over an emulated host link at the plan's
-    bandwidths, asynchronously, as over a GPU's link (regen.runtime.link).
+    bandwidths, asynchronously, as over a GPU's link (regen.runtime.swap.emulated).
 
     Without a plan, `memory_cap` (bytes, or text such as "6GiB") runs dynamic mode: saved tensors are
     dropped at run time to stay under the cap and rebuilt when backward needs them, chosen by the
@@ -438,8 +415,6 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
     `learner` (regen.learning, from `regen.apply(..., learn=True)`) learns a plan for each call signature
     no plan fits (learned.py); without a plan, the steps run in dynamic mode under `memory_cap` until then.
     """
-    from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy  # dynamic/ imports this module
-
     if policy is not None:
         check_policy(policy)
     if plan is None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from regen.call_signature import call_signature, describe
 from regen.formats.plan import Plan
+from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats
 from regen.runtime.learned import LearnedPlans, Learner
 from regen.runtime.mismatch import PlanMismatchWarning
 from regen.units import format_bytes
@@ -48,7 +49,6 @@ class DynamicFallback:
 
     @property
     def stats(self):
-        from regen.runtime.dynamic.engine import DynamicStats  # dynamic/ imports apply.py
 
         return self.engine.stats if self.engine is not None else DynamicStats()
 
@@ -72,8 +72,6 @@ class DynamicFallback:
                           f"dynamic mode under the cap {format_bytes(self.cap_bytes)} (on_mismatch='dynamic'"
                           f"{learning})", PlanMismatchWarning, stacklevel=5)
         if self.engine is None:
-            from regen.runtime.dynamic.engine import DynamicEngine  # dynamic/ imports apply.py
-
             self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
         step = self.engine.start_step()
         self.learned.observe(step, self.root, signature, described, args, kwargs, self.cap_bytes)

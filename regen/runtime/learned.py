@@ -29,7 +29,7 @@ from regen.formats.profile import CallSignature
 from regen.opinfo import storage_key
 from regen.runtime.plan_set import PLAN_SUFFIX
 from regen.runtime.recompute import CapturedOp
-from regen.runtime.swap import Geometry
+from regen.runtime.storage_views import Geometry
 from regen.runtime.writers import live_writer
 
 LEARNED_PREFIX = "learned-"

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from regen.errors import PlanMismatchError
 from regen.opinfo import (argument_value, op_name, op_outputs, reads_first_arg_metadata_only, storage_key,
                            written_arguments, written_outputs)
-from regen.runtime.swap import Geometry, view_of
+from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.writers import live_writer
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from regen.errors import PlanMismatchError
+from regen.runtime.modules import module_device
 from regen.runtime.plan_index import PlanIndex, RegionInfo
 from regen.runtime.tracker import regen_ops
 
@@ -228,14 +229,6 @@ def _inputs_again(rc: RegionCall) -> tuple[tuple, dict]:
 
     return tree_map(strong, rc.weak_inputs, is_leaf=lambda a: isinstance(a, weakref.ref))
 
-
-def module_device(module: nn.Module) -> torch.device | None:
-    """The device of the module's first parameter (or buffer), None for a module without either."""
-    for p in module.parameters():
-        return p.device
-    for b in module.buffers():
-        return b.device
-    return None
 
 
 class _state_of:

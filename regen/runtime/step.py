@@ -3,13 +3,13 @@
 A step begins at a training forward (the handle's root pre-hook) in PHASE_FORWARD. Its `ForwardOps`
 follow the forward ops the `ForwardTracker` counts (forward_ops.py); its pack hook finds each saved
 tensor's decision (packing.py: through the writer map, or by pack order once a step was verified) and
-hands the candidates to its `CandidateTable` (keep, swap, drop for recompute). After the plan's last
+hands the planned storages to its `PlannedStorages` (keep, swap, drop for recompute). After the plan's last
 forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHASE_CLOSED): later packs
 keep, and the step hands its handle `StepFindings` (what it verified and recorded for later steps). Each
 forward pack (counted all the way, `forward_packs_seen`) and each unpack first releases the swapped
-storages due there (their release points, swap_queue.py); copy-outs still running when the forward ends
+storages due there (their release points, swap/queue.py); copy-outs still running when the forward ends
 go on into backward, as the simulator has them. In backward the unpack hook counts the unpacks (the
-backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap_queue.py,
+backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap/queue.py,
 regions.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
 entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
 handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`), and
@@ -32,15 +32,16 @@ from torch import nn
 
 from regen.errors import RegenError
 from regen.formats.plan import ACTION_RECOMPUTE
-from regen.runtime.candidates import CandidateTable, Kept, Saved
+from regen.runtime.planned_storages import PlannedStorages, Saved
+from regen.runtime.saved_entries import Kept, Untracked
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.mismatch import MismatchPolicy
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.swap import HostPool, SwapEngine, view_of
-from regen.runtime.swap_queue import SwapQueue
+from regen.runtime.storage_views import view_of
+from regen.runtime.swap import HostPool, SwapEngine, SwapQueue
 from regen.runtime.tracker import PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL, regen_ops
 
 # Recipe replays run with only the tracker paused (other modes still see them); regen's own small ops run
@@ -80,11 +81,6 @@ class StepContext:
     drops_held: Callable  # (step, bytes): on a watched step, the dropped storages still held as backward began
 
 
-class _Untracked(Kept):
-    """A tensor packed outside the step's forward (e.g. in backward): kept, not counted."""
-
-    __slots__ = ()
-
 
 class Step:
     """One training step under a plan; `pack_fn` and `unpack_fn` are its saved-tensor hooks and
@@ -123,7 +119,7 @@ class Step:
         self.regions = RegionReplays(ctx.index, ctx.pause_tracker, self.mismatch, lambda: self.forward_packs_seen)
         self._regions_due = ctx.index.region_replay_order  # (unpack position, region id), in order
         self._next_region = 0
-        self.cands = CandidateTable(ctx.index, self.ops.captures, self.swaps, ctx.stats, self.mismatch,
+        self.storages = PlannedStorages(ctx.index, self.ops.captures, self.swaps, ctx.stats, self.mismatch,
                                     self._maybe_release, self.regions)
         self.unpack_count = 0
         self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
@@ -198,7 +194,7 @@ class Step:
         """The pack hook of a step matching through the writer map."""
         phase = self.phase
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
-            return _Untracked(x)
+            return Untracked(x)
         self._count_forward_pack(x)
         if phase == PHASE_CLOSED:
             return Kept(x)
@@ -209,7 +205,7 @@ class Step:
         elif info is None:
             result = Kept(x)
         else:
-            result = self.cands.pack(x, info, self.planned, False)
+            result = self.storages.pack(x, info, self.planned, False)
         if phase == PHASE_TAIL:  # the last planned op's outputs: match this one, then close
             self.end_forward(in_pack_hook=True)
         return result
@@ -234,7 +230,7 @@ class Step:
     def _fast_pack(self, x: torch.Tensor):
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
-            return _Untracked(x)
+            return Untracked(x)
         self._count_forward_pack(x)
         if self.phase == PHASE_CLOSED:
             return Kept(x)
@@ -257,14 +253,14 @@ class Step:
             self.mismatch(problem)
             result = Kept(x)
         else:
-            result = self.cands.pack(x, rec.info, self.planned, True)
+            result = self.storages.pack(x, rec.info, self.planned, True)
         if k + 1 == len(sequence):  # the verified step's last forward pack: matching is over
             self.end_forward(in_pack_hook=True)
         return result
 
     # ---- unpack -------------------------------------------------------------------------------------
     def unpack(self, obj):
-        if isinstance(obj, _Untracked):
+        if isinstance(obj, Untracked):
             return obj.unpack()
         if self.aborted:
             raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
@@ -282,17 +278,17 @@ class Step:
             self.swaps.issue_due(k)
         due, i = self._regions_due, self._next_region
         while i < len(due) and due[i][0] <= k:  # module calls replayed at this position of the backward clock
-            self.cands.replay_region(due[i][1])
+            self.storages.replay_region(due[i][1])
             i += 1
         self._next_region = i
         if not isinstance(obj, Saved):
             return obj.unpack()
         obj.check_version()
-        cand = obj.cand
-        base = cand.storage
-        if base is None or cand.mode != ACTION_RECOMPUTE:  # not rebuilt yet (or a swap, or a kept recipe input)
+        ps = obj.ps
+        base = ps.storage
+        if base is None or ps.mode != ACTION_RECOMPUTE:  # not rebuilt yet (or a swap, or a kept recipe input)
             with self.ctx.pause_tracker():
-                base = self.cands.materialize(cand)
+                base = self.storages.materialize(ps)
         if _dispatch_stack_len() == 0:  # no mode to hide regen's own ops from
             out = view_of(base, obj.geometry)
         else:
@@ -301,7 +297,7 @@ class Step:
         del base
         if not obj.unpacked:
             obj.unpacked = True
-            self.cands.used(cand)
+            self.storages.used(ps)
         return out
 
     def _first_unpack(self):
@@ -317,8 +313,8 @@ class Step:
         if expected is not None and self.forward_packs_seen != expected and self.planned:
             self.mismatch(f"the forward saved {self.forward_packs_seen} tensors for backward, the plan's saved "
                           f"{expected} (parameters frozen or unfrozen since it was profiled, or another model)")
-        if self.cands.dropped is not None and self.planned:
-            self.ctx.drops_held(self, self.cands.held_bytes())
+        if self.storages.dropped is not None and self.planned:
+            self.ctx.drops_held(self, self.storages.held_bytes())
         if self.mismatches.any_rank is not None:  # every rank acts if any rank's step did not match
             message = self.mismatches.agree()
             if message is not None:
@@ -331,7 +327,7 @@ class Step:
         return self.unpack_count > 0 or self.released
 
     def _maybe_release(self):
-        if self.cands.live <= 0 and self.phase == PHASE_CLOSED and not self.released:
+        if self.storages.live <= 0 and self.phase == PHASE_CLOSED and not self.released:
             self.release()
 
     def release(self, aborted: bool = False):
@@ -339,7 +335,7 @@ class Step:
         self.aborted = self.aborted or aborted
         self.phase = PHASE_CLOSED
         self.swaps.release_all()
-        self.cands.release_all()
+        self.storages.release_all()
         self.regions.release()
         self.ops.release()
         self.swaps.clear()

@@ -2,7 +2,7 @@
 
 `FakeCuda.install(monkeypatch)` replaces `torch.cuda.Stream`, `Event`, `current_stream`, `stream` and
 `synchronize`, and `Tensor.record_stream`, with objects that keep a record of what was asked of them, so
-the CUDA code paths (regen.runtime.swap_cuda, the profiler's CUDA timing) run here on CPU tensors and
+the CUDA code paths (regen.runtime.swap.cuda, the profiler's CUDA timing) run here on CPU tensors and
 their ordering can be checked: which stream an event was recorded on, which events a stream waited on,
 which streams a buffer was recorded on. Copies run at once, so bytes are right whatever the ordering:
 these tests check the ordering calls, never timing. A call that leaves the device to the current one

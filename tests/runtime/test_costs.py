@@ -71,7 +71,7 @@ def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
     """The swap figure includes what swaps cost a computing thread: an engine whose copy-in issue takes
     2 ms of the compute thread (off the calls-alone probe's tiny tensors) measures about that per swap."""
     from regen.runtime import costs as probe
-    from regen.runtime.link import EmulatedEngine
+    from regen.runtime.swap import EmulatedEngine
 
     plain = probe._swap_s(torch.device("cpu"))
     original = EmulatedEngine.copy_in

@@ -28,12 +28,12 @@ from handmade import PLANS, trace_workload
 from regen.errors import RegenError, WorkloadError
 from regen.formats.plan_rules import host_range_bytes
 from regen.profiler.capture import TimingMode
-from regen.runtime.swap import MIN_CHUNK_BYTES, HostPool
-from regen.runtime.swap_cuda import CudaEngine
+from regen.runtime.swap import CudaEngine, HostPool
+from regen.runtime.swap.host_pool import MIN_CHUNK_BYTES
 from regen.runtime.tracker import ForwardTracker
 from regen.workloads import Workload
 
-swap_module = importlib.import_module("regen.runtime.swap")
+host_pool_module = importlib.import_module("regen.runtime.swap.host_pool")
 apply_module = importlib.import_module("regen.runtime.apply")
 
 
@@ -45,7 +45,7 @@ def _pageable_host_memory(monkeypatch) -> list[bool]:
         asked.append(pinned)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    monkeypatch.setattr(swap_module, "host_memory", host_memory)
+    monkeypatch.setattr(host_pool_module, "host_memory", host_memory)
     return asked
 
 

@@ -109,7 +109,7 @@ def test_link_gb_s_is_for_dynamic_mode_alone():
 
 def test_a_consumer_that_does_not_wait_reads_poison(monkeypatch):
     """The test above fails when the runtime reads a copy-in before its bytes landed."""
-    from regen.runtime.link import EmulatedEngine
+    from regen.runtime.swap import EmulatedEngine
 
     w, reference, cap, _ = _capped("gpt")
     monkeypatch.setattr(EmulatedEngine, "wait_copy_in", lambda self, cin: None)

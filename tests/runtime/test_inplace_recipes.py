@@ -12,7 +12,7 @@ import regen
 from common import assert_same, make, run_and_grads
 from regen.errors import PlanMismatchError
 from regen.runtime.recompute import CapturedOp, Ref, replay_recipe
-from regen.runtime.swap import Geometry
+from regen.runtime.storage_views import Geometry
 
 STEPS = 3
 GPT_ARGS = dict(batch_size=2, vocab_size=256, context=32, d_model=64, n_layer=2, n_head=4, dropout=0.1)

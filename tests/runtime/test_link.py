@@ -1,4 +1,4 @@
-"""The emulated host link (regen.apply(..., emulate_link=True), regen.runtime.link) on a CPU device.
+"""The emulated host link (regen.apply(..., emulate_link=True), regen.runtime.swap.emulated) on a CPU device.
 
 Under a slow link (copying every swapped byte one way takes longer than the step), hand-made swap and
 hybrid plans give the unplanned gradients and module buffers bit for bit, and so do solved plans, whose
@@ -24,8 +24,8 @@ from common import assert_nothing_left, make, run_and_grads, step, traced
 from handmade import PLANS
 from regen.errors import InfeasibleCapError, RegenError
 from regen.measure import measure_memory
-from regen.runtime.link import POISON_BYTE, POISON_WORDS, CopyThread, EmulatedEngine, poison_stride_bytes
-from regen.runtime.swap import HostPool
+from regen.runtime.swap import EmulatedEngine, HostPool
+from regen.runtime.swap.emulated import POISON_BYTE, POISON_WORDS, CopyThread, poison_stride_bytes
 
 SLOW_LINK_RATIO = 2.0  # the swapped bytes take twice a step to copy one way: copies stall compute
 LINK_THREAD_PREFIX = "regen-link"

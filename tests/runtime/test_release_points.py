@@ -20,8 +20,8 @@ from regen.formats.plan import ACTION_SWAP
 from regen.planner.export import choices_from_plan
 from regen.planner.graph import build_graph
 from regen.planner.simulator import simulate
-from regen.runtime.link import LinkEvent
-from regen.runtime.swap_queue import SwapQueue
+from regen.runtime.swap import SwapQueue
+from regen.runtime.swap.emulated import LinkEvent
 
 LINK_RATIO = 0.9  # PCIe next to a fast GPU
 CAP_FRACTION = 0.8  # of the unplanned peak

@@ -5,7 +5,9 @@ import torch
 
 from regen.errors import FormatError
 from regen.runtime.plan_index import index_plan
-from regen.runtime.swap import MIN_CHUNK_BYTES, Geometry, HostPool, SyncEngine, view_of
+from regen.runtime.storage_views import Geometry, view_of
+from regen.runtime.swap import HostPool, SyncEngine
+from regen.runtime.swap.host_pool import MIN_CHUNK_BYTES
 
 from common import traced
 from handmade import PLANS

@@ -26,7 +26,7 @@ from regen.runtime import stacks
 from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
-from regen.runtime.regions import module_device
+from regen.runtime.modules import module_device
 
 
 @dataclass

@@ -12,15 +12,13 @@ An exception inside the `with` block releases every live step and leaves no hook
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from regen.caches import announced_caches_off
 from regen.errors import RegenError
-from regen.runtime.apply import _unwrap, check_model  # _unwrap: DDP and DataParallel unwrapped
 from regen.runtime.dynamic.engine import DynamicEngine
 from regen.runtime.dynamic.policy import POLICIES
-from regen.runtime.regions import module_device
+from regen.runtime.modules import check_model, module_device, starts_a_step, unwrap_model
 from regen.units import parse_memory_cap
 
 __all__ = ["DynamicHandle", "check_policy", "cap_bytes", "link_bytes_per_s"]
@@ -36,7 +34,7 @@ class DynamicHandle:
         self.cap_bytes = cap_bytes(memory_cap)
         self.policy = policy
         self.model = model
-        self.root = _unwrap(model)
+        self.root = unwrap_model(model)
         self.caches = announced_caches_off(self.root)  # regen.caches
         link = link_bytes_per_s(link_gb_s, emulate_link, module_device(self.root))
         self.engine = DynamicEngine(self.root, self.cap_bytes, policy, link, emulate_link)
@@ -79,13 +77,8 @@ class DynamicHandle:
     # ---- step boundaries --------------------------------------------------------------------------
     def _pre_hook(self, module, args):
         self._depth += 1
-        if self._depth > 1 or not torch.is_grad_enabled():
+        if not starts_a_step(self._depth, "dynamic mode runs"):
             return
-        if torch._C._current_graph_task_id() != -1:  # a forward run inside backward (checkpoint): leave it
-            return
-        if torch.compiler.is_compiling():
-            raise RegenError("regen.apply: the model is being run by torch.compile; dynamic mode runs eager "
-                             "execution, so train the module under regen.apply without torch.compile")
         self.engine.start_step()
 
     def _post_hook(self, module, args, output):

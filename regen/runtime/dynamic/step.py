@@ -31,7 +31,8 @@ from regen.runtime.dynamic.residency import Residency
 from regen.runtime.dynamic.residency import HEADROOM_PER_OUTPUT
 from regen.runtime.writers import Writer, live_writer
 from regen.runtime.recompute import capture_op
-from regen.runtime.swap import Geometry, view_of
+from regen.runtime.saved_entries import Untracked
+from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
 from regen.units import format_bytes
 
@@ -39,14 +40,6 @@ from regen.units import format_bytes
 class OverCapWarning(UserWarning):
     """A dynamic step's memory passed its cap with nothing left to evict (the result stays exact)."""
 
-
-class _Untracked:
-    """A tensor packed in backward (double backward, checkpoint): kept, not a node."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
 
 
 class Held:
@@ -149,7 +142,7 @@ class DynamicStep:
 
     def _pack(self, x: torch.Tensor):
         if self.in_backward or torch._C._current_graph_task_id() != -1 or self.released:
-            return _Untracked(x.detach())
+            return Untracked(x)
         w = live_writer(self.writer, storage_key(x))
         if w is None:  # a parameter, a buffer, the batch: not an activation of this step
             return x.detach()
@@ -163,8 +156,8 @@ class DynamicStep:
         return Held(self, node, Geometry.of(x))
 
     def unpack(self, obj):
-        if isinstance(obj, _Untracked):
-            return obj.tensor
+        if isinstance(obj, Untracked):
+            return obj.unpack()
         if not isinstance(obj, Held):
             return obj
         if self.aborted or self.released:

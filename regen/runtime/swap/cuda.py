@@ -1,4 +1,4 @@
-"""The CUDA backend of `SwapEngine` (swap.py): copies on a device-to-host and a host-to-device stream.
+"""The CUDA backend of `SwapEngine` (engine.py): copies on a device-to-host and a host-to-device stream.
 
 Every stream, event and wait names the engine's device, so a model on `cuda:1` is served right while
 device 0 is current. A copy-out waits on the compute stream (the stream current at the pack, which the
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from regen.runtime.swap import CopyIn, CopyOut, HostPool, SwapEngine, storage_bytes_view
+from regen.runtime.storage_views import storage_bytes_view
+from regen.runtime.swap.engine import CopyIn, CopyOut, SwapEngine
+from regen.runtime.swap.host_pool import HostPool
 
 
 class CudaEngine(SwapEngine):

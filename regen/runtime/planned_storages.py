@@ -1,15 +1,15 @@
-"""One step's candidates: what the runtime did with each planned storage, and what it still owes.
+"""One step's planned storages: what the runtime did with each storage its plan decides, and what it still owes.
 
-A `Candidate` is one storage of one step, named by its decision's `(producer_op, output_slot)`. When a
-matched tensor is packed (`CandidateTable.pack`) it is kept (a `Kept`; a recipe anchor also keeps a
+A `PlannedStorage` is one storage of one step, named by its decision's `(producer_op, output_slot)`. When a
+matched tensor is packed (`PlannedStorages.pack`) it is kept (a `Kept`; a recipe anchor also keeps a
 tensor over its storage), swapped (the `SwapQueue` copies it out) or dropped for recompute (its recipe
 ops were captured as they ran); a swapped or dropped entry is packed as a `Saved`. In backward
 `materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
-by its recipe (`recompute.replay_recipe`), which also hands over the candidates rebuilt with it
+by its recipe (`recompute.replay_recipe`), which also hands over the planned storages rebuilt with it
 (docs/internals.md "Rebuilt with another's recipe"), held until their own use, or by replaying its
 region's module call (regions.py), which rebuilds all of the region's dropped members at once. A
 resident storage is dropped after its last use (its first unpacks and the recipes reading it);
-everything else the candidate holds goes when autograd frees its last handle, or when the step is
+everything else the planned storage holds goes when autograd frees its last handle, or when the step is
 released. A backward over a retained graph (`retain_graph=True`, then another backward) unpacks
 again: swapped storages are restored and recipes run again, reading kept anchors through the tensor
 autograd still holds for them (a weak reference: it costs no memory once autograd frees it). Every
@@ -28,15 +28,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.opinfo import storage_key
+from regen.runtime.saved_entries import Kept, check_version
 from regen.runtime.plan_index import DecisionInfo, PlanIndex
 from regen.runtime.recompute import CapturedOp, replay_recipe
 from regen.runtime.regions import RegionReplays
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.swap import CopyIn, CopyOut, Geometry
-from regen.runtime.swap_queue import SwapQueue
+from regen.runtime.storage_views import Geometry
+from regen.runtime.swap import CopyIn, CopyOut, SwapQueue
 
 
-class Candidate:
+class PlannedStorage:
     """One storage of one step: what the runtime did with it and what it still owes."""
 
     __slots__ = ("key", "info", "mode", "pending", "live", "storage", "copy_out", "copy_in", "recipe_ran",
@@ -58,18 +59,6 @@ class Candidate:
         # kept anchors: the tensor autograd holds for it, weakly: alive again in a backward over a retained graph
         self.kept_by_autograd: weakref.ref | None = None
 
-
-def check_version(t: torch.Tensor, saved_version: int, shape=None) -> None:
-    """Autograd's own check, which it skips under saved-tensor hooks: a saved tensor modified in place
-    since it was packed is an error (raised with autograd's wording; `shape`: the saved tensor's, when `t`
-    is a version probe)."""
-    version = t._version
-    if version != saved_version:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{t.type()} {list(t.shape if shape is None else shape)}] is at version {version}; expected version "
-            f"{saved_version} instead. Hint: enable anomaly detection to find the operation that failed to compute "
-            f"its gradient, with torch.autograd.set_detect_anomaly(True).")
 
 
 _EMPTY_STORAGES: dict[torch.device, torch.UntypedStorage] = {}
@@ -94,31 +83,17 @@ def version_probe(x: torch.Tensor) -> torch.Tensor | None:
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
-class Kept:
-    """What autograd stores for a kept entry: the tensor (sharing the packed one's version counter) and
-    that counter's value at the pack."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, x: torch.Tensor):
-        self.tensor = x.detach()
-        self.version = x._version
-
-    def unpack(self) -> torch.Tensor:
-        check_version(self.tensor, self.version)
-        return self.tensor
-
 
 class Saved:
-    """What autograd stores for a swapped or dropped entry: the candidate, the entry's geometry, and a
+    """What autograd stores for a swapped or dropped entry: the planned storage, the entry's geometry, and a
     version probe of the packed tensor (its version counter, no memory) with its value at the pack, so an
     in-place change before backward is caught as autograd would."""
 
-    __slots__ = ("table", "cand", "geometry", "unpacked", "probe", "version")
+    __slots__ = ("table", "ps", "geometry", "unpacked", "probe", "version")
 
-    def __init__(self, table: "CandidateTable", cand: Candidate, x: torch.Tensor):
+    def __init__(self, table: "PlannedStorages", ps: PlannedStorage, x: torch.Tensor):
         self.table = table
-        self.cand = cand
+        self.ps = ps
         self.geometry = Geometry.of(x)
         self.unpacked = False
         self.version = x._version
@@ -130,13 +105,13 @@ class Saved:
 
     def __del__(self):
         try:
-            self.table.handle_died(self.cand)
+            self.table.handle_died(self.ps)
         except Exception:  # interpreter shutdown; never raise from a finaliser
             pass
 
 
-class CandidateTable:
-    """The candidates of one step by key, with the handles autograd holds on them."""
+class PlannedStorages:
+    """The planned storages of one step by key, with the handles autograd holds on them."""
 
     def __init__(self, index: PlanIndex, captures: dict[int, CapturedOp], swaps: SwapQueue, stats: RuntimeStats,
                  mismatch: Callable[[str], None], handles_gone: Callable[[], None], regions: RegionReplays):
@@ -150,8 +125,8 @@ class CandidateTable:
         self.stats = stats
         self._mismatch = mismatch
         self._handles_gone = handles_gone
-        self.cands: dict[tuple[int, int], Candidate] = {}
-        self.live = 0  # handles autograd still holds, over all candidates
+        self.storages: dict[tuple[int, int], PlannedStorage] = {}
+        self.live = 0  # handles autograd still holds, over all of them
         # on a checked step (`watch_drops`): storage key -> (weak reference, bytes) of each storage dropped for
         # recompute, to count those something else still holds when backward begins
         self.dropped: dict[int, tuple[StorageWeakRef, int]] | None = None
@@ -168,46 +143,46 @@ class CandidateTable:
     def pack(self, x: torch.Tensor, info: DecisionInfo, planned: bool, check_storage: bool):
         """Pack tensor `x` whose decision is `info`: keep it, or start its swap or drop and return a
         `Saved`. `planned`: the step still follows the plan (else keep); `check_storage`: the pack was
-        matched by order, so check that a swapped candidate is saved from the storage copied out."""
+        matched by order, so check that a swapped planned storage is saved from the storage copied out."""
         key = info.key
-        cand = self.cands.get(key)
-        if cand is None:
-            cand = self.cands[key] = Candidate(key, info)
-        elif check_storage and cand.storage_key is not None and storage_key(x) != cand.storage_key:
+        ps = self.storages.get(key)
+        if ps is None:
+            ps = self.storages[key] = PlannedStorage(key, info)
+        elif check_storage and ps.storage_key is not None and storage_key(x) != ps.storage_key:
             self._mismatch(f"op {key[0]} output {key[1]} was saved from two storages (the plan's verified step "
                            f"saved one)")
             return Kept(x)
-        if cand.mode is None:
+        if ps.mode is None:
             if not planned or info.action == ACTION_KEEP:
-                cand.mode = ACTION_KEEP
+                ps.mode = ACTION_KEEP
             elif info.action == ACTION_SWAP:
-                self.swaps.start(cand, x)
-                cand.mode = ACTION_SWAP
-                cand.storage_key = storage_key(x)
-            elif self._start_drop(cand):
-                cand.mode = ACTION_RECOMPUTE
+                self.swaps.start(ps, x)
+                ps.mode = ACTION_SWAP
+                ps.storage_key = storage_key(x)
+            elif self._start_drop(ps):
+                ps.mode = ACTION_RECOMPUTE
                 if self.dropped is not None:
                     storage = x.untyped_storage()
                     self.dropped[storage_key(x)] = (StorageWeakRef(storage), storage.nbytes())
             else:  # its recipe was not captured: keep
-                cand.mode = ACTION_KEEP
-        if cand.mode == ACTION_KEEP:
+                ps.mode = ACTION_KEEP
+        if ps.mode == ACTION_KEEP:
             kept = Kept(x)
-            if key in self.index.anchor_keys and cand.storage is None:
-                cand.storage = kept.tensor
-                cand.kept_by_autograd = weakref.ref(kept.tensor)
-                cand.version = kept.version
+            if key in self.index.anchor_keys and ps.storage is None:
+                ps.storage = kept.tensor
+                ps.kept_by_autograd = weakref.ref(kept.tensor)
+                ps.version = kept.version
             return kept
-        cand.pending += 1
-        cand.live += 1
+        ps.pending += 1
+        ps.live += 1
         self.live += 1
-        return Saved(self, cand, x)
+        return Saved(self, ps, x)
 
-    def _start_drop(self, cand: Candidate) -> bool:
-        info = cand.info
+    def _start_drop(self, ps: PlannedStorage) -> bool:
+        info = ps.info
         if info.region is not None:
             if not self.regions.captured(info.region):
-                self._mismatch(f"op {cand.key[0]}'s output is rebuilt by replaying module "
+                self._mismatch(f"op {ps.key[0]}'s output is rebuilt by replaying module "
                                f"{self.index.regions[info.region].region.module!r}, whose call this step did not "
                                f"capture")
                 return False
@@ -215,79 +190,79 @@ class CandidateTable:
             return True
         missing = [r for r in info.decision.recipe if r not in self.captures]
         if missing:
-            self._mismatch(f"the recipe of op {cand.key[0]} needs ops {missing}, which were not captured")
+            self._mismatch(f"the recipe of op {ps.key[0]} needs ops {missing}, which were not captured")
             return False
         for a in info.anchors:
-            anchor = self.cands.get(a)
+            anchor = self.storages.get(a)
             if anchor is None:
-                anchor = self.cands[a] = Candidate(a, self.index.decisions.get(a))
+                anchor = self.storages[a] = PlannedStorage(a, self.index.decisions.get(a))
             anchor.pending += 1
         self.stats.dropped_tensors += 1
         return True
 
     # ---- backward ---------------------------------------------------------------------------------
-    def materialize(self, cand: Candidate) -> torch.Tensor:
-        """A tensor over the candidate's storage, resident now (restored or rebuilt if needed)."""
-        if cand.released:
-            raise RegenError(f"regen.apply: op {cand.key[0]}'s saved tensor was released; it was unpacked "
+    def materialize(self, ps: PlannedStorage) -> torch.Tensor:
+        """A tensor over the planned storage's storage, resident now (restored or rebuilt if needed)."""
+        if ps.released:
+            raise RegenError(f"regen.apply: op {ps.key[0]}'s saved tensor was released; it was unpacked "
                              f"after autograd freed it (a retained graph over an aborted step?)")
-        if cand.mode == ACTION_SWAP:
-            return self.swaps.restored(cand)
-        if cand.storage is None and cand.kept_by_autograd is not None:  # a second backward (retain_graph)
-            cand.storage = cand.kept_by_autograd()
-        if cand.storage is not None:
-            if cand.mode == ACTION_KEEP:  # a kept recipe input, read before its own unpack perhaps
-                check_version(cand.storage, cand.version)
-            return cand.storage
-        if cand.mode == ACTION_RECOMPUTE and cand.info.region is not None:
-            self.replay_region(cand.info.region)  # backward reached it before the planned unpack
-            if cand.storage is None:
+        if ps.mode == ACTION_SWAP:
+            return self.swaps.restored(ps)
+        if ps.storage is None and ps.kept_by_autograd is not None:  # a second backward (retain_graph)
+            ps.storage = ps.kept_by_autograd()
+        if ps.storage is not None:
+            if ps.mode == ACTION_KEEP:  # a kept recipe input, read before its own unpack perhaps
+                check_version(ps.storage, ps.version)
+            return ps.storage
+        if ps.mode == ACTION_RECOMPUTE and ps.info.region is not None:
+            self.replay_region(ps.info.region)  # backward reached it before the planned unpack
+            if ps.storage is None:
                 raise PlanMismatchError(f"regen.apply: replaying module "
-                                        f"{self.index.regions[cand.info.region].region.module!r} did not rebuild op "
-                                        f"{cand.key[0]}'s output; the plan does not fit this run")
-            return cand.storage
-        if cand.mode == ACTION_RECOMPUTE:
-            if cand.info.rebuilt_with is not None:
+                                        f"{self.index.regions[ps.info.region].region.module!r} did not rebuild op "
+                                        f"{ps.key[0]}'s output; the plan does not fit this run")
+            return ps.storage
+        if ps.mode == ACTION_RECOMPUTE:
+            if ps.info.rebuilt_with is not None:
                 raise PlanMismatchError(
-                    f"regen.apply: op {cand.key[0]}'s saved tensor is rebuilt by the recipe of op "
-                    f"{cand.info.rebuilt_with[0]}'s, which had not run when backward first read it: backward ran "
+                    f"regen.apply: op {ps.key[0]}'s saved tensor is rebuilt by the recipe of op "
+                    f"{ps.info.rebuilt_with[0]}'s, which had not run when backward first read it: backward ran "
                     f"in another order than profiled; the plan does not fit this run")
-            return self._recompute(cand)
-        raise PlanMismatchError(f"regen.apply: a recompute recipe reads op {cand.key[0]} output {cand.key[1]}, "
+            return self._recompute(ps)
+        raise PlanMismatchError(f"regen.apply: a recompute recipe reads op {ps.key[0]} output {ps.key[1]}, "
                                 f"which this step never saved; the plan does not fit this model")
 
-    def _recompute(self, cand: Candidate) -> torch.Tensor:
-        info = cand.info
+    def _recompute(self, ps: PlannedStorage) -> torch.Tensor:
+        info = ps.info
         allowed = set(info.anchors)
 
         def anchor(key):
             if key not in allowed:
                 raise PlanMismatchError(
-                    f"regen.apply: the recipe of op {cand.key[0]} reads op {key[0]} output {key[1]}, which is "
+                    f"regen.apply: the recipe of op {ps.key[0]} reads op {key[0]} output {key[1]}, which is "
                     f"neither in its recipe nor among its recipe_inputs; the plan does not fit this model")
-            a = self.cands.get(key)
+            a = self.storages.get(key)
             if a is None:
                 raise PlanMismatchError(f"regen.apply: recipe input op {key[0]} output {key[1]} was never saved "
                                         f"in this step")
             return self.materialize(a)
 
-        keep = tuple(k for k in info.rebuilds if (b := self.cands.get(k)) is not None and b.storage is None
+        keep = tuple(k for k in info.rebuilds if (b := self.storages.get(k)) is not None and b.storage is None
                      and not b.released and b.mode == ACTION_RECOMPUTE)
-        result, kept = replay_recipe(cand.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype,
+        result, kept = replay_recipe(ps.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype,
                                      keep=keep)
         self.stats.recomputes += 1
-        cand.storage = result
+        ps.storage = result
         for key, tensor in kept.items():  # rebuilt with this recipe: held until their own use
-            b = self.cands[key]
+            b = self.storages[key]
             if tensor.shape != b.info.shape or tensor.dtype != b.info.dtype:
-                raise PlanMismatchError(f"regen.apply: op {key[0]}'s output, rebuilt with op {cand.key[0]}'s recipe, "
+                raise PlanMismatchError(f"regen.apply: op {key[0]}'s output, rebuilt with op {ps.key[0]}'s recipe, "
                                         f"is {tuple(tensor.shape)} {tensor.dtype}; the plan expects "
                                         f"{tuple(b.info.shape)} {b.info.dtype}")
             b.storage = tensor
-        if not cand.recipe_ran:
-            cand.recipe_ran = True
+        if not ps.recipe_ran:
+            ps.recipe_ran = True
             for a in info.anchors:
-                a_cand = self.cands.get(a)
+                a_cand = self.storages.get(a)
                 if a_cand is not None:
                     self.used(a_cand)
         return result
@@ -295,7 +270,7 @@ class CandidateTable:
     def replay_region(self, rid: int) -> None:
         """Replay region `rid` (once) and hold what it rebuilt for the members dropped in this step."""
         waiting = [k for k in self.index.regions[rid].pack_keys
-                   if k is not None and (c := self.cands.get(k)) is not None and c.mode == ACTION_RECOMPUTE
+                   if k is not None and (c := self.storages.get(k)) is not None and c.mode == ACTION_RECOMPUTE
                    and c.storage is None and not c.released]
         if not waiting:
             return
@@ -304,45 +279,45 @@ class CandidateTable:
             return
         self.stats.region_replays += 1
         for key in waiting:
-            cand = self.cands[key]
+            ps = self.storages[key]
             tensor = rebuilt.get(key)
-            if tensor is None or tensor.untyped_storage().nbytes() != cand.info.decision.bytes:
+            if tensor is None or tensor.untyped_storage().nbytes() != ps.info.decision.bytes:
                 raise PlanMismatchError(f"regen.apply: replaying module {self.index.regions[rid].region.module!r} "
                                         f"rebuilt op {key[0]}'s output with another size; the plan does not fit "
                                         f"this model")
-            cand.storage = tensor
+            ps.storage = tensor
 
-    def used(self, cand: Candidate) -> None:
-        """One use of the candidate is done (a first unpack, a recipe that read it); after its last one
+    def used(self, ps: PlannedStorage) -> None:
+        """One use of the planned storage is done (a first unpack, a recipe that read it); after its last one
         its resident storage goes (backward has begun: the forward is closed)."""
-        cand.pending -= 1
-        if cand.pending <= 0:
-            self._drop_device_copy(cand)
+        ps.pending -= 1
+        if ps.pending <= 0:
+            self._drop_device_copy(ps)
 
-    def _drop_device_copy(self, cand: Candidate) -> None:
-        if cand.copy_in is not None:
-            self.swaps.drop_copy_in(cand)
-        cand.storage = None
+    def _drop_device_copy(self, ps: PlannedStorage) -> None:
+        if ps.copy_in is not None:
+            self.swaps.drop_copy_in(ps)
+        ps.storage = None
 
     # ---- lifetime ---------------------------------------------------------------------------------
-    def handle_died(self, cand: Candidate) -> None:
-        """Autograd freed a `Saved` of this candidate."""
-        cand.live -= 1
+    def handle_died(self, ps: PlannedStorage) -> None:
+        """Autograd freed a `Saved` of this planned storage."""
+        ps.live -= 1
         self.live -= 1
-        if cand.live == 0 and not cand.released:
-            self._release(cand)
+        if ps.live == 0 and not ps.released:
+            self._release(ps)
         if self.live <= 0:
             self._handles_gone()
 
-    def _release(self, cand: Candidate) -> None:
-        cand.released = True
-        self._drop_device_copy(cand)
-        if cand.copy_out is not None:
-            self.swaps.release(cand)
+    def _release(self, ps: PlannedStorage) -> None:
+        ps.released = True
+        self._drop_device_copy(ps)
+        if ps.copy_out is not None:
+            self.swaps.release(ps)
 
     def release_all(self) -> None:
-        """The step is released: every candidate gives back what it holds."""
-        for cand in list(self.cands.values()):
-            if not cand.released:
-                self._release(cand)
-        self.cands = {}
+        """The step is released: every planned storage gives back what it holds."""
+        for ps in list(self.storages.values()):
+            if not ps.released:
+                self._release(ps)
+        self.storages = {}
