@@ -66,7 +66,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from regen.formats import save_profile
     from regen.formats.yamlio import check_output_path
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     spec, wargs, batch_size, autocast = _workload_options(args)
     check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work

@@ -99,7 +99,7 @@ def run_demo(output_dir: str | Path = "demo-output", config: str | None = None,
 def _profile(workload, out: Path, progress):
     from regen.formats import save_profile
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     profile = profile_workload(workload, device="cpu", repeats=DEMO_PROFILE_REPEATS, warmup_steps=1,
                                progress=progress, runtime_probe=measure_runtime_costs)

@@ -103,10 +103,6 @@ class RegionDecision:
     is_random: bool = False  # draws from the RNG: replayed with the RNG state of the original call
     time_s: float = 0.0  # the replay's predicted time
 
-    def rebuilt_ids(self) -> list[int]:
-        """The SavedTensor ids the replay rebuilds, in first-pack order."""
-        return list(dict.fromkeys(p for p in self.packs if p is not None))
-
 
 @dataclass
 class TrackingStart:

@@ -34,7 +34,7 @@ Modules (optional)
 innermost module whose forward (or, for a backward op, whose backward) the op ran in, None outside
 any. `Profile.module_calls` lists every call of a submodule in the forward (`ModuleCall`): its first
 and last forward op, its tensor arguments, and the saved entries packed during it. Profiles without
-them load as before; the planner then has no region candidates.
+them load; the planner then has no region candidates.
 
 Runtime costs (optional)
 ------------------------
@@ -184,7 +184,7 @@ class DeviceInfo:
 
 @dataclass
 class RuntimeCosts:
-    """What regen's runtime adds per event on the profiled machine (the probe in regen.runtime.costs)."""
+    """What regen's runtime adds per event on the profiled machine (the probe in regen.runtime.self_timing)."""
 
     dispatch_op_s: float  # a forward op through the runtime's dispatch mode, while it tracks the forward
     capture_op_s: float  # capturing a recipe op's arguments in forward

@@ -139,7 +139,6 @@ class CallWatcher:
 
     def _held_outside(self, frame: _OpenCall, output) -> list[int]:
         returned = {t.untyped_storage().data_ptr() for t in _tensors(output)}
-        held = []
         return [nbytes for ref, key, nbytes in self.created[frame.first_created:]
                 if not ref.expired() and key not in returned]
 

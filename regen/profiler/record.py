@@ -80,7 +80,7 @@ from regen.workloads import Workload, call_arguments, forward_with_output, train
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
 # what regen profile's caller measures of its runtime: (device, timed_forward or None) -> RuntimeCosts, where
-# timed_forward(context) runs one step of the workload with `context` around its forward (regen.runtime.costs)
+# timed_forward(context) runs one step of the workload with `context` around its forward (regen.runtime.self_timing)
 RuntimeProbe = Callable[[torch.device, Callable | None], RuntimeCosts]
 MAX_WARMUP_STEPS = 12  # warm-up steps taken to fill `warmup_s`, at most
 # the plain step time and the summed op times disagree (a busy machine) when they differ by this factor
@@ -101,7 +101,7 @@ def profile_workload(workload: Workload, device: str, repeats: int, warmup_steps
     """Profile one training step of `workload` on `device` (see the module docstring for the phases).
 
     `runtime_probe` measures what regen's runtime adds per event on this device (`regen profile` passes
-    regen.runtime.costs.measure_runtime_costs); without it the profile has no `runtime_costs`. `park`
+    regen.runtime.self_timing.measure_runtime_costs); without it the profile has no `runtime_costs`. `park`
     records the step with its saved tensors parked in host memory (a step that does not fit). `bandwidth`:
     the link's, measured before (no probe buffers then); `optimizer_step=False` runs no optimizer step (no
     optimizer state: a profile taken between a user's training steps, regen.learning). `warmup_s`: more
@@ -387,8 +387,7 @@ class _StepTimer:
         """Each recorded op's median time over `repeats` timed steps of the same op sequence, and the step
         and optimizer times of a plain step taken after each: the step time is then a median over plain
         steps spread over the whole timing, so a burst of load on a shared machine moves it no more than
-        the op times (on 2 shared cores, the 3 plain steps right after the warm-up once read 85 ms where
-        the same model measured 64-74 ms in the minute after)."""
+        the op times (plain steps taken together right after the warm-up can all land in one burst)."""
         per_step_times, step_times_s, optimizer_times_s = [], [], []
         for k in range(self.repeats):
             self.say(f"timing ops: step {k + 1}/{self.repeats}")

@@ -1,23 +1,35 @@
 """regen.runtime: replay a plan in an unmodified training loop (`regen.apply(model, plan)`).
 
+The handle and its steps:
 * apply.py: the handle (context manager / `.remove()`): hooks, step boundaries, what steps found;
+* modules.py: the model as the runtime sees it: DDP unwrapped, its device, the rule for a step's start;
 * plan_set.py: the handle's plans (one, or one per way the loop calls the model) and each step's choice;
-* step.py: one step: its phases, pack and unpack hooks, the end of its forward, its release;
-* tracker.py: the dispatch mode that numbers forward ops;
+* plan_index.py: a plan read once into the lookup tables steps match against;
+* step.py: one step: its stages, pack and unpack hooks, the end of its forward, its release;
+* mismatch.py: what a step does when it does not match its plan; stats.py: the handle's counters;
+* peak_check.py: the safety net comparing a planned step's measured peak with the cap.
+
+What a step does with the forward's ops and saved tensors:
+* tracker.py: the dispatch mode that numbers forward ops; stacks.py: regen's entries on the thread's
+  hook and mode stacks;
 * forward_ops.py: what a step does per forward op: writer map, fingerprint, recipe captures;
+  writers.py: the writer map's entries; window_hooks.py: the module hooks that open tracking windows;
 * packing.py: which decision a saved tensor gets (through the writer map, or by pack order);
-* planned_storages.py: one step's candidates: keep, swap or drop at pack, resident again at unpack;
-* swap_queue.py: one step's copy-outs, copy-in schedule and release; swap.py: the host pool and the
-  SwapEngine interface, whose backends are swap_cuda.py (CUDA streams), link.py (an emulated host link on
-  CPU, `emulate_link=True`) and swap.py's synchronous one;
+* planned_storages.py: one step's planned storages: kept, swapped or dropped at pack, resident again at
+  unpack; saved_entries.py: the entries regen leaves as they are; storage_views.py: views over storages;
 * recompute.py: capture of recipe ops in forward and their replay in backward;
-* regions.py: capture of a region's module call in forward and its replay (the module's forward) in backward;
-* plan_index.py: the plan's lookup tables; stats.py: the handle's counters;
-* peak_check.py: the safety net comparing a planned step's measured peak (CUDA) with the cap.
+* region_replays.py: a region's module call captured in forward and run again in backward;
+  region_hooks.py: the module hooks that report region calls;
+* swap/: the host pool, the swap engines (CUDA streams, an emulated link, synchronous copies) and one
+  step's swap queue.
+
+Beyond a single plan:
 * dynamic/: dynamic mode, `regen.apply(model, memory_cap=...)` without a plan: saved tensors dropped at
   run time under the cap and rebuilt from recipes recorded as forward ran (DTR-style);
 * fallback.py: a plan handle's calls that no plan fits, run in dynamic mode (`on_mismatch="dynamic"`);
-* learned.py: plans learned for such calls (`learn=True`): what a step is observed for, the learned plans.
+* learned.py: plans learned for such calls (`learn=True`): what a step is observed for, the learned plans;
+* self_timing.py: the runtime timing its own work per event (dispatch, capture, replay, a swap's calls),
+  which `regen profile` records in the profile (`RuntimeCosts`) through the probe the CLI hands it.
 """
 
 from regen.runtime.apply import RegenHandle, apply

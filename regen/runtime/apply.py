@@ -20,7 +20,7 @@ forward ops (the loss included) until the plan's `num_forward_ops` have run or b
 
 Plans with regions (`Plan.regions`) also get a forward pre-hook and a forward hook on each region's
 module: the step captures the region's call (arguments, RNG and autocast state) and replays the
-module's forward in backward (regions.py), rebuilding every tensor the plan gives to the region.
+module's forward in backward (region_replays.py), rebuilding every tensor the plan gives to the region.
 
 A plan set (`regen.apply(model, [plan_a, plan_b])`, plan_set.py) holds one plan per way the loop calls the
 model (a GAN's discriminator in its own step and in the generator's): the pre-hook runs each step under
@@ -87,8 +87,8 @@ from regen.runtime.modules import check_model, module_device, starts_a_step, unw
 from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine
-from regen.runtime.tracker import PHASE_CLOSED, PHASE_TAIL, ForwardTracker
-from regen.runtime.windows import WindowHooks
+from regen.runtime.tracker import STAGE_CLOSED, STAGE_TAIL, ForwardTracker
+from regen.runtime.window_hooks import WindowHooks
 
 
 ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
@@ -236,7 +236,7 @@ class RegenHandle:
         if not starts_a_step(self._depth, "regen plans"):
             return
         prev = self.current
-        if prev is not None and prev.phase != PHASE_CLOSED:
+        if prev is not None and prev.stage != STAGE_CLOSED:
             prev.end_forward()
         stacks.pop_finished()  # this handle's and others' steps that pack no more
         if prev is not None:
@@ -294,7 +294,7 @@ class RegenHandle:
         if self._depth == 0:
             self.fallback.model_returned(output)
         step = self.current
-        if self._depth == 0 and step is not None and step.phase == PHASE_TAIL:
+        if self._depth == 0 and step is not None and step.stage == STAGE_TAIL:
             step.end_forward()
 
     def _forward_ended(self, state: PlanState, step: Step, findings: StepFindings, in_pack_hook: bool):

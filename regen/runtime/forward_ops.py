@@ -14,7 +14,7 @@ verified one of a plan with recompute decisions (docs/internals.md "Pack-order f
 match by order, so only the `FastOps.tracked` ops (the recipe ops, the producers of what their
 captures read and of the tensors dropped for a recipe or kept as its input, taken from the verified
 step) and the gathering ops do more than count and run, and the writer map only holds the producers'
-outputs; and a fast step sees only the ops of its tracking windows (windows.py), the count set at each
+outputs; and a fast step sees only the ops of its tracking windows (window_hooks.py), the count set at each
 window's start to the one the verified step recorded there (`entries`). The step learns what happened
 through callbacks: a mismatch, the last planned op (with whether the fingerprint matched), and, on fast
 steps, the end of a tracking window.
@@ -31,7 +31,7 @@ from regen.formats.profile import OpFingerprint
 from regen.opinfo import gathers_parameters, op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
-from regen.runtime.windows import Windows, tracking_windows
+from regen.runtime.window_hooks import Windows, tracking_windows
 from regen.runtime.writers import Writer
 
 

@@ -48,7 +48,7 @@ class RegionInfo:
     pack_keys: tuple[tuple[int, int] | None, ...]  # per pack of the call: the member rebuilt there, or None
     packs_needed: int  # the replay stops after this many packs: the first pack of the last member it rebuilds
     # per pack of the call that gives a member: (shape, stride, storage offset, dtype, storage bytes) as the
-    # forward packed it, recorded by the steps that match packs through the writer map (regions.py)
+    # forward packed it, recorded by the steps that match packs through the writer map (region_replays.py)
     member_geometry: dict[int, tuple] = field(default_factory=dict)
 
 

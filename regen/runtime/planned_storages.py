@@ -7,7 +7,7 @@ ops were captured as they ran); a swapped or dropped entry is packed as a `Saved
 `materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
 by its recipe (`recompute.replay_recipe`), which also hands over the planned storages rebuilt with it
 (docs/internals.md "Rebuilt with another's recipe"), held until their own use, or by replaying its
-region's module call (regions.py), which rebuilds all of the region's dropped members at once. A
+region's module call (region_replays.py), which rebuilds all of the region's dropped members at once. A
 resident storage is dropped after its last use (its first unpacks and the recipes reading it);
 everything else the planned storage holds goes when autograd frees its last handle, or when the step is
 released. A backward over a retained graph (`retain_graph=True`, then another backward) unpacks
@@ -31,7 +31,7 @@ from regen.opinfo import storage_key
 from regen.runtime.saved_entries import Kept, check_version
 from regen.runtime.plan_index import DecisionInfo, PlanIndex
 from regen.runtime.recompute import CapturedOp, replay_recipe
-from regen.runtime.regions import RegionReplays
+from regen.runtime.region_replays import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.storage_views import Geometry
 from regen.runtime.swap import CopyIn, CopyOut, SwapQueue
@@ -117,7 +117,7 @@ class PlannedStorages:
                  mismatch: Callable[[str], None], handles_gone: Callable[[], None], regions: RegionReplays):
         """`captures`: the step's recipe captures (forward_ops.py); `mismatch(message)`: the step's
         mismatch; `handles_gone()`: called when autograd has freed every handle of the step; `regions`:
-        the step's region calls (regions.py)."""
+        the step's region calls (region_replays.py)."""
         self.index = index
         self.captures = captures
         self.regions = regions

@@ -1,4 +1,4 @@
-"""The module hooks that report region calls to the running step (regions.py replays them).
+"""The module hooks that report region calls to the running step (region_replays.py replays them).
 
 `RegionHooks.add(states)` puts a forward pre-hook (first of the module's pre-hooks: the replay calls the
 module, which runs the user's pre-hooks again on these arguments) and a forward hook on each module a

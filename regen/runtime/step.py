@@ -1,19 +1,19 @@
-"""One step of `regen.apply`: its phases, its pack and unpack hooks, the end of its forward, its release.
+"""One step of `regen.apply`: its stages, its pack and unpack hooks, the end of its forward, its release.
 
-A step begins at a training forward (the handle's root pre-hook) in PHASE_FORWARD. Its `ForwardOps`
+A step begins at a training forward (the handle's root pre-hook) in STAGE_COUNTING. Its `ForwardOps`
 follow the forward ops the `ForwardTracker` counts (forward_ops.py); its pack hook finds each saved
 tensor's decision (packing.py: through the writer map, or by pack order once a step was verified) and
 hands the planned storages to its `PlannedStorages` (keep, swap, drop for recompute). After the plan's last
-forward op (PHASE_TAIL) the next op or pack ends the forward (`end_forward`, PHASE_CLOSED): later packs
+forward op (STAGE_TAIL) the next op or pack ends the forward (`end_forward`, STAGE_CLOSED): later packs
 keep, and the step hands its handle `StepFindings` (what it verified and recorded for later steps). Each
 forward pack (counted all the way, `forward_packs_seen`) and each unpack first releases the swapped
 storages due there (their release points, swap/queue.py); copy-outs still running when the forward ends
 go on into backward, as the simulator has them. In backward the unpack hook counts the unpacks (the
 backward clock of docs/internals.md), issues the copy-ins and the region replays due (swap/queue.py,
-regions.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
+region_replays.py) and rebuilds each entry over its restored or recomputed storage, after checking that the
 entry's version counter is the one it had at the pack (docs/internals.md "Version checks"). The
 handle's hooks on the plan's region modules report their calls (`region_called`, `region_returned`), and
-those on the modules that open tracking windows theirs (`module_entered`, windows.py).
+those on the modules that open tracking windows theirs (`module_entered`, window_hooks.py).
 
 A plan mismatch raises or warns and keeps every later tensor of the step (regen.runtime.mismatch; with
 torch.distributed, decided with the other ranks at the first unpack). A backward with create_graph=True
@@ -38,11 +38,11 @@ from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.mismatch import MismatchPolicy
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
 from regen.runtime.plan_index import PlanIndex
-from regen.runtime.regions import RegionReplays
+from regen.runtime.region_replays import RegionReplays
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.storage_views import view_of
 from regen.runtime.swap import HostPool, SwapEngine, SwapQueue
-from regen.runtime.tracker import PHASE_CLOSED, PHASE_FORWARD, PHASE_TAIL, regen_ops
+from regen.runtime.tracker import STAGE_CLOSED, STAGE_COUNTING, STAGE_TAIL, regen_ops
 
 # Recipe replays run with only the tracker paused (other modes still see them); regen's own small ops run
 # under tracker.regen_ops.
@@ -93,7 +93,7 @@ class Step:
         self.ctx = ctx
         self.mismatches = MismatchPolicy(ctx.on_mismatch, ctx.stats, call_difference)
         self.index = ctx.index
-        self.phase = PHASE_FORWARD
+        self.stage = STAGE_COUNTING
         self.planned = True
         self.failed = False
         self.aborted = False
@@ -108,7 +108,7 @@ class Step:
                               last_op_ran=self._last_op_ran, tracking_done=self._tracking_done)
         self.forward_op = self.ops.slow_op if fast is None else self.ops.fast_op
         # plans with recompute decisions use the dispatch mode on fast steps, in their tracking windows
-        # (windows.py): from the step's start only when a window opens there
+        # (window_hooks.py): from the step's start only when a window opens there
         self.needs_tracker = pack_sequence is None or (fast is not None and self.ops.window_end >= 0)
         self.tracking_done = False  # fast step with recompute: its tracking window's last op has run
         self.matcher = WriterMatch(ctx.index, self.ops.writer) if pack_sequence is None else None
@@ -128,7 +128,7 @@ class Step:
 
     # ---- forward ops (called back by ForwardOps) --------------------------------------------------
     def _last_op_ran(self, fingerprint_matched: bool):
-        self.phase = PHASE_TAIL
+        self.stage = STAGE_TAIL
         if fingerprint_matched and self.planned:
             self.verified = True
 
@@ -137,7 +137,7 @@ class Step:
 
     def backward_began(self):
         """Backward started before the plan's forward ops had all run."""
-        if self.phase == PHASE_FORWARD and not self.ops.all_ran:  # before end_forward: it may release the step
+        if self.stage == STAGE_COUNTING and not self.ops.all_ran:  # before end_forward: it may release the step
             self.mismatch(f"the forward ran {self.ops.count} ops, the plan expects {self.index.num_forward_ops}")
         self.end_forward()
 
@@ -145,9 +145,9 @@ class Step:
         """No more matching: later packs keep (copy-outs still run, released at their points), and the
         handle gets this step's findings (and pops what the step needs no more; inside a pack hook, not
         the saved-tensor hooks). Also what closes a step at once (the handle's remove())."""
-        if self.phase == PHASE_CLOSED:
+        if self.stage == STAGE_CLOSED:
             return
-        self.phase = PHASE_CLOSED
+        self.stage = STAGE_CLOSED
         findings = findings_of(self)
         self.ops.end_forward()
         self.matcher = None
@@ -157,16 +157,16 @@ class Step:
 
     # ---- region module calls (the handle's module hooks) --------------------------------------------
     def region_called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.phase != PHASE_CLOSED and self.planned:
+        if self.stage != STAGE_CLOSED and self.planned:
             self.regions.called(path, module, args, kwargs)
 
     def region_returned(self, module: nn.Module) -> None:
-        if self.phase != PHASE_CLOSED:
+        if self.stage != STAGE_CLOSED:
             self.regions.returned(module)
 
     def module_entered(self, path: str) -> None:
         """A call of a module that may open a tracking window (windows.WindowHooks) begins."""
-        if self.phase == PHASE_FORWARD and self.ops.module_entered(path):
+        if self.stage == STAGE_COUNTING and self.ops.module_entered(path):
             self.tracking_done = False
             self.ctx.track(self)
 
@@ -192,11 +192,11 @@ class Step:
 
     def _pack(self, x: torch.Tensor):
         """The pack hook of a step matching through the writer map."""
-        phase = self.phase
+        stage = self.stage
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return Untracked(x)
         self._count_forward_pack(x)
-        if phase == PHASE_CLOSED:
+        if stage == STAGE_CLOSED:
             return Kept(x)
         info, problem = self.matcher.match(x)
         if problem is not None:
@@ -206,7 +206,7 @@ class Step:
             result = Kept(x)
         else:
             result = self.storages.pack(x, info, self.planned, False)
-        if phase == PHASE_TAIL:  # the last planned op's outputs: match this one, then close
+        if stage == STAGE_TAIL:  # the last planned op's outputs: match this one, then close
             self.end_forward(in_pack_hook=True)
         return result
 
@@ -232,7 +232,7 @@ class Step:
         if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return Untracked(x)
         self._count_forward_pack(x)
-        if self.phase == PHASE_CLOSED:
+        if self.stage == STAGE_CLOSED:
             return Kept(x)
         if self.tracking_done:  # no dispatch mode until the next window: packs match by order
             self.tracking_done = False
@@ -302,7 +302,7 @@ class Step:
 
     def _first_unpack(self):
         """Backward began: close the forward, and check that it ran the plan's ops and saved its set."""
-        if self.phase != PHASE_CLOSED:
+        if self.stage != STAGE_CLOSED:
             if self.sequence is None:  # ops are counted: a forward shorter than the plan's is a mismatch
                 self.backward_began()
             else:
@@ -327,13 +327,13 @@ class Step:
         return self.unpack_count > 0 or self.released
 
     def _maybe_release(self):
-        if self.storages.live <= 0 and self.phase == PHASE_CLOSED and not self.released:
+        if self.storages.live <= 0 and self.stage == STAGE_CLOSED and not self.released:
             self.release()
 
     def release(self, aborted: bool = False):
         """Return everything the step holds: host ranges, device copies, captures, anchors."""
         self.aborted = self.aborted or aborted
-        self.phase = PHASE_CLOSED
+        self.stage = STAGE_CLOSED
         self.swaps.release_all()
         self.storages.release_all()
         self.regions.release()

@@ -1,8 +1,8 @@
 """The dispatch mode that numbers a step's forward ops (docs/internals.md "Op numbering").
 
 `ForwardTracker` hands every counted forward op to the current step's `forward_op` (step.py,
-forward_ops.py: writer map, fingerprint, recipe captures). The step's `phase` says what to do:
-FORWARD counts the op; TAIL (all of the plan's forward ops ran) closes the step's forward at the next
+forward_ops.py: writer map, fingerprint, recipe captures). The step's `stage` says what to do:
+COUNTING counts the op; TAIL (all of the plan's forward ops ran) closes the step's forward at the next
 op; CLOSED passes ops straight through, and so does the mode while paused: regen's own copies and
 replays run paused so they are never counted.
 
@@ -30,15 +30,16 @@ from regen.runtime import stacks
 # are never counted and cost no Python round trip
 regen_ops = torch._C._DisableTorchDispatch
 
-PHASE_FORWARD = 0  # counting forward ops
-PHASE_TAIL = 1  # all of the plan's forward ops ran; the last one's outputs may still be packed
-PHASE_CLOSED = 2  # forward over: every later pack keeps
+# a planned step's stage in its forward (Step.stage; a profile's ops have a phase, forward or backward)
+STAGE_COUNTING = 0  # counting forward ops
+STAGE_TAIL = 1  # all of the plan's forward ops ran; the last one's outputs may still be packed
+STAGE_CLOSED = 2  # forward over: every later pack keeps
 
 
 class ForwardTracker(TorchDispatchMode):
     """The dispatch mode of one `regen.apply` handle; `step` is the step whose forward it counts.
 
-    The step's `phase` says what to do: FORWARD counts the op; TAIL (all planned forward ops seen)
+    The step's `stage` says what to do: COUNTING counts the op; TAIL (all planned forward ops seen)
     closes matching at the next op; CLOSED passes ops straight through.
     """
 
@@ -56,21 +57,21 @@ class ForwardTracker(TorchDispatchMode):
         step = self.step
         if kwargs is None:
             kwargs = {}
-        if step is None or self.paused or step.phase == PHASE_CLOSED:
+        if step is None or self.paused or step.stage == STAGE_CLOSED:
             return func(*args, **kwargs)
         counted = self._counted.get(func)
         if counted is None:
             counted = self._counted[func] = is_counted(func)
         if not counted:
             return func(*args, **kwargs)
-        if step.phase == PHASE_TAIL:  # an op after the planned forward: nothing more is matched
+        if step.stage == STAGE_TAIL:  # an op after the planned forward: nothing more is matched
             step.end_forward()
             return func(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1:
             step.backward_began()
             return func(*args, **kwargs)
         out = step.forward_op(func, args, kwargs)
-        if step.phase == PHASE_TAIL and not self.closer_pushed:  # the last planned op ran
+        if step.stage == STAGE_TAIL and not self.closer_pushed:  # the last planned op ran
             self.closer.__enter__()
             self.closer_pushed = True
         return out
@@ -103,7 +104,7 @@ class ForwardCloser(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
         step = tracker.step
-        if (step is not None and step.phase == PHASE_TAIL and torch._C._current_graph_task_id() == -1
+        if (step is not None and step.stage == STAGE_TAIL and torch._C._current_graph_task_id() == -1
                 and not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
                 and tracker.outside_model()):
             step.end_forward()

@@ -22,6 +22,7 @@ from regen.planner.graph import build_graph
 from regen.planner.simulator import simulate
 from regen.runtime.swap import SwapQueue
 from regen.runtime.swap.emulated import LinkEvent
+from regen.runtime.tracker import STAGE_CLOSED
 
 LINK_RATIO = 0.9  # PCIe next to a fast GPU
 CAP_FRACTION = 0.8  # of the unplanned peak
@@ -147,7 +148,7 @@ def test_the_forward_does_not_wait_for_copy_outs_due_in_backward():
         loss = w.loss_fn(w.model(*w.batch), w.batch)
         forward_s = time.perf_counter() - t0
         step_ = handle.current
-        assert step_.phase == 2  # the forward ended at its last pack
+        assert step_.stage == STAGE_CLOSED  # the forward ended at its last pack
         # no barrier: the copy-outs are still running and their storages held, nothing was waited for
         assert handle.stats.link_wait_s == waited_s
         assert step_.swaps.due_at_unpack and any(c.copy_out.source is not None for _, _, c in step_.swaps.due_at_unpack)

@@ -1,4 +1,4 @@
-"""Tracking windows (regen.runtime.windows): a fast step's dispatch mode follows only the ops around what
+"""Tracking windows (regen.runtime.window_hooks): a fast step's dispatch mode follows only the ops around what
 its recipes capture and read, opened at the module calls the plan names, and loss, gradients and module
 buffers (BatchNorm running statistics) stay bitwise the unplanned ones."""
 
@@ -11,7 +11,7 @@ import torch
 
 import regen
 from common import assert_nothing_left, assert_same, make, run_and_grads
-from regen.runtime.windows import ROOT, tracking_windows
+from regen.runtime.window_hooks import ROOT, tracking_windows
 from regen.workloads import Workload
 
 forward_ops_module = importlib.import_module("regen.runtime.forward_ops")

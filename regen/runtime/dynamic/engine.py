@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from regen.opinfo import is_counted
 from regen.runtime import stacks
 from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
-from regen.runtime.dynamic.step import DynamicStep
+from regen.runtime.dynamic.dynamic_step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
 from regen.runtime.modules import module_device
 

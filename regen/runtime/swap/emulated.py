@@ -10,15 +10,13 @@ end and its dependencies were due to land), so a copy thread that wakes up late 
 machine) delays the copy it is doing, never the ones after it. Moving the bytes itself takes time
 (memcpy, about 10 GB/s on one core): the thread starts it that long before the copy is due, by its
 running estimate of its own memcpy rate, so the bytes land when the copy is due rather than a memcpy
-later (a 3 MB copy-in would otherwise land 0.3 ms late; on the built-in GPT's hybrid plan the measured
-link waits went from 17.0 to 14.9 ms a step). A thread wakes from a sleep about 0.2 ms after it meant to
+later. A thread wakes from a sleep about 0.2 ms after it meant to
 (sleep granularity on 2 busy cores), so it sleeps that much less, by a running estimate of its own lag;
 its bytes may then land a little before the copy is due, and its waiters, not the thread, yield the
 rest of the way (`LinkEvent.wait`: the compute thread is idle while it waits, whereas a copy thread
-yielding in a loop took the GIL from the compute thread at every op). A copy's
-`LinkEvent` is set once its bytes have landed and counts as done from its due time; the compute thread
-waits on these events (a copy-in's consumer, the release of a copy-out's source), and those waits are
-real stalls
+yielding in a loop would take the GIL from the compute thread at every op). A copy's `LinkEvent` is
+set once its bytes have landed and counts as done from its due time; the compute thread waits on these
+events (a copy-in's consumer, the release of a copy-out's source), and those waits are real stalls
 (`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
 engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
 benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is
@@ -27,10 +25,9 @@ allocated by the compute thread when the copy-in is issued, so its memory counts
 to POISON_BYTE, a NaN in float lanes) so that a read before the copy landed cannot pass for the right
 bytes (a NaN spreads through whatever reads it). Only a few words, since the fill is the compute
 thread's work, which a GPU does not do, and each word touches a page of a fresh buffer, whose fault the
-compute thread then takes instead of the copy's memmove (a 3 MiB buffer: 80 us poisoned every 256 bytes,
-104 us filled whole, 6 us with 64 words). A host range given back to the pool is
-written by the next copy-out only after the copy-in that last read it has landed
-(`HostPool.pending_read_events`).
+compute thread then takes instead of the copy's memmove (a few dozen words cost a few microseconds
+where a whole fill costs about as much as the copy). A host range given back to the pool is written by
+the next copy-out only after the copy-in that last read it has landed (`HostPool.pending_read_events`).
 
 The threads drop their references to the copied tensors before setting an event, so every tensor is
 freed by the compute thread (where the allocator's timeline, regen.measure, sees it). They stop at

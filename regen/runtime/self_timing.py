@@ -1,4 +1,4 @@
-"""What this runtime adds per event on a machine: the probe `regen profile` runs so plans charge it.
+"""The runtime timing its own work per event on a machine: the probe `regen profile` runs so plans charge it.
 
 A plan's own work is Python, and next to small or fast ops it is a large share of what a recompute
 costs. The probe runs the runtime's own code (the dispatch mode, `capture_op`, `replay_recipe`) on tiny
@@ -11,7 +11,7 @@ since the runtime's work per op grows with the op's arguments and outputs:
   until the last tracked one, on steps of a plan with per-tensor recipes). Given the profiled
   workload's forward (`timed_forward`, as `regen profile` passes it), it is measured there: plain
   forwards and forwards under the tracker, interleaved, the difference of their medians per counted op
-  (the built-in GPT's training forward: about 33 us per op, where tiny tensors without grad give 12);
+  (a real forward's ops, with grad and autograd's bookkeeping, cost the mode more than tiny ones do);
 * `capture_op_s`: what a tracked forward op adds: its name checked, its arguments captured, the
   storages it wrote noted;
 * `replay_op_s`: one recipe op replayed in backward, beyond the op itself;
@@ -21,14 +21,12 @@ since the runtime's work per op grows with the op's arguments and outputs:
   transfers instant): issuing the copy-out, releasing its source once the copy landed, issuing the
   copy-in, waiting for it once landed, with the host range given back. The transfers are left out
   (waiting for them is the simulator's business), but not what the swaps do to computing around them:
-  the larger of those calls alone (30-50 us on 2 CPU cores) and what a swap adds to passes of small
-  matmuls (SWAP_PROBE_ROUNDS swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited
-  for one SWAP_PROBE_GAP_S of matmuls after it was issued, against the same passes without swaps,
-  interleaved: the median difference per swap). On a CPU device the second is the larger, 0.2-0.3 ms
-  with one compute thread on 2 cores (0.6-0.9 ms with two, read before copy-in buffers were poisoned with
-  a few words only): the copy threads' wake-ups and Python hold the
-  GIL and the cores the compute thread wants (the emulation's own cost; regen's plans measured 0.38-0.88 ms
-  a swap over their prediction without it).
+  the larger of those calls alone and what a swap adds to passes of small matmuls (SWAP_PROBE_ROUNDS
+  swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited for one SWAP_PROBE_GAP_S of
+  matmuls after it was issued, against the same passes without swaps, interleaved: the median
+  difference per swap). On a CPU device the second is the larger: the copy threads' wake-ups and
+  Python hold the GIL and the cores the compute thread wants (the emulation's own cost, which the
+  plans must charge to predict their steps; docs/benchmarks.md has the figures).
 
 Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.5 s, plus,
 when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
@@ -49,13 +47,13 @@ import torch
 from regen.formats.profile import RuntimeCosts
 from regen.opinfo import op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.recompute import capture_op, check_captured_name, replay_recipe
-from regen.runtime.tracker import PHASE_FORWARD, ForwardTracker
+from regen.runtime.tracker import STAGE_COUNTING, ForwardTracker
 from regen.runtime.writers import Writer
 
 PROBE_OPS = 200  # ops per timed batch
 PROBE_REPEATS = 5
 METHOD = ("probe of regen.runtime's dispatch mode, capture, replay and swap calls on tiny tensors, a mix of op "
-          "signatures (regen.runtime.costs)")
+          "signatures (regen.runtime.self_timing)")
 _aten = torch.ops.aten
 # (op, its arguments given the previous op's output y and a square matrix x, keyword arguments): each op's
 # first output is the next op's input
@@ -257,7 +255,7 @@ def _plain(x: torch.Tensor, n: int) -> None:
 class _ProbeStep:
     """The part of a step the tracker talks to: a forward that counts each op and runs it."""
 
-    phase = PHASE_FORWARD
+    stage = STAGE_COUNTING
 
     def __init__(self):
         self.count = 0

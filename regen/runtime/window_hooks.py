@@ -2,8 +2,8 @@
 
 A fast step of a plan with per-tensor recipes must see its tracked ops (forward_ops.FastOps: the
 recipe ops and the producers of what they read). Following the whole forward up to the last of them
-costs every op in between a Python round trip (10-30 us on a CPU), so the tracker follows windows
-instead (docs/internals.md "Tracking windows", regen.planner.windows for the planner's side):
+costs every op in between a Python round trip, so the tracker follows windows instead
+(docs/internals.md "Tracking windows"; the planner charges the same windows):
 
 1. The plan names the module calls that may open a window (`Plan.tracking_starts`); `WindowHooks` puts
    a forward pre-hook, first of the module's pre-hooks, on each of those modules, and reports each call
@@ -13,7 +13,7 @@ instead (docs/internals.md "Tracking windows", regen.planner.windows for the pla
 3. From those counts, `tracking_windows` gives each tracked op the latest call that started at or before
    it (the step's start, count 0, when none did) and merges the resulting ranges: a window opens at its
    call's start (the tracker is pushed, its count set to the recorded one) and closes after its last
-   tracked op (the tracker is popped at the next pack, as before).
+   tracked op (the tracker is popped at the next pack).
 
 Ops outside every window are not counted; packs still match by order. A call whose window is merged
 into an earlier one opens nothing.

@@ -9,7 +9,7 @@ included, until backward begins. Its dispatch mode (handle.py) hands it every co
 * backward (CPU only): the op's outputs are counted as memory in use (memory.py).
 
 Pack: a tensor whose storage an op of the step wrote is held by its node and autograd gets a `Held`
-handle; then the step makes room under the cap (residency.py), which may drop held nodes. Anything else
+handle; then the step makes room under the cap (eviction.py), which may drop held nodes. Anything else
 (parameters, the batch, tensors packed in backward) is kept as is. Unpack: the node is materialized
 (rebuilt if dropped, recursively; copied back if swapped out: swaps.py) and the entry viewed over it. A node is let go when autograd frees its
 last handle; the step is released (nodes, captures) once backward began and no handle is left, once a
@@ -27,8 +27,8 @@ import torch
 from regen.errors import RegenError
 from regen.opinfo import is_inplace, is_random, op_outputs, storage_key, tensor_outputs, written_outputs
 from regen.runtime.dynamic.nodes import TensorNode, new_node
-from regen.runtime.dynamic.residency import Residency
-from regen.runtime.dynamic.residency import HEADROOM_PER_OUTPUT
+from regen.runtime.dynamic.eviction import Residency
+from regen.runtime.dynamic.eviction import HEADROOM_PER_OUTPUT
 from regen.runtime.writers import Writer, live_writer
 from regen.runtime.recompute import capture_op
 from regen.runtime.saved_entries import Untracked

@@ -1,11 +1,11 @@
-"""The probe of what the runtime adds per event (regen.runtime.costs), as `regen profile` runs it."""
+"""The probe of what the runtime adds per event (regen.runtime.self_timing), as `regen profile` runs it."""
 
 import math
 import time
 
 import torch
 
-from regen.runtime.costs import measure_runtime_costs
+from regen.runtime.self_timing import measure_runtime_costs
 
 
 def test_the_probe_measures_the_runtime_s_own_work_on_cpu():
@@ -14,7 +14,7 @@ def test_the_probe_measures_the_runtime_s_own_work_on_cpu():
     assert all(math.isfinite(f) and 0.0 <= f < 0.01 for f in figures)
     # capturing and replaying an op run Python of regen's own around it: never free
     assert costs.capture_op_s > 0 and costs.replay_op_s > 0
-    assert "regen.runtime.costs" in costs.method
+    assert "regen.runtime.self_timing" in costs.method
     # a swap's cost to the compute thread (its calls through the emulated link's engine, and what it adds
     # next to compute): never free
     assert 0.0 < costs.swap_s < 0.01
@@ -25,7 +25,7 @@ def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
     the tracker in turn (the tracker counting its ops); the method says so."""
     from contextlib import nullcontext
 
-    from regen.runtime.costs import FORWARD_PROBE_PAIRS, WORKLOAD_METHOD
+    from regen.runtime.self_timing import FORWARD_PROBE_PAIRS, WORKLOAD_METHOD
     from regen.runtime.tracker import ForwardTracker
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
