@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import regen
 from regen.measure import measure_memory
 from regen.models import gpt
-from regen.runtime.dynamic.memory import model_storages
+from regen.runtime.dynamic.cap_memory import model_storages
 from regen.workloads import Workload
 
 IGNORE = -100

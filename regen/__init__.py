@@ -47,7 +47,7 @@ def _cuda_link_gb_s(model) -> tuple[float, float] | None:
     well under a second); None for a model elsewhere."""
     import torch
 
-    from regen.runtime.modules import module_device
+    from regen.runtime.model_access import module_device
 
     device = module_device(model) if isinstance(model, torch.nn.Module) else None
     if device is None or device.type != "cuda":

@@ -35,7 +35,7 @@ from regen.formats.profile import Profile
 from regen.opinfo import op_outputs, storage_key, tensor_outputs, written_outputs
 from regen.runtime.learned import LearningWarning, LearnRequest, LossTail
 from regen.runtime.recompute import External, Like, Ref, Scratch
-from regen.runtime.modules import module_device
+from regen.runtime.model_access import module_device
 from regen.runtime.storage_views import Geometry
 from regen.units import format_bytes
 from regen.workloads import Workload

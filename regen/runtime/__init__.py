@@ -2,7 +2,7 @@
 
 The handle and its steps:
 * apply.py: the handle (context manager / `.remove()`): hooks, step boundaries, what steps found;
-* modules.py: the model as the runtime sees it: DDP unwrapped, its device, the rule for a step's start;
+* model_access.py: the model as the runtime sees it: DDP unwrapped, its device, the rule for a step's start;
 * plan_set.py: the handle's plans (one, or one per way the loop calls the model) and each step's choice;
 * plan_index.py: a plan read once into the lookup tables steps match against;
 * step.py: one step: its stages, pack and unpack hooks, the end of its forward, its release;

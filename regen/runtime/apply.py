@@ -83,7 +83,7 @@ from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose,
 from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.mismatch import PlanMismatchWarning
-from regen.runtime.modules import check_model, module_device, starts_a_step, unwrap_model
+from regen.runtime.model_access import check_model, module_device, starts_a_step, unwrap_model
 from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from regen.errors import PlanMismatchError
-from regen.runtime.modules import module_device
+from regen.runtime.model_access import module_device
 from regen.runtime.plan_index import PlanIndex, RegionInfo
 from regen.runtime.tracker import regen_ops
 

@@ -20,12 +20,12 @@ from regen.errors import InfeasibleCapError, PlanMismatchError
 from regen.measure import measure_memory
 from regen.runtime import PlanMismatchWarning
 from regen.runtime.dynamic import OverCapWarning
-from regen.runtime.dynamic.memory import model_storages
+from regen.runtime.dynamic.cap_memory import model_storages
 
 CAP_TOLERANCE = 0.05
 # (the plan's cap as a fraction of batch A's unplanned peak, batch B's size): B passes the cap unplanned by
 # more than the tolerance; the cnn's cap leaves room for its convolutions' own temporaries, which dynamic
-# mode does not see on CPU (regen.runtime.dynamic.memory)
+# mode does not see on CPU (regen.runtime.dynamic.cap_memory)
 CASES = {"gpt": (0.6, 8), "cnn": (0.9, 5)}
 
 

@@ -18,7 +18,7 @@ from common import accumulate_grads, assert_same, fail_inside_a_step, make, reta
 from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic import OverCapWarning
-from regen.runtime.dynamic.memory import model_storages
+from regen.runtime.dynamic.cap_memory import model_storages
 
 CAP_TOLERANCE = 0.05
 CAP_FRACTIONS = {"gpt": 0.6, "cnn": 0.8, "hf-gpt2": 0.8}

@@ -8,7 +8,7 @@
 * eviction.py: what is resident, eviction under the cap, and rebuilding dropped nodes (recursively);
 * swaps.py: with a host link, copies to the host ahead, evictions as swaps, copies back ahead of backward;
 * policy.py: the eviction scores (`policy="dtr"`: DTR's plain score; `"graph"`: extended with the graph);
-* memory.py: the memory in use that the cap is checked against (CUDA: the allocator; CPU: tracked).
+* cap_memory.py: the memory in use that the cap is checked against (CUDA: the allocator; CPU: tracked).
 """
 
 from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats

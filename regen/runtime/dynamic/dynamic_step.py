@@ -6,7 +6,7 @@ included, until backward begins. Its dispatch mode (handle.py) hands it every co
 * forward: the op is captured (`recompute.capture_op`: arguments the step produced become `Ref`s, written
   buffers `Scratch` copies, random ops keep their RNG state), timed with `time.perf_counter`, and each
   storage it wrote gets a node (nodes.py) in the step's writer map;
-* backward (CPU only): the op's outputs are counted as memory in use (memory.py).
+* backward (CPU only): the op's outputs are counted as memory in use (cap_memory.py).
 
 Pack: a tensor whose storage an op of the step wrote is held by its node and autograd gets a `Held`
 handle; then the step makes room under the cap (eviction.py), which may drop held nodes. Anything else

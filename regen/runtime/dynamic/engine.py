@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from regen.opinfo import is_counted
 from regen.runtime import stacks
-from regen.runtime.dynamic.memory import DeviceMemory, TrackedMemory
+from regen.runtime.dynamic.cap_memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.dynamic_step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
-from regen.runtime.modules import module_device
+from regen.runtime.model_access import module_device
 
 
 @dataclass
@@ -38,7 +38,7 @@ class DynamicStats:
     rebuilds: int = 0  # recipes replayed (a dropped node needed again, or an input of one)
     input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
     over_cap_steps: int = 0  # steps that passed the cap with nothing left to drop (OverCapWarning)
-    peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (memory.py)
+    peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (cap_memory.py)
     copy_outs: int = 0  # host link (swaps.py): copies to the host started ahead
     swap_evictions: int = 0  # of the evictions, nodes let go as swapped out (their bytes on the host)
     copy_ins: int = 0  # copies back to the device

@@ -1,9 +1,9 @@
 """What a dynamic step holds, eviction under the cap, and rebuilding dropped nodes (DTR's recursion).
 
 `Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild): while
-the memory in use (memory.py) plus `need_bytes` plus a headroom (twice the largest storage an op of the
+the memory in use (cap_memory.py) plus `need_bytes` plus a headroom (twice the largest storage an op of the
 step made so far: checks run after an op allocated, so room is kept for the next one's output and a
-temporary as large, such as a CPU convolution's buffers, which memory.py does not see) passes the cap,
+temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see) passes the cap,
 the held node with the lowest score (policy.py) is dropped (let go as swapped out when its bytes are on
 the host: swaps.py). Only nodes whose storage nothing but the runtime holds are candidates (dropping
 another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from regen.errors import RegenError
-from regen.runtime.dynamic.memory import only_held_by_us
+from regen.runtime.dynamic.cap_memory import only_held_by_us
 from regen.runtime.dynamic.nodes import TensorNode
 from regen.runtime.dynamic.policy import score
 from regen.runtime.dynamic.swaps import AHEAD_FRACTION

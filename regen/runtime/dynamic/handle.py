@@ -18,7 +18,7 @@ from regen.caches import announced_caches_off
 from regen.errors import RegenError
 from regen.runtime.dynamic.engine import DynamicEngine
 from regen.runtime.dynamic.policy import POLICIES
-from regen.runtime.modules import check_model, module_device, starts_a_step, unwrap_model
+from regen.runtime.model_access import check_model, module_device, starts_a_step, unwrap_model
 from regen.units import parse_memory_cap
 
 __all__ = ["DynamicHandle", "check_policy", "cap_bytes", "link_bytes_per_s"]

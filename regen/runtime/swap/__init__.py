@@ -1,7 +1,7 @@
 """Swap: a saved tensor's storage copied to host memory in forward and back to the device in backward.
 
 * host_pool.py: `HostPool`, the host memory ranges swapped storages live in.
-* engine.py: `SwapEngine`, the copies' interface (`CopyOut`, `CopyIn`), with three backends chosen by
+* interface.py: `SwapEngine`, the copies' interface (`CopyOut`, `CopyIn`), with three backends chosen by
   `new_engine`: `CudaEngine` (cuda.py: a device-to-host and a host-to-device stream, events),
   `EmulatedEngine` (emulated.py: a CPU device with `regen.apply(..., emulate_link=True)`: one copy
   thread per direction at the plan's bandwidth, events the compute thread waits on) and `SyncEngine`
@@ -16,7 +16,7 @@ import torch
 
 from regen.runtime.swap.cuda import CudaEngine
 from regen.runtime.swap.emulated import EmulatedEngine
-from regen.runtime.swap.engine import CopyIn, CopyOut, SwapEngine
+from regen.runtime.swap.interface import CopyIn, CopyOut, SwapEngine
 from regen.runtime.swap.host_pool import HostPool, HostSlot
 from regen.runtime.swap.queue import SwapQueue
 from regen.runtime.swap.sync import SyncEngine

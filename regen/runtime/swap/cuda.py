@@ -1,4 +1,4 @@
-"""The CUDA backend of `SwapEngine` (engine.py): copies on a device-to-host and a host-to-device stream.
+"""The CUDA backend of `SwapEngine` (interface.py): copies on a device-to-host and a host-to-device stream.
 
 Every stream, event and wait names the engine's device, so a model on `cuda:1` is served right while
 device 0 is current. A copy-out waits on the compute stream (the stream current at the pack, which the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from regen.runtime.storage_views import storage_bytes_view
-from regen.runtime.swap.engine import CopyIn, CopyOut, SwapEngine
+from regen.runtime.swap.interface import CopyIn, CopyOut, SwapEngine
 from regen.runtime.swap.host_pool import HostPool
 
 

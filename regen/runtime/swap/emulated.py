@@ -1,7 +1,7 @@
 """The emulated host link: a CPU device's swaps run as they would over a GPU's link.
 
 `regen.apply(model, plan, emulate_link=True)` on a CPU device gives it an `EmulatedEngine`, the
-`SwapEngine` backend (engine.py) with one `CopyThread` per direction. Each thread runs its copies one at a
+`SwapEngine` backend (interface.py) with one `CopyThread` per direction. Each thread runs its copies one at a
 time in issue order, as a CUDA copy stream does: a copy of n bytes starts once the thread is free and the
 copies it depends on have landed, takes n / bandwidth of wall time (the plan's d2h_ or h2d_bytes_per_s),
 and only then writes its bytes into the destination, so a reader that does not wait reads stale bytes.
@@ -48,7 +48,7 @@ import torch
 from regen.errors import RegenError
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.storage_views import storage_bytes_view
-from regen.runtime.swap.engine import CopyIn, CopyOut, SwapEngine
+from regen.runtime.swap.interface import CopyIn, CopyOut, SwapEngine
 from regen.runtime.swap.host_pool import HostPool
 
 POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane it fills

@@ -9,7 +9,7 @@ at the first only. Its copy-in is scheduled at the plan's `swap_in_at_unpack` an
 unpack count reaches it, or at its consumer when backward reads it first (a synchronous copy-in); a
 source still held then is released first. The restored buffer is dropped after the planned storage's last
 use; its host range goes back to the pool when autograd frees the planned storage's last handle. host_pool.py
-holds the host pool; the engines (engine.py) do the copies.
+holds the host pool; the engines (interface.py) do the copies.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.swap.engine import SwapEngine
+from regen.runtime.swap.interface import SwapEngine
 from regen.runtime.swap.host_pool import HostPool
 from regen.runtime.tracker import regen_ops
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from regen.runtime.storage_views import storage_bytes_view
-from regen.runtime.swap.engine import CopyIn, CopyOut, SwapEngine
+from regen.runtime.swap.interface import CopyIn, CopyOut, SwapEngine
 
 
 class SyncEngine(SwapEngine):
