@@ -46,7 +46,7 @@ from typing import Any
 
 from regen.errors import FormatError
 from regen.formats.profile import CallSignature, call_signature_from_document
-from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
+from regen.formats.yamlio import build_dataclass, dump_document, load_document, optional, require, required
 
 PLAN_FORMAT = "regen-plan/2"
 PLAN_VERSIONS = (1, 2)  # 1: swaps without release points, refused (re-solve); other plans load
@@ -189,13 +189,16 @@ class Plan:
     regions: list[RegionDecision] = field(default_factory=list)  # module calls replayed in backward
     tracking_starts: list[TrackingStart] = field(default_factory=list)  # where recipe tracking windows open
     simulated_parts: TimeParts | None = None  # the simulated step's additions by cause (absent in older plans)
+    link: PlanLink | None = None  # absent in plans written before the link was recorded
+    host_memory_cap_bytes: int | None = None  # the bound on host_pool_bytes the plan was solved under
+    call: CallSignature | None = None  # the profile's: how its step called the model (chooses within a plan set)
+    # how many decisions the planner wrote (one per saved tensor it planned): a file holding fewer was cut
+    # or edited, and is refused on load (absent in older plans)
+    num_decisions: int | None = None
 
     def region_member_count(self) -> int:
         """Recompute decisions rebuilt by a region replay (Decision.region)."""
         return sum(1 for d in self.decisions if d.region is not None)
-    link: PlanLink | None = None  # absent in plans written before the link was recorded
-    host_memory_cap_bytes: int | None = None  # the bound on host_pool_bytes the plan was solved under
-    call: CallSignature | None = None  # the profile's: how its step called the model (chooses within a plan set)
 
     def rebuilt_count(self) -> int:
         """Recompute decisions rebuilt with another's recipe (Decision.rebuilt_with)."""
@@ -267,27 +270,27 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             fingerprint=str(require(doc, "fingerprint", where)),
             workload=require(doc, "workload", where),
             strategy=str(require(doc, "strategy", where)),
-            memory_cap_bytes=int(require(doc, "memory_cap_bytes", where)),
+            memory_cap_bytes=required(doc, "memory_cap_bytes", int, where),
             baseline=build_dataclass(PlanFigures, require(doc, "baseline", where), f"{where}: baseline"),
             predicted=build_dataclass(PlanFigures, require(doc, "predicted", where), f"{where}: predicted"),
             simulated=build_dataclass(PlanFigures, require(doc, "simulated", where), f"{where}: simulated"),
             solver=build_dataclass(SolverReport, require(doc, "solver", where), f"{where}: solver"),
-            d2h_bytes_per_s=float(require(doc, "d2h_bytes_per_s", where)),
-            h2d_bytes_per_s=float(require(doc, "h2d_bytes_per_s", where)),
-            host_pool_bytes=int(require(doc, "host_pool_bytes", where)),
-            num_forward_ops=int(require(doc, "num_forward_ops", where)),
+            d2h_bytes_per_s=required(doc, "d2h_bytes_per_s", float, where),
+            h2d_bytes_per_s=required(doc, "h2d_bytes_per_s", float, where),
+            host_pool_bytes=required(doc, "host_pool_bytes", int, where),
+            num_forward_ops=required(doc, "num_forward_ops", int, where),
             decisions=decisions, recipe_ops=recipe_ops, format=str(doc["format"]),
             profile_path=doc.get("profile_path"), notes=list(doc.get("notes") or []),
-            memory_at_start_bytes=int(doc.get("memory_at_start_bytes") or 0),
-            num_forward_packs=None if doc.get("num_forward_packs") is None else int(doc["num_forward_packs"]),
-            baseline_timeline_bytes=list(doc.get("baseline_timeline_bytes") or []),
-            planned_timeline_bytes=list(doc.get("planned_timeline_bytes") or []), regions=regions,
+            memory_at_start_bytes=optional(doc, "memory_at_start_bytes", int, where, 0),
+            num_forward_packs=optional(doc, "num_forward_packs", int, where),
+            baseline_timeline_bytes=optional(doc, "baseline_timeline_bytes", list[int], where, []),
+            planned_timeline_bytes=optional(doc, "planned_timeline_bytes", list[int], where, []), regions=regions,
             tracking_starts=tracking_starts,
             link=_optional_link(doc.get("link"), where),
-            host_memory_cap_bytes=(int(doc["host_memory_cap_bytes"]) if doc.get("host_memory_cap_bytes") is not None
-                                   else None),
+            host_memory_cap_bytes=optional(doc, "host_memory_cap_bytes", int, where),
             call=call_signature_from_document(doc.get("call"), where),
             simulated_parts=_optional_parts(doc.get("simulated_parts"), where),
+            num_decisions=optional(doc, "num_decisions", int, where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed plan ({exc})") from None
@@ -301,6 +304,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
                               f"plans before {PLAN_FORMAT} lack): solve the profile again with this regen")
         if d.action == ACTION_RECOMPUTE and (d.recompute_before_op is None or not (d.recipe or d.region is not None)):
             raise FormatError(f"{where}: decisions[{i}] is a recompute without recompute_before_op/recipe")
+    _check_decision_count(plan, where)
     by_id = {d.saved_tensor: d for d in plan.decisions}
     for i, d in enumerate(plan.decisions):
         why = rebuilt_with_error(d, by_id) or region_error(d, plan.regions)
@@ -310,6 +314,17 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
         if r.id != i:
             raise FormatError(f"{where}: regions[{i}] has id {r.id}; regions are numbered 0..{len(plan.regions) - 1}")
     return plan
+
+
+def _check_decision_count(plan: Plan, where: str) -> None:
+    """One decision per saved tensor, as many as the planner wrote (`num_decisions`)."""
+    ids = [d.saved_tensor for d in plan.decisions]
+    if len(set(ids)) != len(ids):
+        twice = next(i for i in ids if ids.count(i) > 1)
+        raise FormatError(f"{where}: decisions name saved tensor {twice} more than once")
+    if plan.num_decisions is not None and len(ids) != plan.num_decisions:
+        raise FormatError(f"{where}: holds {len(ids)} decisions where its planner wrote {plan.num_decisions} (the "
+                          f"file was cut short or edited); solve the profile again")
 
 
 def _optional_parts(doc: Any, where: str) -> TimeParts | None:

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from regen.errors import FormatError
-from regen.formats.yamlio import build_dataclass, dump_document, load_document, require
+from regen.formats.yamlio import build_dataclass, dump_document, load_document, optional, require, required
 
 PROFILE_FORMAT = "regen-profile/2"
 PROFILE_VERSIONS = (1, 2)  # 1: no SavedTensor.held_until_op
@@ -358,17 +358,17 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             device=build_dataclass(DeviceInfo, require(doc, "device", where), f"{where}: device"),
             static_memory=build_dataclass(StaticMemory, require(doc, "static_memory", where), f"{where}: static_memory"),
             versions=require(doc, "versions", where),
-            repeats=int(require(doc, "repeats", where)),
-            step_time_s=float(require(doc, "step_time_s", where)),
-            optimizer_step_time_s=float(require(doc, "optimizer_step_time_s", where)),
-            memory_at_start_bytes=int(require(doc, "memory_at_start_bytes", where)),
-            peak_bytes=int(require(doc, "peak_bytes", where)),
+            repeats=required(doc, "repeats", int, where),
+            step_time_s=required(doc, "step_time_s", float, where),
+            optimizer_step_time_s=required(doc, "optimizer_step_time_s", float, where),
+            memory_at_start_bytes=required(doc, "memory_at_start_bytes", int, where),
+            peak_bytes=required(doc, "peak_bytes", int, where),
             fingerprint=str(require(doc, "fingerprint", where)),
             ops=ops, tensors=tensors, saved_entries=entries, saved_tensors=saved,
             format=str(doc["format"]), notes=list(doc.get("notes") or []), module_calls=calls,
             runtime_costs=_runtime_costs(doc, where),
             call=call_signature_from_document(doc.get("call"), where),
-            forward_time_s=None if doc.get("forward_time_s") is None else float(doc["forward_time_s"]),
+            forward_time_s=optional(doc, "forward_time_s", float, where),
             calibration=_calibration(doc, where),
         )
     except (TypeError, ValueError) as exc:
@@ -381,12 +381,7 @@ def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
     costs = doc.get("runtime_costs")
     if costs is None:
         return None
-    built = build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")
-    figures = [float(v) for v in (built.dispatch_op_s, built.capture_op_s, built.replay_op_s, built.recipe_s,
-                                  built.swap_s)]
-    if any(not (v >= 0) for v in figures):
-        raise FormatError(f"{where}: runtime_costs must be non-negative seconds")
-    return RuntimeCosts(*figures[:4], method=str(built.method), swap_s=figures[4])
+    return build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")  # seconds: never negative
 
 
 def _calibration(doc: dict[str, Any], where: str) -> Calibration | None:

@@ -8,9 +8,13 @@ that names the file, what it found and what it expected.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
-from pathlib import Path
+import types
+import typing
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -124,18 +128,95 @@ def require(mapping: dict[str, Any], key: str, where: str) -> Any:
     return mapping[key]
 
 
+def required(mapping: dict[str, Any], key: str, hint: Any, where: str) -> Any:
+    """`mapping[key]` checked as a field of type `hint` (`checked_value`); missing, a FormatError."""
+    return checked_value(require(mapping, key, where), hint, key, f"{where}: {key}")
+
+
+def optional(mapping: dict[str, Any], key: str, hint: Any, where: str, default: Any = None) -> Any:
+    """`mapping[key]` checked as a field of type `hint`, or `default` when it is absent or null."""
+    value = mapping.get(key)
+    return default if value is None else checked_value(value, hint, key, f"{where}: {key}")
+
+
 def build_dataclass(cls, data: Any, where: str):
     """Construct dataclass `cls` from a mapping, with FormatErrors that say what is wrong.
 
     Unknown keys are ignored (a newer writer may add fields within a format version); missing
-    required fields are an error naming the field.
+    required fields are an error naming the field, and so is a value of the wrong type or out of range
+    (`checked_value`): a file that loads holds what its types say.
     """
     if not isinstance(data, dict):
         raise FormatError(f"{where}: expected a mapping, found {type(data).__name__}")
+    hints = _field_types(cls)
     kwargs = {}
     for f in fields(cls):
         if f.name in data:
-            kwargs[f.name] = data[f.name]
+            kwargs[f.name] = checked_value(data[f.name], hints[f.name], f.name, f"{where}: {f.name}")
         elif f.default is MISSING and f.default_factory is MISSING:
             raise FormatError(f"{where}: missing field '{f.name}'")
     return cls(**kwargs)
+
+
+@functools.cache
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# NOTE [ Field ranges by unit ]
+# A field's name carries its unit (docs: "units in names"), and the unit says what range it has: a
+# count of bytes (`bytes`, `*_bytes`), a duration or a rate (`*_s`, `*_per_s`) is never negative, and
+# no number in a file is NaN or infinite. Fields outside these rules are checked by their dataclass's
+# loader (an op index within the profile, an action among ACTIONS).
+NON_NEGATIVE_SUFFIXES = ("bytes", "_s", "_per_s")
+
+
+def checked_value(value: Any, hint: Any, name: str, where: str) -> Any:
+    """`value` as field `name` of type `hint` holds it (an int where a float is expected becomes a
+    float), or a FormatError naming the field: a wrong type, a NaN or infinity, a negative count of
+    bytes or seconds. Nested dataclasses and untyped fields pass unchecked (their loaders build them)."""
+    if value is None:
+        if _allows_none(hint):
+            return None
+        raise FormatError(f"{where}: must be {_type_name(hint)}, found nothing (null)")
+    hint = _without_none(hint)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise FormatError(f"{where}: must be a list, found {type(value).__name__} {value!r:.40}")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [checked_value(v, item, name, f"{where}[{k}]") for k, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise FormatError(f"{where}: must be true or false, found {value!r:.40}")
+        return value
+    if hint is int or hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (hint is int and isinstance(value, float)):
+            raise FormatError(f"{where}: must be {_type_name(hint)}, found {type(value).__name__} {value!r:.40}")
+        if not math.isfinite(value):
+            raise FormatError(f"{where}: must be a finite number, found {value}")
+        if name.endswith(NON_NEGATIVE_SUFFIXES) and value < 0:
+            raise FormatError(f"{where}: must not be negative, found {value}")
+        return float(value) if hint is float else value
+    if hint is str:
+        if not isinstance(value, str):
+            raise FormatError(f"{where}: must be text, found {type(value).__name__} {value!r:.40}")
+        return value
+    return value  # a nested dataclass, a mapping, Any: checked where it is built
+
+
+def _allows_none(hint: Any) -> bool:
+    return hint is Any or type(None) in typing.get_args(hint)
+
+
+def _without_none(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return hint
+
+
+def _type_name(hint: Any) -> str:
+    hint = _without_none(hint)
+    return {int: "an integer", float: "a number", str: "text", bool: "true or false"}.get(
+        hint, "a list" if typing.get_origin(hint) is list else getattr(hint, "__name__", str(hint)))

@@ -133,7 +133,7 @@ def test_runtime_costs_round_trip_and_bad_figures_are_refused(tmp_path):
     text = (tmp_path / "p.yaml").read_text().replace("replay_op_s: 5.0e-05", "replay_op_s: -1.0")
     assert "replay_op_s: -1.0" in text
     (tmp_path / "bad.yaml").write_text(text)
-    with pytest.raises(FormatError, match="runtime_costs must be non-negative"):
+    with pytest.raises(FormatError, match="runtime_costs: replay_op_s: must not be negative, found -1.0"):
         load_profile(tmp_path / "bad.yaml")
 
 
@@ -156,3 +156,51 @@ def test_swaps_need_a_release_point_and_older_plans_with_swaps_are_refused(tmp_p
     d.release_at_unpack = None  # in memory, without a position the runtime can act on
     with pytest.raises(FormatError, match="no release point"):
         regen.apply(torch.nn.Linear(2, 2), plan, emulate_link=True)
+
+
+def _edited(tmp_path, save, original, text: str, replacement: str):
+    """`original` saved, then the file with `text` replaced by `replacement` (which must occur)."""
+    save(original, tmp_path / "good.yaml")
+    document = (tmp_path / "good.yaml").read_text()
+    assert text in document
+    (tmp_path / "bad.yaml").write_text(document.replace(text, replacement, 1))
+    return tmp_path / "bad.yaml"
+
+
+@pytest.mark.parametrize("text,replacement,match", [
+    ("bytes: 40", 'bytes: "lots"', r"tensors\[0\]: bytes: must be an integer, found str 'lots'"),
+    ("peak_bytes: 300", "peak_bytes: -300", "peak_bytes: must not be negative, found -300"),
+    ("step_time_s: 0.002", "step_time_s: .nan", "step_time_s: must be a finite number, found nan"),
+    ("repeats: 1", "repeats: true", "repeats: must be an integer, found bool True"),
+    ("backward_uses: [1]", "backward_uses: [one]", r"backward_uses\[0\]: must be an integer, found str .one."),
+    ("name: aten.relu.default", "name: [aten, relu]", r"ops\[0\]: name: must be text, found list"),
+])
+def test_a_profile_field_of_the_wrong_type_or_range_is_one_format_error(tmp_path, text, replacement, match):
+    path = _edited(tmp_path, save_profile, tiny_profile(), text, replacement)
+    with pytest.raises(FormatError, match=match) as info:
+        load_profile(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_plan_cut_short_or_with_a_decision_twice_is_refused(tmp_path):
+    plan = tiny_plan()
+    plan.decisions.append(Decision(saved_tensor=1, producer_op=0, output_slot=1, shape=[10], dtype="torch.float32",
+                                   bytes=40, action="keep"))
+    plan.num_decisions = 2
+    save_plan(plan, tmp_path / "whole.yaml")
+    assert len(load_plan(tmp_path / "whole.yaml").decisions) == 2
+    cut = plan.decisions.pop()
+    save_plan(plan, tmp_path / "cut.yaml")
+    with pytest.raises(FormatError, match="holds 1 decisions where its planner wrote 2"):
+        load_plan(tmp_path / "cut.yaml")
+    plan.decisions += [cut, cut]
+    plan.num_decisions = 3
+    save_plan(plan, tmp_path / "twice.yaml")
+    with pytest.raises(FormatError, match="decisions name saved tensor 1 more than once"):
+        load_plan(tmp_path / "twice.yaml")
+
+
+def test_a_plan_figure_of_the_wrong_type_is_one_format_error(tmp_path):
+    path = _edited(tmp_path, save_plan, tiny_plan(), "host_pool_bytes: 0", "host_pool_bytes: 1.5")
+    with pytest.raises(FormatError, match="host_pool_bytes: must be an integer, found float 1.5"):
+        load_plan(path)
