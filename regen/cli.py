@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -67,9 +68,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from regen.formats.yamlio import check_output_path
     from regen.profiler import profile_workload
     from regen.runtime.self_timing import measure_runtime_costs
+    from regen.workloads import workload_source
 
     spec, wargs, batch_size, autocast = _workload_options(args)
-    check_output_path(args.output, inputs=(args.config,) if args.config else ())  # before the long work
+    sources = tuple(p for p in (args.config, workload_source(spec)) if p)
+    check_output_path(args.output, inputs=sources)  # before the long work; never over the workload's own files
     say = _progress(args.quiet)
     device, build = _workload_builder(args, spec, wargs, batch_size, autocast, say)
     workload = build()
@@ -169,6 +172,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ---- solve -------------------------------------------------------------------------------------
 
 
+def _check_solve_numbers(args: argparse.Namespace) -> None:
+    """--time-limit, --bandwidth and --link-ratio are positive, finite numbers (argparse reads 'nan' and
+    'inf' as floats)."""
+    for flag, value, unit in (("--time-limit", args.time_limit, "seconds"), ("--bandwidth", args.bandwidth, "GB/s"),
+                              ("--link-ratio", args.link_ratio, "(a ratio)")):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise RegenError(f"{flag} {value:g}: must be a positive, finite number {unit}")
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats import save_plan
     from regen.formats.yamlio import check_output_path
@@ -177,6 +189,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from regen.units import format_duration, parse_memory_cap
 
     check_output_path(args.output, inputs=(args.input,))
+    _check_solve_numbers(args)
     check_one_link(args.bandwidth, args.link_ratio)
     host_cap_bytes = None
     if args.host_memory_cap is not None:

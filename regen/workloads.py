@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -50,6 +51,23 @@ class Workload:
         if self.autocast is not None:
             described["autocast"] = self.autocast
         return described
+
+
+def workload_source(spec: str) -> Path | None:
+    """The source file of a `module:function` workload's module (found, not run: only its parent
+    packages are imported), so that no output overwrites it; None for a built-in or a module not found
+    (resolve_factory then says why)."""
+    module_name = spec.partition(":")[0] if ":" in spec else ""
+    if not module_name:
+        return None
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(found, "origin", None)
+    return Path(origin) if origin and os.path.isfile(origin) else None
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:

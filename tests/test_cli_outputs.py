@@ -62,6 +62,29 @@ def test_the_input_is_never_overwritten(tmp_path, capsys, profile_path):
     assert load_plan(plan).memory_cap_bytes > 0
 
 
+def test_the_workloads_own_source_file_is_never_overwritten(tmp_path, capsys, monkeypatch):
+    package = tmp_path / "userpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    source = "from regen.models import mlp as build\n"
+    (package / "models.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "--model", "userpkg.models:build", "-o", "userpkg/models.py"]) == 2
+    err = capsys.readouterr().err
+    assert "is the input file" in err and err.count("\n") == 1 and "building workload" not in err
+    assert (package / "models.py").read_text() == source
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_a_time_limit_that_is_not_a_positive_finite_number_is_refused(tmp_path, capsys, profile_path, value):
+    assert main(["solve", str(profile_path), "--memory-cap", "70%", "-o", str(tmp_path / "p.yaml"),
+                 "--time-limit", value]) == 2
+    err = capsys.readouterr().err
+    assert "--time-limit" in err and err.count("\n") == 1 and "planning" not in err
+    assert not (tmp_path / "p.yaml").exists()
+
+
 def test_quiet_prints_nothing(tmp_path, profile_path):
     """-q: no progress, no workload message and no HiGHS banner, on either stream."""
     for argv in (["solve", str(profile_path), "--memory-cap", "70%", "-o", str(tmp_path / "p.yaml"), "-q"],
