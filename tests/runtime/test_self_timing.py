@@ -51,7 +51,7 @@ def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
 def test_the_workload_probe_stops_at_its_time_budget_after_one_pair(monkeypatch):
     """A slow workload (a large model's steps) is timed for one plain and one tracked forward, not for
     FORWARD_PROBE_PAIRS of each."""
-    from regen.runtime import costs
+    from regen.runtime import self_timing as costs
 
     monkeypatch.setattr(costs, "FORWARD_PROBE_BUDGET_S", 0.05)
     calls = []
@@ -70,7 +70,7 @@ def test_the_workload_probe_stops_at_its_time_budget_after_one_pair(monkeypatch)
 def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
     """The swap figure includes what swaps cost a computing thread: an engine whose copy-in issue takes
     2 ms of the compute thread (off the calls-alone probe's tiny tensors) measures about that per swap."""
-    from regen.runtime import costs as probe
+    from regen.runtime import self_timing as probe
     from regen.runtime.swap import EmulatedEngine
 
     plain = probe._swap_s(torch.device("cpu"))
