@@ -194,6 +194,27 @@ class RuntimeCosts:
     # what one swap costs the compute thread (issuing the copy-out, releasing its source, issuing the
     # copy-in, waiting for it, and what the engine's work does to compute next to it), not the transfers
     swap_s: float = 0.0
+    # each figure's spread over the probe's interleaved repeats: (upper quartile - lower quartile) / median
+    spreads: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # figures that fell back to their defaults, and why
+
+    def figures(self) -> dict[str, float]:
+        """The charged figures by field name (those RUNTIME_COST_BOUNDS_S bounds)."""
+        return {name: getattr(self, name) for name in RUNTIME_COST_BOUNDS_S}
+
+
+# NOTE [ Bounds of the runtime's own costs ]
+# The probe times regen's Python per event (regen.runtime.self_timing); a loaded machine can inflate one
+# reading by orders of magnitude (a millisecond per dispatched op, tens of milliseconds per swap), and the
+# planner believes what the profile says: a swap charged 24 ms is never chosen. So each figure has a
+# documented default (its order on a quiet machine, CPU or GPU host) and an upper bound well above
+# anything regen's own code takes there; the probe re-measures a figure whose repeats spread widely and
+# falls back to the default, with a note, when it stays out of bounds, and a profile whose figure is out
+# of bounds is refused on load, so none reaches a plan.
+RUNTIME_COST_DEFAULTS_S = {"dispatch_op_s": 20e-6, "capture_op_s": 20e-6, "replay_op_s": 15e-6, "recipe_s": 50e-6,
+                           "swap_s": 300e-6}
+RUNTIME_COST_BOUNDS_S = {"dispatch_op_s": 200e-6, "capture_op_s": 300e-6, "replay_op_s": 300e-6, "recipe_s": 1e-3,
+                         "swap_s": 5e-3}
 
 
 CALIBRATION_SCALE_BOUNDS = (0.5, 3.0)  # a recompute_scale outside these is a measurement gone wrong
@@ -381,7 +402,12 @@ def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
     costs = doc.get("runtime_costs")
     if costs is None:
         return None
-    return build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")  # seconds: never negative
+    built = build_dataclass(RuntimeCosts, costs, f"{where}: runtime_costs")  # seconds: never negative
+    for name, value in built.figures().items():
+        if value > RUNTIME_COST_BOUNDS_S[name]:
+            raise FormatError(f"{where}: runtime_costs: {name} {value:.3g} s is above its bound "
+                              f"{RUNTIME_COST_BOUNDS_S[name]:.3g} s (a measurement gone wrong); profile again")
+    return built
 
 
 def _calibration(doc: dict[str, Any], where: str) -> Calibration | None:

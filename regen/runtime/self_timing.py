@@ -28,7 +28,10 @@ since the runtime's work per op grows with the op's arguments and outputs:
   Python hold the GIL and the cores the compute thread wants (the emulation's own cost, which the
   plans must charge to predict their steps; docs/benchmarks.md has the figures).
 
-Figures are medians over a few repeats of a batch, floored at zero. The probe takes about 0.5 s, plus,
+Figures are medians over interleaved repeats of their batches (every figure's batch once per round, so
+load that comes and goes hits a round's figures alike), floored at zero, each with its spread; an
+unsteady or out-of-bounds figure is measured again and, still out of bounds, charged its default with
+a warning (NOTE [ Bounds of the runtime's own costs ] in formats/profile.py). The probe takes about 0.5 s, plus,
 when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
 take less than FORWARD_PROBE_BUDGET_S (at least one pair: on a large model, where regen's per-op work
 matters least, the probe stays short).
@@ -39,12 +42,14 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+import warnings
+from dataclasses import dataclass
 from contextlib import nullcontext
 from typing import Callable, ContextManager
 
 import torch
 
-from regen.formats.profile import RuntimeCosts
+from regen.formats.profile import RUNTIME_COST_BOUNDS_S, RUNTIME_COST_DEFAULTS_S, RuntimeCosts
 from regen.opinfo import op_name, op_outputs, storage_key, written_outputs
 from regen.runtime.recompute import capture_op, check_captured_name, replay_recipe
 from regen.runtime.tracker import STAGE_COUNTING, ForwardTracker
@@ -82,27 +87,131 @@ def measure_runtime_costs(device: torch.device,
                           timed_forward: Callable[[ContextManager], float] | None = None) -> RuntimeCosts:
     """The runtime's per-event costs on `device` (see the module doc). `timed_forward(context)`: one
     training step of the profiled workload with `context` entered around its forward; returns the
-    forward's seconds."""
+    forward's seconds. Each figure is the median of interleaved repeats; a figure whose repeats spread
+    more than MAX_SPREAD, or that is out of its bound (formats.profile.RUNTIME_COST_BOUNDS_S), is measured
+    again, up to PROBE_ATTEMPTS times, keeping its steadiest reading; one still out of bounds falls back
+    to its default with a note (NOTE [ Bounds of the runtime's own costs ])."""
+    readings: dict[str, Reading] = {}
+    for _ in range(PROBE_ATTEMPTS):
+        fresh = _op_readings(device) | {"swap_s": _swap_reading(device)}
+        readings = {name: _steadier(name, readings.get(name), r) for name, r in fresh.items()}
+        if all(r.settled(name) for name, r in readings.items()):
+            break
+    # the workload's steps are the costly part: timed once, and checked against the tiny tensors' figure
+    on_workload = _dispatch_on_workload(timed_forward) if timed_forward is not None else None
+    method, notes = METHOD, []
+    if on_workload is not None and on_workload.value_s <= _workload_dispatch_bound_s(readings["dispatch_op_s"]):
+        readings["dispatch_op_s"], method = on_workload, METHOD + WORKLOAD_METHOD
+    elif on_workload is not None:
+        notes.append(f"dispatch_op_s: the workload's forward read {on_workload.value_s:.3g} s per op, over "
+                     f"{WORKLOAD_DISPATCH_RATIO:g} x the tiny tensors' {readings['dispatch_op_s'].value_s:.3g} s (a "
+                     f"burst of load?): charged the tiny tensors' figure")
+    return _settled_costs(readings, method, notes)
+
+
+# NOTE [ The workload's dispatch figure against the tiny tensors' ]
+# On the workload's own forward the dispatch mode costs more per op than on tiny tensors without grad
+# (autograd's bookkeeping, larger argument lists): a few times more, not orders of magnitude. A workload
+# reading above WORKLOAD_DISPATCH_RATIO x the tiny tensors' figure (plus WORKLOAD_DISPATCH_SLACK_S) is a
+# burst of load on the few forwards it timed, and the tiny tensors' figure is charged instead.
+WORKLOAD_DISPATCH_RATIO = 8.0
+WORKLOAD_DISPATCH_SLACK_S = 20e-6
+
+
+def _workload_dispatch_bound_s(tiny: "Reading") -> float:
+    return WORKLOAD_DISPATCH_RATIO * tiny.value_s + WORKLOAD_DISPATCH_SLACK_S
+
+
+PROBE_ATTEMPTS = 3  # measurements of the whole probe at most, while a figure is unsettled
+MAX_SPREAD = 0.5  # a figure whose repeats spread more than this (relative interquartile range) is measured again
+
+
+@dataclass
+class Reading:
+    """One figure of the probe: the median of its repeats (seconds) and their relative spread."""
+
+    value_s: float
+    spread: float
+
+    @staticmethod
+    def of(name: str, samples_s: list[float]) -> "Reading":
+        """The reading of figure `name`; its spread is relative to the median, or to the figure's default when
+        the median is smaller (a figure near zero, a difference of two timings, is steady enough when its
+        repeats agree to within a fraction of what such a figure usually is)."""
+        median = statistics.median(samples_s)
+        if len(samples_s) < 3:
+            return Reading(max(0.0, median), 0.0)
+        q1, _, q3 = statistics.quantiles(samples_s, n=4)
+        return Reading(max(0.0, median), (q3 - q1) / max(abs(median), RUNTIME_COST_DEFAULTS_S[name]))
+
+    def in_bounds(self, name: str) -> bool:
+        return self.value_s <= RUNTIME_COST_BOUNDS_S[name]
+
+    def settled(self, name: str) -> bool:
+        return self.in_bounds(name) and self.spread <= MAX_SPREAD
+
+
+def _steadier(name: str, old: "Reading | None", new: Reading) -> Reading:
+    """Of two readings of figure `name`, one in bounds before one out of bounds, then the lesser spread."""
+    if old is None:
+        return new
+    return min(old, new, key=lambda r: (not r.in_bounds(name), r.spread))
+
+
+def _settled_costs(readings: dict[str, Reading], method: str, notes: list[str]) -> RuntimeCosts:
+    """The RuntimeCosts of the readings: a figure out of bounds is its default, with a note."""
+    figures = {}
+    for name, r in readings.items():
+        if r.in_bounds(name):
+            figures[name] = r.value_s
+            continue
+        figures[name] = RUNTIME_COST_DEFAULTS_S[name]
+        notes.append(f"{name}: read {r.value_s:.3g} s (spread {r.spread:.0%}) over {PROBE_ATTEMPTS} probes, above "
+                     f"its bound {RUNTIME_COST_BOUNDS_S[name]:.3g} s (a busy machine?): charged its default "
+                     f"{RUNTIME_COST_DEFAULTS_S[name]:.3g} s")
+        warnings.warn(f"regen profile: {notes[-1]}", RuntimeWarning, stacklevel=3)
+    return RuntimeCosts(**figures, method=method, spreads={name: round(r.spread, 3) for name, r in readings.items()},
+                        notes=notes)
+
+
+def _op_readings(device: torch.device) -> dict[str, Reading]:
+    """dispatch, capture, replay and recipe figures from interleaved repeats of their batches."""
     x = torch.ones(4, 4, device=device)
     sync = functools.partial(_sync, device)
-    plain_s = _per_unit(lambda: _plain(x, PROBE_OPS), sync, PROBE_OPS)
-    dispatch_s = _per_unit(lambda: _tracked(x), sync, PROBE_OPS) - plain_s
-    capture_s = _per_unit(lambda: _captured(x), sync, PROBE_OPS) - plain_s
     chains = PROBE_OPS // RECIPE_LENGTH
-    long_s = _per_unit(lambda: _replays(x, chains, RECIPE_LENGTH), sync, chains)
-    short_s = _per_unit(lambda: _replays(x, PROBE_OPS, 1), sync, PROBE_OPS)
-    replay_s = (long_s - short_s) / (RECIPE_LENGTH - 1) - plain_s
-    recipe_s = short_s - replay_s - plain_s
-    method = METHOD
-    on_workload = _dispatch_on_workload(timed_forward) if timed_forward is not None else None
-    if on_workload is not None:
-        dispatch_s, method = on_workload, METHOD + WORKLOAD_METHOD
-    return RuntimeCosts(dispatch_op_s=max(0.0, dispatch_s), capture_op_s=max(0.0, capture_s),
-                        replay_op_s=max(0.0, replay_s), recipe_s=max(0.0, recipe_s), method=method,
-                        swap_s=_swap_s(device))
+    batches = {"plain": (lambda: _plain(x, PROBE_OPS), PROBE_OPS), "tracked": (lambda: _tracked(x), PROBE_OPS),
+               "captured": (lambda: _captured(x), PROBE_OPS),
+               "long": (lambda: _replays(x, chains, RECIPE_LENGTH), chains),
+               "short": (lambda: _replays(x, PROBE_OPS, 1), PROBE_OPS)}
+    per_unit = _interleaved_per_unit(batches, sync)
+    samples: dict[str, list[float]] = {"dispatch_op_s": [], "capture_op_s": [], "replay_op_s": [], "recipe_s": []}
+    for t in per_unit:
+        replay_s = (t["long"] - t["short"]) / (RECIPE_LENGTH - 1) - t["plain"]
+        samples["dispatch_op_s"].append(t["tracked"] - t["plain"])
+        samples["capture_op_s"].append(t["captured"] - t["plain"])
+        samples["replay_op_s"].append(replay_s)
+        samples["recipe_s"].append(t["short"] - replay_s - t["plain"])
+    return {name: Reading.of(name, values) for name, values in samples.items()}
 
 
-def _swap_s(device: torch.device) -> float:
+def _interleaved_per_unit(batches: dict, sync: Callable[[], None]) -> list[dict[str, float]]:
+    """PROBE_REPEATS rounds of every batch in turn (after one untimed round): seconds per unit of each,
+    per round, so that load that comes and goes hits every figure of a round alike."""
+    rounds = []
+    for k in range(PROBE_REPEATS + 1):
+        times = {}
+        for name, (batch, units) in batches.items():
+            sync()
+            t0 = time.perf_counter()
+            batch()
+            sync()
+            times[name] = (time.perf_counter() - t0) / units
+        if k:
+            rounds.append(times)
+    return rounds
+
+
+def _swap_reading(device: torch.device) -> Reading:
     """What one swap costs the compute thread: the larger of its engine calls alone and what it adds next to
     compute (see the module doc)."""
     from regen.runtime.swap import HostPool, new_engine
@@ -112,15 +221,16 @@ def _swap_s(device: torch.device) -> float:
     engine = new_engine(device, pool, instant_link)
     tensors = [torch.ones(SWAP_PROBE_NUMEL, device=device) for _ in range(SWAP_PROBE_SWAPS)]
     try:
-        per_swap_s = [_swap_batch_s(engine, pool, tensors) / len(tensors) for _ in range(PROBE_REPEATS + 1)]
+        per_swap_s = [_swap_batch_s(engine, pool, tensors) / len(tensors) for _ in range(PROBE_REPEATS + 1)][1:]
         computing_s = _swap_next_to_compute_s(engine, pool)
     finally:
         engine.close()
-    return max(statistics.median(per_swap_s[1:]), computing_s)
+    calls, computing = Reading.of("swap_s", per_swap_s), Reading.of("swap_s", computing_s)
+    return calls if calls.value_s >= computing.value_s else computing
 
 
-def _swap_next_to_compute_s(engine, pool) -> float:
-    """Median seconds one swap adds to a pass of matmuls (with swaps against without, interleaved)."""
+def _swap_next_to_compute_s(engine, pool) -> list[float]:
+    """Seconds one swap adds to a pass of matmuls, per pair of passes (with swaps against without, interleaved)."""
     device = engine.device
     a = torch.randn(SWAP_PROBE_MATMUL, SWAP_PROBE_MATMUL, device=device)
     sources = [torch.ones(SWAP_PROBE_BYTES // 4, device=device) for _ in range(SWAP_PROBE_ROUNDS)]
@@ -131,7 +241,7 @@ def _swap_next_to_compute_s(engine, pool) -> float:
         swapping_s = _matmul_pass_s(engine, pool, a, sources, n)
         if k:
             added_s.append((swapping_s - plain_s) / len(sources))
-    return max(0.0, statistics.median(added_s))
+    return added_s
 
 
 def _matmuls_per_gap(a: torch.Tensor) -> int:
@@ -212,19 +322,21 @@ def _landed(engine, events) -> None:
             event.wait()
 
 
-def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float]) -> float | None:
-    """Seconds the tracker adds per counted forward op of the workload; None if it counted none."""
+def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float]) -> "Reading | None":
+    """Seconds the tracker adds per counted forward op of the workload, per interleaved pair of forwards
+    (plain, then under the tracker); None if it counted none."""
     tracker = ForwardTracker()
     step = tracker.step = _ProbeStep()
-    plain_s, tracked_s = [], []
+    added_s = []
     t0 = time.perf_counter()
-    while len(plain_s) < FORWARD_PROBE_PAIRS and (not plain_s or time.perf_counter() - t0 < FORWARD_PROBE_BUDGET_S):
-        plain_s.append(timed_forward(nullcontext()))
+    while len(added_s) < FORWARD_PROBE_PAIRS and (not added_s or time.perf_counter() - t0 < FORWARD_PROBE_BUDGET_S):
+        plain_s = timed_forward(nullcontext())
         step.count = 0
-        tracked_s.append(timed_forward(tracker))
-    if not step.count:
-        return None
-    return (statistics.median(tracked_s) - statistics.median(plain_s)) / step.count
+        tracked_s = timed_forward(tracker)
+        if not step.count:
+            return None
+        added_s.append((tracked_s - plain_s) / step.count)
+    return Reading.of("dispatch_op_s", added_s)
 
 
 def _per_unit(batch: Callable[[], None], sync: Callable[[], None], units: int) -> float:

@@ -58,9 +58,7 @@ def profile_summary(profile: Profile) -> str:
     ]
     rc = profile.runtime_costs
     if rc is not None:
-        lines.append(f"runtime costs: dispatch {rc.dispatch_op_s * 1e6:.1f} us/op, capture {rc.capture_op_s * 1e6:.1f} "
-                     f"us/op, replay {rc.replay_op_s * 1e6:.1f} us/op, recipe {rc.recipe_s * 1e6:.1f} us, swap "
-                     f"{rc.swap_s * 1e6:.1f} us [{rc.method}]")
+        lines.append(_runtime_costs_line(rc))
     cal = profile.calibration
     if cal is not None:
         lines.append(f"calibration: recompute x{cal.recompute_scale:.2f} its charge, swaps "
@@ -121,4 +119,16 @@ def profile_summary_json(profile: Profile) -> dict[str, Any]:
              "last_backward_use": s.last_backward_use, "is_random": s.is_random, "is_inplace": s.is_inplace}
             for s in _largest(profile)],
     }
+
+
+def _runtime_costs_line(rc) -> str:
+    """The probe's figures, each with the spread of its repeats (+-x%), and its fallbacks."""
+    def figure(name: str, label: str, unit: str) -> str:
+        spread = rc.spreads.get(name)
+        return (f"{label} {getattr(rc, name) * 1e6:.1f} {unit}"
+                + (f" (+-{spread:.0%})" if spread is not None else ""))
+
+    parts = [figure("dispatch_op_s", "dispatch", "us/op"), figure("capture_op_s", "capture", "us/op"),
+             figure("replay_op_s", "replay", "us/op"), figure("recipe_s", "recipe", "us"), figure("swap_s", "swap", "us")]
+    return f"runtime costs: {', '.join(parts)} [{rc.method}]" + "".join(f"; {n}" for n in rc.notes)
 

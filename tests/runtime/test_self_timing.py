@@ -73,7 +73,7 @@ def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
     from regen.runtime import self_timing as probe
     from regen.runtime.swap import EmulatedEngine
 
-    plain = probe._swap_s(torch.device("cpu"))
+    plain = probe._swap_reading(torch.device("cpu")).value_s
     original = EmulatedEngine.copy_in
 
     def slow_copy_in(self, out):
@@ -84,5 +84,89 @@ def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
         return original(self, out)
 
     monkeypatch.setattr(EmulatedEngine, "copy_in", slow_copy_in)
-    slowed = probe._swap_s(torch.device("cpu"))
+    slowed = probe._swap_reading(torch.device("cpu")).value_s
     assert slowed > 1.5e-3 + 0.5 * plain, (plain, slowed)
+
+
+def _busy(stop: "threading.Event") -> None:
+    """What a loaded machine does beside the probe: matmuls (off the GIL) and Python (on it), in turns."""
+    a = torch.randn(256, 256)
+    while not stop.is_set():
+        a @ a
+        sum(range(2000))
+
+
+def test_beside_a_busy_thread_every_figure_stays_within_its_bound():
+    """The probe under load: each figure is in bounds, or its default with a note and a warning; the
+    profile that holds them loads (a figure out of bounds would be refused there)."""
+    import threading
+    import warnings as warnings_module
+
+    from regen.formats.profile import RUNTIME_COST_BOUNDS_S, RUNTIME_COST_DEFAULTS_S
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=_busy, args=(stop,), daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with warnings_module.catch_warnings(record=True) as caught:
+            warnings_module.simplefilter("always")
+            costs = measure_runtime_costs(torch.device("cpu"))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    for name, value in costs.figures().items():
+        assert 0.0 <= value <= RUNTIME_COST_BOUNDS_S[name], (name, value)
+        fell_back = any(note.startswith(f"{name}:") for note in costs.notes)
+        assert not fell_back or value == RUNTIME_COST_DEFAULTS_S[name]
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == len(costs.notes)
+    assert set(costs.spreads) == set(RUNTIME_COST_BOUNDS_S)
+
+
+def test_a_figure_out_of_bounds_is_measured_again_then_falls_back_and_never_reaches_a_plan(monkeypatch, tmp_path):
+    """A reading above its bound is measured again (PROBE_ATTEMPTS in all) and then charged its default,
+    with a one-line warning; written into a profile by hand, the same figure is refused on load, so the
+    planner never charges it."""
+    import dataclasses
+
+    import pytest
+
+    from regen.errors import FormatError
+    from regen.formats import load_profile, save_profile
+    from regen.formats.profile import RUNTIME_COST_BOUNDS_S, RUNTIME_COST_DEFAULTS_S
+    from regen.graphs.synthetic import chain_profile
+    from regen.runtime import self_timing as probe
+
+    calls = []
+    steady = {name: probe.Reading(value / 2, 0.0) for name, value in RUNTIME_COST_DEFAULTS_S.items()}
+
+    def poisoned(device):
+        calls.append(device)
+        return {name: r for name, r in steady.items() if name != "swap_s"} | {"dispatch_op_s": probe.Reading(1.2e-3, 0.1)}
+
+    monkeypatch.setattr(probe, "_op_readings", poisoned)
+    monkeypatch.setattr(probe, "_swap_reading", lambda device: steady["swap_s"])
+    with pytest.warns(RuntimeWarning, match="dispatch_op_s: read 0.0012 s .* charged its default"):
+        costs = measure_runtime_costs(torch.device("cpu"))
+    assert len(calls) == probe.PROBE_ATTEMPTS
+    assert costs.dispatch_op_s == RUNTIME_COST_DEFAULTS_S["dispatch_op_s"]
+    assert costs.capture_op_s == steady["capture_op_s"].value_s and len(costs.notes) == 1
+
+    profile = chain_profile(4, seed=1, copy_bytes_per_s=5e9)
+    profile.runtime_costs = dataclasses.replace(costs, dispatch_op_s=2 * RUNTIME_COST_BOUNDS_S["dispatch_op_s"])
+    save_profile(profile, tmp_path / "poisoned.yaml")
+    with pytest.raises(FormatError, match="runtime_costs: dispatch_op_s 0.0004 s is above its bound"):
+        load_profile(tmp_path / "poisoned.yaml")
+
+
+def test_an_unsteady_figure_is_measured_again_and_its_steadier_reading_kept(monkeypatch):
+    from regen.formats.profile import RUNTIME_COST_DEFAULTS_S
+    from regen.runtime import self_timing as probe
+
+    readings = iter([{"capture_op_s": probe.Reading(90e-6, 2.0)}, {"capture_op_s": probe.Reading(30e-6, 0.1)}])
+    steady = {name: probe.Reading(value, 0.0) for name, value in RUNTIME_COST_DEFAULTS_S.items() if name != "swap_s"}
+    monkeypatch.setattr(probe, "_op_readings", lambda device: steady | next(readings))
+    monkeypatch.setattr(probe, "_swap_reading", lambda device: probe.Reading(1e-4, 0.0))
+    costs = measure_runtime_costs(torch.device("cpu"))
+    assert costs.capture_op_s == 30e-6 and costs.spreads["capture_op_s"] == 0.1 and costs.notes == []
