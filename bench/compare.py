@@ -190,7 +190,7 @@ def bench_model(name: str, spec: dict, progress) -> list[Result]:
     import regen
     from regen.planner import solve
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     progress(f"[{name}] profiling")
     profile = profile_workload(build(spec), device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
@@ -332,7 +332,7 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
     """One model over an emulated link of ratio `link_ratio` (see the module doc)."""
     from regen.planner import solve
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     label = f"{name} R={link_ratio:g}"
     progress(f"[{label}] profiling")

@@ -257,7 +257,7 @@ def print_row(r: Row) -> None:
 
 def profile_and_report(w, cfg: Config):
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     t0 = time.perf_counter()
     profile = profile_workload(w, device=str(cfg.device), repeats=cfg.profile_repeats,

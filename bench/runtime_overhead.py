@@ -137,7 +137,7 @@ def overhead_rows(w, profile, steps, device, out):
 def run(name, steps, device, out, overhead_only=False):
     from regen.planner import solve
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     w = build_workload(name, device=device)
     profile = profile_workload(w, device=device, repeats=1, warmup_steps=1, progress=None,

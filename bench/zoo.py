@@ -129,7 +129,7 @@ def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say,
                ) -> ArchResult:
     from regen.calibration import calibrate
     from regen.profiler import profile_workload
-    from regen.runtime.costs import measure_runtime_costs
+    from regen.runtime.self_timing import measure_runtime_costs
 
     spec = spec_of(name, size)
     say(f"[{name}] profiling")
