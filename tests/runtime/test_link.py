@@ -139,6 +139,9 @@ def test_a_copy_takes_its_time_and_lands_at_the_end():
     assert not thread.running and not _link_threads()
 
 
+LANDING_TRIES = 8
+
+
 def test_a_large_copy_lands_when_due_not_a_memcpy_later():
     """The thread starts moving the bytes ahead of the due time by its measured memcpy rate, so waiters
     are released at the due time; after the copy, not before."""
@@ -150,15 +153,19 @@ def test_a_large_copy_lands_when_due_not_a_memcpy_later():
         memcpy_s = thread._memcpy_s(nbytes)
         assert memcpy_s > 0
         lateness_s = []
-        for _ in range(3):
+        for _ in range(LANDING_TRIES):
             dst.zero_()
             done = thread.submit(src, dst)
             assert not done.query()
             done.wait()
             lateness_s.append(time.perf_counter() - done.landed_at)
             assert torch.equal(dst, src)
+            if lateness_s[-1] < 0.5 * memcpy_s:
+                break
         assert min(lateness_s) >= 0  # never before it is due
-        assert sorted(lateness_s)[1] < 0.5 * memcpy_s, (lateness_s, memcpy_s)
+        # a thread that started the memcpy at the due time would land every copy a memcpy late; a busy
+        # machine may wake it late on some tries, never on all of them
+        assert min(lateness_s) < 0.5 * memcpy_s, (lateness_s, memcpy_s)
     finally:
         thread.close()
 
