@@ -1,7 +1,7 @@
 """Calibration: the planner's charges checked against the workload's own planned steps.
 
 A plan's predicted time is the unplanned step plus what the planner charges for its recomputes and swaps
-(regen.planner.graph.RuntimeCharges): the ops' profiled times and the runtime probe's per-event figures.
+(regen.planner.costs.RuntimeCharges): the ops' profiled times and the runtime probe's per-event figures.
 Two things neither sees, and both are paid by the step:
 
 * a recompute runs in backward, next to backward's own working set, on operands gone cold in the caches,

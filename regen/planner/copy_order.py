@@ -17,6 +17,7 @@ import bisect
 import math
 
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.costs import copy_in_time_s
 from regen.planner.graph import PlanningGraph
 from regen.planner.residency import resident_without_plan
 from regen.planner.result import Choice
@@ -58,7 +59,7 @@ def latest_copy_in_steps(graph: PlanningGraph, choices: dict[int, Choice], stall
     latest_end = math.inf
     for c, ch in sorted(swaps, key=lambda x: (-need_at[x[0].index], -x[0].index)):
         end = min(begin[need_at[c.index]], latest_end)
-        start_time = end - c.bytes / g.h2d_bytes_per_s
+        start_time = end - copy_in_time_s(g, c.bytes)
         latest_end = start_time
         step = bisect.bisect_right(begin, start_time + 1e-15) - 1
         step = g.snap_copy_in(min(step, need_at[c.index] - 1))  # where the runtime can issue it

@@ -26,6 +26,7 @@ import networkx as nx
 from regen.errors import RegenError
 from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
 from regen.opinfo import copies_first_arg
+from regen.planner.costs import RuntimeCharges, copy_in_time_s, copy_out_time_s, op_times_s
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
 from regen.planner.regions import Region, add_regions
 from regen.planner.residency import op_capture_bytes
@@ -94,66 +95,6 @@ class Candidate:
     @property
     def can_recompute(self) -> bool:
         return not self.trivial and bool(self.recipes)
-
-    def alive_at(self, step: int) -> bool:
-        """Resident at `step` whatever its action ([p, f] or [b, e])."""
-        if self.producer <= step <= self.last_forward:
-            return True
-        return self.first_backward is not None and self.first_backward <= step <= self.last_backward
-
-
-@dataclass(frozen=True)
-class RuntimeCharges:
-    """The time regen's runtime adds per event, as the planner charges it (docs/internals.md "What a
-    plan's predicted time charges"): the profile's `runtime_costs` (zero without them), the Python time
-    between forward ops that a module replay runs again, and the profile's `calibration` (what the
-    workload's own planned steps said about those charges: none without it)."""
-
-    dispatch_op_s: float = 0.0  # every forward op in a tracking window of a per-tensor recipe (windows.py)
-    capture_op_s: float = 0.0  # a recipe op, captured in forward
-    replay_op_s: float = 0.0  # a recipe op, replayed in backward, beyond its own time
-    recipe_s: float = 0.0  # a replayed recipe, besides its ops
-    between_forward_ops_s: float = 0.0  # the plain forward's time outside ops, per forward op
-    swap_s: float = 0.0  # what a swapped tensor costs the compute thread (not its transfers): RuntimeCosts.swap_s
-    swap_byte_s: float = 0.0  # and per byte it moves (Calibration.swap_byte_s)
-    recompute_scale: float = 1.0  # measured over charged recompute time on the workload (Calibration)
-
-    @staticmethod
-    def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
-        """The charges of a profile: its probe's figures, the time the plain forward spends outside
-        ops, per forward op (the module code a region replay runs again), and its calibration."""
-        rc = profile.runtime_costs
-        cal = profile.calibration
-        measured = {} if cal is None else {"recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s}
-        between_s = _between_forward_ops_s(profile, op_times_s)
-        if rc is None:
-            return RuntimeCharges(between_forward_ops_s=between_s, **measured)
-        return RuntimeCharges(dispatch_op_s=rc.dispatch_op_s, capture_op_s=rc.capture_op_s,
-                              replay_op_s=rc.replay_op_s, recipe_s=rc.recipe_s, between_forward_ops_s=between_s,
-                              swap_s=rc.swap_s, **measured)
-
-    def recipe_time_s(self, op_times_s: float, num_ops: int) -> float:
-        """A per-tensor recipe of `num_ops` ops whose profiled times sum to `op_times_s`."""
-        return self.recompute_scale * (op_times_s + num_ops * (self.capture_op_s + self.replay_op_s) + self.recipe_s)
-
-    def region_time_s(self, op_times_s: float, num_ops: int) -> float:
-        """A module call of `num_ops` forward ops replayed by running its forward again."""
-        return self.recompute_scale * (op_times_s + num_ops * self.between_forward_ops_s)
-
-    def swap_time_s(self, nbytes: int) -> float:
-        """What swapping a tensor of `nbytes` costs the compute thread (its transfers are the link's)."""
-        return self.swap_s + nbytes * self.swap_byte_s
-
-
-def _between_forward_ops_s(profile: Profile, op_times_s: list[float]) -> float:
-    """The forward's time outside ops per forward op: from the profile's timed forward when it has one,
-    else the step's time outside ops spread over all ops (backward runs Python between ops as well)."""
-    num_forward = profile.num_forward_ops
-    if not num_forward:
-        return 0.0
-    if profile.forward_time_s is not None:
-        return max(0.0, float(profile.forward_time_s) - sum(op_times_s[:num_forward])) / num_forward
-    return max(0.0, float(profile.step_time_s) - sum(op_times_s)) / len(op_times_s)
 
 
 @dataclass
@@ -274,7 +215,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     if d2h <= 0 or h2d <= 0:
         raise RegenError(f"copy bandwidth must be positive (got d2h {d2h}, h2d {h2d} bytes/s)")
     ops = profile.ops
-    times = [max(0.0, float(op.time_s)) for op in ops]
+    times = op_times_s(profile)
     after = [int(op.memory_after_bytes) for op in ops]
     peak = [max(int(op.memory_peak_bytes), int(op.memory_after_bytes)) for op in ops]
     op_graph = _op_graph(profile)
@@ -372,8 +313,8 @@ def _set_windows(graph: PlanningGraph, c: Candidate, max_steps: int) -> None:
     """Bounded copy windows (at most `max_steps` each): steps after the pack (copy-out) and before b (copy-in)."""
     b = c.first_backward
     times = graph.time_s
-    out_need = WINDOW_TRANSFER_FACTOR * c.bytes / graph.d2h_bytes_per_s
-    in_need = WINDOW_TRANSFER_FACTOR * c.bytes / graph.h2d_bytes_per_s
+    out_need = WINDOW_TRANSFER_FACTOR * copy_out_time_s(graph, c.bytes)
+    in_need = WINDOW_TRANSFER_FACTOR * copy_in_time_s(graph, c.bytes)
     # copy-out: o+1 .. at most b-2 (the copy-in needs a step after it)
     out_window, covered = [], 0.0
     s = c.issue_after + 1

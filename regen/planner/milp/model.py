@@ -42,6 +42,7 @@ import pulp
 
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.costs import copy_in_bytes_per_s, copy_out_bytes_per_s
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.milp.highs import linear, new_var
 from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
@@ -307,14 +308,14 @@ class Model:
             for k, r in enumerate(v.rec):
                 rec_at.setdefault(v.c.first_backward, []).append((v.c.recipes[k].time_s / tu) * r)
         for s, terms in out_at.items():
-            prob += linear(terms) <= g.d2h_bytes_per_s * g.time_s[s] / mu, f"d2h_{s}"
+            prob += linear(terms) <= copy_out_bytes_per_s(g) * g.time_s[s] / mu, f"d2h_{s}"
         stalls = []
-        rate = g.h2d_bytes_per_s * tu / mu  # memory units per time unit
+        rate = copy_in_bytes_per_s(g) * tu / mu  # memory units per time unit
         for s, terms in in_at.items():
             st = new_var(f"stall_{s}", 0)
             self.stall[s] = st
             stalls.append(st)
             recomputes = linear([(-rate * coef, x) for term in rec_at.get(s, []) for x, coef in term.items()])
             prob += (linear(terms + [(-rate, st)]) + recomputes
-                     <= g.h2d_bytes_per_s * g.time_s[s] / mu), f"h2d_{s}"
+                     <= copy_in_bytes_per_s(g) * g.time_s[s] / mu), f"h2d_{s}"
         return stalls

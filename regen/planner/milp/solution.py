@@ -22,7 +22,7 @@ from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, Model
 from regen.planner.recipes import rebuilt_with_recipe
 from regen.planner.regions import region_transient_bytes
-from regen.planner.residency import unplanned_step_bytes
+from regen.planner.residency import planned_peak_bytes
 from regen.planner.result import Choice
 from regen.units import format_duration
 
@@ -121,8 +121,8 @@ def read_choices(model: Model) -> dict[int, Choice]:
 
 
 def predicted_peak_bytes(model: Model) -> int:
-    """The peak the model predicts for its solution: unplanned memory minus the savings S, plus the
-    transients of the recipes chosen."""
+    """The peak the model predicts for its solution (regen.planner.residency.planned_peak_bytes):
+    unplanned memory minus the savings S, plus the transients of the recipes and regions chosen."""
     g = model.graph
     n = g.num_steps
     seg_of = [None] * n
@@ -138,11 +138,8 @@ def predicted_peak_bytes(model: Model) -> int:
         if value_of(rv.z) > BINARY_THRESHOLD:
             rebuilt = {t for t, x in rv.members.items() if value_of(x) > BINARY_THRESHOLD}
             trans[rv.region.replay_step] += region_transient_bytes(g, rv.region, rebuilt)
-    peak = 0
-    for s in range(n):
-        saved = (value_of(seg_of[s]) * model.mem_unit) if seg_of[s] is not None else 0.0
-        peak = max(peak, unplanned_step_bytes(g, s) - saved + trans[s])
-    return int(math.ceil(peak))
+    gone = [(value_of(seg_of[s]) * model.mem_unit) if seg_of[s] is not None else 0.0 for s in range(n)]
+    return planned_peak_bytes(g, gone, trans)
 
 
 def step_time_s(model: Model) -> float:
