@@ -32,11 +32,14 @@ from regen.planner.regions import Region, add_regions
 from regen.planner.residency import op_capture_bytes
 from regen.planner.windows import WindowStarts
 
-MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
-# ... and at most window_steps_cap(candidates) steps: WINDOW_STEP_BUDGET over all candidates (it keeps the
-# MILP's copy variables O(budget)), between these two bounds. A slow link needs long windows: at R = 0.9 a
-# 3 MiB tensor of the built-in GPT takes ~25 ops to copy, and three of them are made at once, so windows of
-# 32 steps left most swaps out (hybrid at 50%: 37 ms over the unplanned step, against 13 ms with 128)
+# NOTE [ Copy window length ]
+# A swap's copy window covers at least MIN_WINDOW_STEPS steps (when the gap allows) and at most
+# window_steps_cap(candidates): WINDOW_STEP_BUDGET over all candidates (it keeps the MILP's copy variables
+# O(budget)), between MIN_WINDOW_STEPS_CAP and MAX_WINDOW_STEPS. The upper bound is long because a slow
+# link needs long windows: at R = 0.9 a 3 MiB tensor of the built-in GPT takes ~25 ops to copy, and three
+# of them are made at once; with windows of at most 32 steps most swaps do not fit, and hybrid at 50% of
+# the peak adds 37 ms to the unplanned step, against 13 ms with windows of up to 128.
+MIN_WINDOW_STEPS = 2
 MAX_WINDOW_STEPS = 128
 MIN_WINDOW_STEPS_CAP = 32
 WINDOW_STEP_BUDGET = 12_000

@@ -23,8 +23,9 @@ def add_host_memory_constraints(model) -> None:
 
     The bytes alive form a running sum over the issue points, so they are a chain of continuous
     variables, `h_s = h_prev + (swaps that start holding host memory by s) - (those that stopped before
-    s)`, with `h_s <= cap` where the candidates alive at s could exceed it: O(candidates) nonzeros
-    instead of one dense row per point (3,000 candidates: 1.8 million nonzeros, which doubled the LP)."""
+    s)`, with `h_s <= cap` where the candidates alive at s could exceed it: O(candidates) nonzeros,
+    where one dense row per point would be O(candidates x points) (3,000 candidates: 1.8 million
+    nonzeros, twice the rest of the LP)."""
     cap = model.graph.host_memory_cap_bytes
     swapped = sorted((v for v in model.vars.values() if v.swap is not None), key=lambda v: v.c.issue_after)
     if cap is None or sum(host_range_bytes(v.c.bytes) for v in swapped) <= cap:

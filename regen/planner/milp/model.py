@@ -25,8 +25,8 @@ The formulation of docs/milp.md, O(candidates x window) in size:
 * regions (regen.planner.milp.region_vars): `z_R` replays module call R at its replay step, a member t
   may be rebuilt by it (`reg_{t,R}`, one of t's actions: gone from f_t+1 until the replay), its
   arguments are kept, its time and transient are charged at the replay step;
-* objective: sum_s T_s, plus the runtime's dispatch mode on the forward up to the last op a chosen
-  per-tensor recipe needs (regen.planner.milp.tracking), plus the compute thread's share of each swap
+* objective: sum_s T_s, plus the runtime's dispatch mode on the forward ops of the chosen per-tensor
+  recipes' tracking windows (regen.planner.windows, charged by regen.planner.milp.tracking), plus the compute thread's share of each swap
   (`costs.swap_time_s(bytes_i)` x swap_i; the simulator charges it at the copy-out).
 
 Memory is in units of `mem_unit` bytes, time in `time_unit` seconds, so coefficients stay near 1.
