@@ -48,7 +48,7 @@ from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE
 from regen.workloads import Workload, training_step
 
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
-LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.link)
+LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.host_link)
 ROUNDS = 3
 STEPS_PER_BLOCK = 4
 BUDGET_S = 60.0  # rounds after the first stop once the calibration has taken this long

@@ -173,7 +173,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats import save_plan
     from regen.formats.yamlio import check_output_path
     from regen.planner import solve
-    from regen.planner.link import check_one_link, machine_ram_bytes
+    from regen.planner.host_link import check_one_link, machine_ram_bytes
     from regen.units import format_duration, parse_memory_cap
 
     check_output_path(args.output, inputs=(args.input,))

@@ -2,7 +2,7 @@
 
 1. profile one training step of a small GPT on the CPU;
 2. solve a hybrid plan at 50% of the unplanned peak (on a CPU device, which has no host link, the
-   planner makes it recompute only and says so: regen.planner.link);
+   planner makes it recompute only and says so: regen.planner.host_link);
 3. train a few steps without the plan and with it (same initial weights, same RNG seed), measuring
    peak memory with the allocator (regen.measure) and step time;
 4. print a table: measured peak (unplanned, cap, planned), step time (unplanned, planned, predicted),

@@ -53,7 +53,7 @@ def latest_copy_in_steps(graph: PlanningGraph, choices: dict[int, Choice], stall
     for ch_i, ch in choices.items():
         if ch.action == ACTION_RECOMPUTE and ch.recipe is not None:
             at = g.candidates[ch_i].first_backward
-            for a in ch.recipe.anchors:
+            for a in ch.recipe.inputs:
                 if a in need_at and not resident_without_plan(g.candidates[a], at):
                     need_at[a] = min(need_at[a], at)
     latest_end = math.inf

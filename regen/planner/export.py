@@ -53,7 +53,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
                 d.rebuilt_with = other.id
                 d.recompute_before_op = other.first_backward
             d.recipe = list(ch.recipe.ops)
-            d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.anchors]
+            d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.inputs]
             for q in ch.recipe.ops:
                 op = profile.ops[q]
                 recipe_ops[q] = RecipeOp(index=q, name=op.name, is_random=op.is_random)
@@ -79,7 +79,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
 
 
 def _tracking_starts(graph: PlanningGraph, choices: dict[int, Choice]) -> list[TrackingStart]:
-    """The module calls that open the tracking windows of the chosen recipes (regen.planner.windows)."""
+    """The module calls that open the tracking windows of the chosen recipes (regen.planner.tracking_windows)."""
     return graph.window_starts.opening(recipe_tracked_ops(graph, choices))
 
 
@@ -163,13 +163,13 @@ def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
             if other is None:
                 raise RegenError(f"plan decision for saved tensor {d.saved_tensor} is rebuilt with saved tensor "
                                  f"{d.rebuilt_with}, which the profile does not have")
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), anchors=[], time_s=0.0,
+            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), inputs=[], time_s=0.0,
                                                                       transient_bytes=0),
                                       rebuilt_with=other.index)
         elif d.action == ACTION_RECOMPUTE:
-            anchors = [by_id[a].index for a in d.recipe_inputs if a in by_id]
+            inputs = [by_id[a].index for a in d.recipe_inputs if a in by_id]
             op_times_s = float(sum(graph.time_s[q] for q in d.recipe))
-            recipe = Recipe(ops=list(d.recipe), anchors=anchors,
+            recipe = Recipe(ops=list(d.recipe), inputs=inputs,
                             time_s=graph.costs.recipe_time_s(op_times_s, len(d.recipe)),
                             transient_bytes=recipe_transient_bytes(graph.profile, tensors, list(d.recipe),
                                                                    c.saved.storage),

@@ -4,7 +4,7 @@
   other than autograd holds its storage, when later: dropping it frees nothing before), first/last
   backward use b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
   the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
-  replayed in backward: regen.planner.regions); a copy of a parameter (autocast's low-precision weight
+  replayed in backward: regen.planner.region_candidates); a copy of a parameter (autocast's low-precision weight
   copies, `opinfo.copies_first_arg`) gets no copy windows: it is kept or recomputed, never swapped, and
   its gap starts at the end of the forward (autocast's cache holds the copy until the forward ends);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
@@ -28,9 +28,9 @@ from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
 from regen.opinfo import copies_first_arg
 from regen.planner.costs import RuntimeCharges, copy_in_time_s, copy_out_time_s, op_times_s
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
-from regen.planner.regions import Region, add_regions
+from regen.planner.region_candidates import Region, add_regions
 from regen.planner.residency import op_capture_bytes
-from regen.planner.windows import WindowStarts
+from regen.planner.tracking_windows import WindowStarts
 
 # NOTE [ Copy window length ]
 # A swap's copy window covers at least MIN_WINDOW_STEPS steps (when the gap allows) and at most
@@ -115,13 +115,13 @@ class PlanningGraph:
     # issues copy-ins at unpacks (docs/internals.md), so a copy-in can only start right before an op that
     # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
     copy_in_starts: list[int] = field(default_factory=list)
-    regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
+    regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.region_candidates)
     # Where the runtime can release a swapped storage (docs/internals.md "Swaps"): at a forward pack or a
     # backward unpack, i.e. right before the op that follows it. pack_steps[k] is that op for the k-th forward
     # pack, unpack_steps[u] for the u-th unpack (nondecreasing). Both empty (no saved entries): any step.
     pack_steps: list[int] = field(default_factory=list)
     unpack_steps: list[int] = field(default_factory=list)
-    # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
+    # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.host_link)
     host_memory_cap_bytes: int | None = None
     # (name, choices): plans of this graph the caller already had, for the MILP to start from (regen.planner.solve)
     start_plans: list[tuple[str, dict]] = field(default_factory=list)
@@ -142,7 +142,7 @@ class PlanningGraph:
 
     @property
     def window_starts(self) -> WindowStarts:
-        """Where the runtime's tracking windows can open (regen.planner.windows)."""
+        """Where the runtime's tracking windows can open (regen.planner.tracking_windows)."""
         if self._window_starts is None:
             self._window_starts = WindowStarts.of(self.profile, self.pack_steps)
         return self._window_starts

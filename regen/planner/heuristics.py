@@ -57,7 +57,7 @@ def chen(graph: PlanningGraph) -> dict[int, Choice]:
         for c in cands:
             if c.index not in dropped:
                 continue
-            recipe, _why = build_recipe(ctx, c, is_anchor=lambda a: a.index not in dropped)
+            recipe, _why = build_recipe(ctx, c, is_input=lambda a: a.index not in dropped)
             if recipe is None or not inputs_kept(graph, recipe, c.first_backward, dropped):
                 failed.add(c.index)
             else:
@@ -102,7 +102,7 @@ def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_
     With `best_effort`, the valid plan of lowest simulated peak seen is returned instead of None.
     """
     choices: dict[int, Choice] = {}
-    locked: set[int] = set()  # anchors of chosen recomputes: must stay resident
+    locked: set[int] = set()  # inputs of chosen recipes: must stay resident
     best: tuple[int, dict[int, Choice]] = (graph.unplanned_peak_bytes + 1, {})
     for _ in range(MAX_GREEDY_ROUNDS):
         sim = simulate(graph, choices)

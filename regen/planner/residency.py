@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from regen.planner.graph import Candidate, PlanningGraph
     from regen.planner.recipes import Recipe
     from regen.planner.result import Choice
-    from regen.planner.regions import Region
+    from regen.planner.region_candidates import Region
 
 # torch.get_rng_state(): the CPU generator's state (a 624-word Mersenne Twister and its position), which the
 # runtime copies for every random recipe op and random region call; on a CPU device it is device memory
@@ -119,7 +119,7 @@ def resident_without_plan(c: Candidate, step: int) -> bool:
 
 def inputs_to_hold(graph: PlanningGraph, recipe: Recipe, step: int) -> list[int]:
     """The inputs of `recipe`, run before `step`, that the plan must keep (or bring back) for it."""
-    return [a for a in recipe.anchors if not resident_without_plan(graph.candidates[a], step)]
+    return [a for a in recipe.inputs if not resident_without_plan(graph.candidates[a], step)]
 
 
 def inputs_kept(graph: PlanningGraph, recipe: Recipe, step: int, gone: Container[int]) -> bool:

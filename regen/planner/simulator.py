@@ -2,7 +2,7 @@
 
 Three timelines, as the runtime runs them (the timing pass):
 * the compute stream runs the profiled ops in order; before op s it replays the regions due there
-  (their time, and their transient while they run: regen.planner.regions), runs the recipes of candidates
+  (their time, and their transient while they run: regen.planner.region_candidates), runs the recipes of candidates
   recomputed there (`recompute_before_op`), and waits for the copy-ins of tensors op s reads (and of
   recipe inputs that are swapped) to finish;
 * a device-to-host copy stream (FIFO): a swapped tensor's copy-out is issued when op
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, TimeParts
 from regen.planner.costs import copy_in_time_s, copy_out_time_s
 from regen.planner.graph import Candidate, PlanningGraph
-from regen.planner.regions import region_transient_bytes
+from regen.planner.region_candidates import region_transient_bytes
 from regen.planner.residency import planned_timelines, resident_without_plan
 from regen.planner.result import Choice
 
@@ -181,7 +181,7 @@ def recipe_tracked_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> froz
 
 def tracked_forward_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> frozenset[int]:
     """The forward ops the runtime's dispatch mode follows on a steady-state step: the tracking windows
-    of the chosen recipes' tracked ops (regen.planner.windows); none without recipes."""
+    of the chosen recipes' tracked ops (regen.planner.tracking_windows); none without recipes."""
     return graph.window_starts.covered(recipe_tracked_ops(graph, choices))
 
 
@@ -212,13 +212,13 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
             t0 = max(now, h2d_free, out_done.get(c.index, now))
             h2d_free = t0 + copy_in_time_s(graph, c.bytes)
             in_done[c.index] = h2d_free
-        for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.regions)
+        for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.region_candidates)
             now += graph.regions[r].time_s
             parts.recompute_s += graph.regions[r].time_s
             transient_at[s] += region_transient_bytes(graph, graph.regions[r], ev.rebuilt_by[r])
         for c in ev.recompute_at.get(s, []):
             recipe = choices[c.index].recipe
-            for a in recipe.anchors:
+            for a in recipe.inputs:
                 if resident_without_plan(cands[a], s):
                     continue
                 ach = choices.get(a, Choice())

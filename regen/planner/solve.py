@@ -1,7 +1,7 @@
 """`regen solve`'s planning: validate the request, run a strategy, check the result, build the Plan.
 
 The walk from `solve` to the written Plan: validate the request, settle the host link and host memory
-(regen.planner.link: a CPU device without an explicit link plans recompute only), build the planning graph
+(regen.planner.host_link: a CPU device without an explicit link plans recompute only), build the planning graph
 (regen.planner.graph), run the strategy (regen.planner.strategies), put the copy-ins where the runtime
 issues them (regen.planner.copy_order), replay the plan in the simulator (the one final check: a plan
 that is inconsistent or over the cap is never returned), and export it (regen.planner.export).
@@ -18,7 +18,7 @@ from regen.formats.profile import Profile
 from regen.planner.copy_order import order_copy_ins
 from regen.planner.export import build_plan
 from regen.planner.graph import build_graph
-from regen.planner.link import (default_host_memory_cap_bytes, has_no_link, host_memory_error, link_bandwidth,
+from regen.planner.host_link import (default_host_memory_cap_bytes, has_no_link, host_memory_error, link_bandwidth,
                                 no_link_error, no_link_note, plan_link)
 from regen.planner.milp.highs import reset_solver_threads
 from regen.planner.milp.model import DEFAULT_REL_GAP
@@ -40,7 +40,7 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
 
     The MILP strategies stop at `rel_gap` (relative gap between the plan and the solver's bound, 1% by
     default) or at `time_limit_s`, whichever comes first. The host link is `bandwidth_gb_s` or
-    `link_ratio` (one of them, or neither for the profile's own bandwidth; regen.planner.link), and the
+    `link_ratio` (one of them, or neither for the profile's own bandwidth; regen.planner.host_link), and the
     host pool stays within `host_memory_cap_bytes` (default: a fraction of this machine's RAM). `start_plans`: (name, choices) plans
     of this profile's graph the MILP strategies may start from (the least-peak plan of an InfeasibleCapError)."""
     if strategy not in STRATEGIES:

@@ -1,5 +1,5 @@
 """The host link a plan is solved for (--link-ratio, --bandwidth), CPU devices without a link, and the host
-memory cap (regen.planner.link, the MILP's host memory constraint)."""
+memory cap (regen.planner.host_link, the MILP's host memory constraint)."""
 
 import subprocess
 import sys

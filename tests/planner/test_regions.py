@@ -13,7 +13,7 @@ from regen.planner.graph import build_graph
 from regen.planner.heuristics import block_regions, checkpoint_blocks
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.solution import solve_model
-from regen.planner.regions import region_transient_bytes
+from regen.planner.region_candidates import region_transient_bytes
 from regen.planner.simulator import simulate
 
 SMALL = {

@@ -21,7 +21,7 @@ from regen.planner.milp.highs import SOLVER_THREADS, run_highs, size_message, va
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, Model
 from regen.planner.recipes import rebuilt_with_recipe
-from regen.planner.regions import region_transient_bytes
+from regen.planner.region_candidates import region_transient_bytes
 from regen.planner.residency import planned_peak_bytes
 from regen.planner.result import Choice
 from regen.units import format_duration

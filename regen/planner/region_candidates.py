@@ -28,7 +28,7 @@ A call is a region only if its replay is exact and its memory is what the planne
 * no op in it writes in place a storage made before the call, except module buffers (BatchNorm's
   running stats), which the runtime restores after the replay (their bytes are part of the transient);
 * no op in it is a collective or FSDP's gathering (one rank alone cannot replay those), and every
-  parameter FSDP gathered that it reads is unsharded at the replay (regen.planner.gathered).
+  parameter FSDP gathered that it reads is unsharded at the replay (regen.planner.fsdp_reads).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from regen.formats.plan_rules import replay_stop_pack
 from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
 from regen.opinfo import is_distributed
-from regen.planner.gathered import gathered_storages, resharded_read
+from regen.planner.fsdp_reads import gathered_storages, resharded_read
 
 if TYPE_CHECKING:
     from regen.planner.graph import PlanningGraph
