@@ -9,6 +9,7 @@ that is inconsistent or over the cap is never returned), and export it (regen.pl
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -82,7 +83,8 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     result = run(graph, memory_cap_bytes, time_limit_s, rel_gap, say)
     if keep_everything:
         result.notes.append("the cap is at or above the unplanned peak: every tensor is kept")
-    sim = order_copy_ins(graph, result.choices, memory_cap_bytes)
+    choices, sim = order_copy_ins(graph, result.choices, memory_cap_bytes)
+    result = dataclasses.replace(result, choices=choices)
     if not sim.valid:
         raise AssertionError(f"internal error: strategy {strategy} produced an inconsistent plan: {sim.errors[:3]}")
     if sim.peak_bytes > memory_cap_bytes:

@@ -116,8 +116,7 @@ def read_choices(model: Model) -> dict[int, Choice]:
             start = next(s for s in v.c.in_breaks if value_of(v.is_expr(s)) > BINARY_THRESHOLD)
             out[i] = Choice(ACTION_SWAP, swap_in_step=start)
     stall_s = {s: value_of(var) * model.time_unit for s, var in model.stall.items()}
-    latest_copy_in_steps(model.graph, out, stall_s)
-    return out
+    return latest_copy_in_steps(model.graph, out, stall_s)
 
 
 def predicted_peak_bytes(model: Model) -> int:
