@@ -1,5 +1,4 @@
-"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan, and a Plan's decisions
-become choices again for the simulator.
+"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan.
 
 This is the one place where candidate indices (inside the planner) and SavedTensor ids (in files) are
 converted, for the decisions, recipe inputs and the "rebuilt with" link, and where the planner's
@@ -8,12 +7,10 @@ regions (indices into PlanningGraph.regions) become the Plan's (`Plan.regions`, 
 
 from __future__ import annotations
 
-from regen.errors import RegenError
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
                                 RegionDecision, TrackingStart)
 from regen.formats.plan_rules import host_range_bytes
 from regen.planner.graph import PlanningGraph
-from regen.planner.recipes import Recipe, recipe_transient_bytes
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, recipe_tracked_ops
 
@@ -138,41 +135,3 @@ def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
         best = max(best, run)
     return best
 
-
-def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
-    """The simulator's view of a plan's decisions (recipes re-derived from their op lists)."""
-    by_id = graph.by_saved_id()
-    ops = graph.profile.ops
-    tensors = graph.profile.tensor_by_id()
-    choices: dict[int, Choice] = {}
-    region_index = {(r.call.module, r.call.call): r.index for r in graph.regions}
-    for d in plan.decisions:
-        c = by_id.get(d.saved_tensor)
-        if c is None:
-            raise RegenError(f"plan decision for saved tensor {d.saved_tensor}, which the profile does not have")
-        if d.action == ACTION_RECOMPUTE and d.region is not None:
-            pr = plan.regions[d.region]
-            r = region_index.get((pr.module, pr.call))
-            if r is None:
-                raise RegenError(f"plan region {pr.module!r} call {pr.call}, which is no region of the profile")
-            choices[c.index] = Choice(ACTION_RECOMPUTE, region=r)
-        elif d.action == ACTION_SWAP:
-            choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op, release_step=d.release_before_op)
-        elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
-            other = by_id.get(d.rebuilt_with)
-            if other is None:
-                raise RegenError(f"plan decision for saved tensor {d.saved_tensor} is rebuilt with saved tensor "
-                                 f"{d.rebuilt_with}, which the profile does not have")
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), inputs=[], time_s=0.0,
-                                                                      transient_bytes=0),
-                                      rebuilt_with=other.index)
-        elif d.action == ACTION_RECOMPUTE:
-            inputs = [by_id[a].index for a in d.recipe_inputs if a in by_id]
-            op_times_s = float(sum(graph.time_s[q] for q in d.recipe))
-            recipe = Recipe(ops=list(d.recipe), inputs=inputs,
-                            time_s=graph.costs.recipe_time_s(op_times_s, len(d.recipe)),
-                            transient_bytes=recipe_transient_bytes(graph.profile, tensors, list(d.recipe),
-                                                                   c.saved.storage),
-                            random_ops=[q for q in d.recipe if ops[q].is_random])
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=recipe)
-    return choices

@@ -175,7 +175,7 @@ def test_copy_outs_start_at_a_tensors_first_pack_in_pack_order_as_the_runtime_is
     in issue order: a tensor saved twice (attention probabilities, by softmax and by the matmul after it)
     is copied from its first pack, and copy-outs issued after one op keep the step's pack order."""
     from regen.planner import solve
-    from regen.planner.export import choices_from_plan
+    from plan_choices import choices_from_plan
     from regen.planner.simulator import _events
     from regen.profiler import profile_workload
     from regen.workloads import Workload
