@@ -7,6 +7,8 @@
 * a transfer on the link: a copy-out is its bytes over the graph's device-to-host bandwidth
   (`copy_out_time_s`), a copy-in its bytes over the host-to-device one (`copy_in_time_s`); the MILP's
   channel rows keep their linear form and read the same rates (`copy_out_bytes_per_s`, `copy_in_bytes_per_s`);
+* a plan's whole step, as its Plan reports it: the profile's measured step time plus what the plan adds
+  (`reported_step_time_s`);
 * an op the runtime's dispatch mode follows (a tracking window: regen.planner.tracking_windows):
   `RuntimeCharges.dispatch_op_s`.
 
@@ -83,6 +85,12 @@ def between_forward_ops_s(profile: Profile, op_times_s: list[float]) -> float:
     if profile.forward_time_s is not None:
         return max(0.0, float(profile.forward_time_s) - sum(op_times_s[:num_forward])) / num_forward
     return max(0.0, float(profile.step_time_s) - sum(op_times_s)) / len(op_times_s)
+
+
+def reported_step_time_s(graph: PlanningGraph, planned_s: float) -> float:
+    """A plan's step time as the Plan reports it: the profile's measured step time plus what the plan
+    adds to the sum of profiled op times (`planned_s`: the simulator's or the MILP's step over those ops)."""
+    return float(graph.profile.step_time_s + planned_s - graph.compute_time_s)
 
 
 def copy_out_bytes_per_s(graph: PlanningGraph) -> float:

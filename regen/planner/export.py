@@ -1,23 +1,28 @@
-"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan.
+"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan, built once.
 
-This is the one place where candidate indices (inside the planner) and SavedTensor ids (in files) are
-converted, for the decisions, recipe inputs and the "rebuilt with" link, and where the planner's
-regions (indices into PlanningGraph.regions) become the Plan's (`Plan.regions`, the chosen ones only).
+`build_plan` is the one place a Plan is assembled: from the planning graph, the strategy's result, the
+simulator's figures for it, the link it was solved for, the notes of the request and the profile file
+it came from; nothing is set on a Plan after it. It is also the one place where candidate indices
+(inside the planner) become SavedTensor ids (in files), for the decisions, recipe inputs and the
+"rebuilt with" link, and where the planner's regions (indices into PlanningGraph.regions) become the
+Plan's (`Plan.regions`, the chosen ones only).
 """
 
 from __future__ import annotations
 
-from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
-                                RegionDecision, TrackingStart)
+from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, PlanLink,
+                                RecipeOp, RegionDecision, TrackingStart)
 from regen.formats.plan_rules import host_range_bytes
+from regen.planner.costs import reported_step_time_s
 from regen.planner.graph import PlanningGraph
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, recipe_tracked_ops
 
 
-def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy: str,
-               sim: SimulationResult) -> Plan:
-    """The Plan of a strategy's result, with the simulator's figures for it."""
+def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy: str, sim: SimulationResult,
+               link: PlanLink | None = None, notes: list[str] | None = None, profile_path: str | None = None) -> Plan:
+    """The Plan of a strategy's result, with the simulator's figures for it: solved for `link`, under the
+    graph's host memory cap, its `notes` (the request's: regen.planner.solve) before the strategy's."""
     profile = graph.profile
     unpacks = sorted((e.unpack_before_op, e.unpack_order) for e in profile.saved_entries
                      if e.unpack_order is not None and e.unpack_before_op is not None)
@@ -61,8 +66,8 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         fingerprint=profile.fingerprint, workload=dict(profile.workload), strategy=strategy, memory_cap_bytes=int(cap),
         baseline=PlanFigures(peak_bytes=int(profile.peak_bytes), step_time_s=float(base_time)),
         predicted=PlanFigures(peak_bytes=int(result.predicted_peak_bytes),
-                              step_time_s=float(base_time + result.predicted_step_time_s - compute)),
-        simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=float(base_time + sim.step_time_s - compute)),
+                              step_time_s=reported_step_time_s(graph, result.predicted_step_time_s)),
+        simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=reported_step_time_s(graph, sim.step_time_s)),
         solver=result.report, d2h_bytes_per_s=graph.d2h_bytes_per_s, h2d_bytes_per_s=graph.h2d_bytes_per_s,
         host_pool_bytes=_peak_concurrent(host_intervals), num_forward_ops=graph.num_forward_ops,
         num_forward_packs=sum(1 for e in profile.saved_entries
@@ -70,8 +75,9 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         memory_at_start_bytes=int(profile.memory_at_start_bytes),
         decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
         baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
-        notes=list(result.notes) + _figure_notes(decisions, compute), regions=regions, call=profile.call,
-        tracking_starts=_tracking_starts(graph, result.choices), simulated_parts=sim.parts,
+        notes=list(notes or []) + list(result.notes) + _figure_notes(decisions, compute), regions=regions,
+        call=profile.call, tracking_starts=_tracking_starts(graph, result.choices), simulated_parts=sim.parts,
+        link=link, host_memory_cap_bytes=graph.host_memory_cap_bytes, profile_path=profile_path,
     )
 
 
@@ -134,4 +140,3 @@ def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
         run += delta
         best = max(best, run)
     return best
-

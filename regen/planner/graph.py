@@ -208,9 +208,12 @@ class PlanningGraph:
         return {c.id: c for c in self.candidates}
 
 
-def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
-                h2d_bytes_per_s: float | None = None) -> PlanningGraph:
-    """Candidates, lifetimes, windows and recipes of a profile."""
+def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None,
+                host_memory_cap_bytes: int | None = None,
+                start_plans: list[tuple[str, dict]] | None = None) -> PlanningGraph:
+    """Candidates, lifetimes, windows and recipes of a profile, over a link of the given bandwidths (the
+    profile's own, else FALLBACK_BANDWIDTH_BYTES_PER_S, where None), with the bound on the host pool and
+    the plans the MILP may start from (regen.planner.solve)."""
     if not profile.ops:
         raise RegenError("the profile has no ops; nothing to plan")
     d2h = d2h_bytes_per_s or profile.device.d2h_bytes_per_s or FALLBACK_BANDWIDTH_BYTES_PER_S
@@ -251,6 +254,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
                           copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
+                          host_memory_cap_bytes=host_memory_cap_bytes, start_plans=list(start_plans or []),
                           capture_bytes=op_capture_bytes(profile),
                           pack_steps=[e.pack_after_op + 1 for e in forward_packs],
                           unpack_steps=[op for _, op in sorted((e.unpack_order, e.unpack_before_op)

@@ -103,8 +103,8 @@ def solve_str(graph: PlanningGraph, cap: int, time_limit_s: float, say: Callable
     the plan, and swap-outs in flight); `check_cap=False` returns a plan even when the simulator puts it
     over the cap (for the comparison benchmark, which reports it)."""
     if graph.num_steps > STR_MAX_OPS:
-        raise RegenError(f"--strategy str: {graph.num_steps} ops is too big for STR's O(n^2) formulation "
-                         f"(limit {STR_MAX_OPS}); use --strategy hybrid")
+        raise RegenError(f"strategy str: {graph.num_steps} ops is too big for STR's O(n^2) formulation "
+                         f"(limit {STR_MAX_OPS}); use strategy='hybrid'")
     require_highspy()
     nodes = coarsen(graph)
     notes = [f"str: coarsened {graph.num_steps} ops to {len(nodes)} nodes"] if len(nodes) < graph.num_steps else []
@@ -125,7 +125,7 @@ def solve_str(graph: PlanningGraph, cap: int, time_limit_s: float, say: Callable
     if check_cap and sim.peak_bytes > cap:
         raise InfeasibleCapError(
             f"strategy str: STR's plan, mapped to regen's actions, peaks at {sim.peak_bytes} bytes in the simulator, "
-            f"over the cap of {cap} (its stage-level model misses memory inside stages); use --strategy hybrid",
+            f"over the cap of {cap} (its stage-level model misses memory inside stages); use strategy='hybrid'",
             smallest_feasible_cap_bytes=sim.peak_bytes)
     report = SolverReport(name="highs", status="optimal" if run.solution_status == pulp.LpSolutionOptimal
                           else "time_limit", objective_s=objective, bound_s=None, gap=None,

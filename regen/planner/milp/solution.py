@@ -63,7 +63,7 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
         raise CapInfeasible()
     if not run.has_solution:
         raise SolverError(f"the solver (highs) stopped after {run.elapsed_s:.1f} s without a feasible plan "
-                          f"(time limit {time_limit_s:g} s); raise --time-limit or the memory cap")
+                          f"(time limit {time_limit_s:g} s); raise time_limit_s or the memory cap")
     objective = pulp.value(model.prob.objective) or 0.0
     tu = model.time_unit
     if model.options.minimize_peak:
