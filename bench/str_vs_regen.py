@@ -51,7 +51,7 @@ def run_str(profile, cap, time_limit, in_stage_peak):
     except RegenError as exc:
         return time.perf_counter() - t0, None, None, str(exc).split(";")[0][:50]
     elapsed = time.perf_counter() - t0
-    snap_copy_ins(graph, choices)  # copy-ins start where the runtime issues them, as for every plan
+    choices = snap_copy_ins(graph, choices)  # copy-ins start where the runtime issues them, as for every plan
     sim = simulate(graph, choices)
     step_ms = (profile.step_time_s + sim.step_time_s - graph.compute_time_s) * 1e3
     return elapsed, step_ms, sim.peak_bytes / cap, "" if sim.valid else "invalid plan"

@@ -1,7 +1,7 @@
 """Calibration: the planner's charges checked against the workload's own planned steps.
 
 A plan's predicted time is the unplanned step plus what the planner charges for its recomputes and swaps
-(regen.planner.graph.RuntimeCharges): the ops' profiled times and the runtime probe's per-event figures.
+(regen.planner.costs.RuntimeCharges): the ops' profiled times and the runtime probe's per-event figures.
 Two things neither sees, and both are paid by the step:
 
 * a recompute runs in backward, next to backward's own working set, on operands gone cold in the caches,
@@ -48,7 +48,7 @@ from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE
 from regen.workloads import Workload, training_step
 
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
-LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.link)
+LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.host_link)
 ROUNDS = 3
 STEPS_PER_BLOCK = 4
 BUDGET_S = 60.0  # rounds after the first stop once the calibration has taken this long

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +28,17 @@ DEFAULT_REPEATS = 3
 DEFAULT_WARMUP_STEPS = 1
 DEFAULT_WARMUP_S = 2.0  # a small model's CPU step keeps getting faster for ten steps or so
 DEFAULT_TIME_LIMIT_S = 60.0
+# the library's errors name solve's parameters (regen.planner.options.SolveOptions); the CLI says its flags
+SOLVE_FLAGS = {"time_limit_s": "--time-limit", "link_ratio": "--link-ratio", "bandwidth_gb_s": "--bandwidth",
+               "host_memory_cap_bytes": "--host-memory-cap"}
+STRATEGY_ARGUMENT = re.compile(r"\bstrategy='([\w-]+)'")  # strategy='hybrid' -> --strategy hybrid
+
+
+def in_flag_terms(message: str) -> str:
+    """A library message with solve's parameter names as `regen solve`'s flags."""
+    for name, flag in SOLVE_FLAGS.items():
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return STRATEGY_ARGUMENT.sub(r"--strategy \1", message)
 
 
 def _print_progress(message: str) -> None:
@@ -172,25 +183,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ---- solve -------------------------------------------------------------------------------------
 
 
-def _check_solve_numbers(args: argparse.Namespace) -> None:
-    """--time-limit, --bandwidth and --link-ratio are positive, finite numbers (argparse reads 'nan' and
-    'inf' as floats)."""
-    for flag, value, unit in (("--time-limit", args.time_limit, "seconds"), ("--bandwidth", args.bandwidth, "GB/s"),
-                              ("--link-ratio", args.link_ratio, "(a ratio)")):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise RegenError(f"{flag} {value:g}: must be a positive, finite number {unit}")
-
 
 def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats import save_plan
     from regen.formats.yamlio import check_output_path
-    from regen.planner import solve
-    from regen.planner.link import check_one_link, machine_ram_bytes
+    from regen.planner import SolveOptions, solve
+    from regen.planner.host_link import machine_ram_bytes
     from regen.units import format_duration, parse_memory_cap
 
     check_output_path(args.output, inputs=(args.input,))
-    _check_solve_numbers(args)
-    check_one_link(args.bandwidth, args.link_ratio)
     host_cap_bytes = None
     if args.host_memory_cap is not None:
         host_cap_bytes = parse_memory_cap(args.host_memory_cap, machine_ram_bytes() or 0, flag="--host-memory-cap",
@@ -199,10 +200,10 @@ def cmd_solve(args: argparse.Namespace) -> int:
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
     with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
-        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy=args.strategy, time_limit_s=args.time_limit,
-                     bandwidth_gb_s=args.bandwidth, progress=None if args.quiet else _print_progress,
-                     link_ratio=args.link_ratio, host_memory_cap_bytes=host_cap_bytes)
-    plan.profile_path = str(args.input)
+        options = SolveOptions(strategy=args.strategy, time_limit_s=args.time_limit, bandwidth_gb_s=args.bandwidth,
+                               link_ratio=args.link_ratio, host_memory_cap_bytes=host_cap_bytes,
+                               profile_path=str(args.input))
+        plan = solve(profile, cap_bytes, options, progress=None if args.quiet else _print_progress)
     save_plan(plan, args.output)
     counts = plan.action_counts()
     time_unit = plan.workload.get("time_unit")
@@ -216,13 +217,12 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 
 def _load_solver_input(path: Path, bandwidth_gb_s: float | None):
-    """What `regen solve` reads: a profile file, or a training graph in node-link JSON."""
+    """What `regen solve` reads: a profile file, or a training graph in node-link JSON (its copies at
+    `bandwidth_gb_s`, which the planner checks)."""
     from regen.errors import FormatError
     from regen.formats import load_profile
     from regen.graphs import is_node_link_file, load_node_link
 
-    if bandwidth_gb_s is not None and not bandwidth_gb_s > 0:
-        raise RegenError(f"--bandwidth {bandwidth_gb_s}: must be a positive number of GB/s")
     if not path.exists():
         raise FormatError(f"{path}: no such file")
     if is_node_link_file(path):
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except RegenError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {in_flag_terms(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

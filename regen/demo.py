@@ -2,7 +2,7 @@
 
 1. profile one training step of a small GPT on the CPU;
 2. solve a hybrid plan at 50% of the unplanned peak (on a CPU device, which has no host link, the
-   planner makes it recompute only and says so: regen.planner.link);
+   planner makes it recompute only and says so: regen.planner.host_link);
 3. train a few steps without the plan and with it (same initial weights, same RNG seed), measuring
    peak memory with the allocator (regen.measure) and step time;
 4. print a table: measured peak (unplanned, cap, planned), step time (unplanned, planned, predicted),
@@ -112,24 +112,22 @@ def _solve(profile, profile_path: Path, out: Path, progress):
     """The hybrid plan at DEMO_CAP_FRACTION of the peak (or the smallest feasible cap), saved and plotted."""
     from regen.errors import InfeasibleCapError
     from regen.formats import save_plan
-    from regen.planner import solve
+    from regen.planner import SolveOptions, solve
     from regen.show import plot_timeline
     from regen.units import format_bytes
 
     cap_bytes = int(profile.peak_bytes * DEMO_CAP_FRACTION)
     progress(f"[2/4] solving at {DEMO_CAP_FRACTION:.0%} of the unplanned peak ({format_bytes(cap_bytes)})")
+    options = SolveOptions(strategy="hybrid", time_limit_s=DEMO_TIME_LIMIT_S, profile_path=str(profile_path))
     try:
-        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy="hybrid", time_limit_s=DEMO_TIME_LIMIT_S,
-                     progress=progress)
+        plan = solve(profile, cap_bytes, options, progress=progress)
     except InfeasibleCapError as exc:  # a --config whose static memory is over half the peak
         if exc.smallest_feasible_cap_bytes is None:
             raise
         cap_bytes = exc.smallest_feasible_cap_bytes
         progress(f"      50% is out of reach for this workload; using the smallest feasible cap, "
                  f"{format_bytes(cap_bytes)} ({cap_bytes / profile.peak_bytes:.0%})")
-        plan = solve(profile, memory_cap_bytes=cap_bytes, strategy="hybrid", time_limit_s=DEMO_TIME_LIMIT_S,
-                     progress=progress)
-    plan.profile_path = str(profile_path)
+        plan = solve(profile, cap_bytes, options, progress=progress)
     plan_path = out / "demo.plan.yaml"
     save_plan(plan, plan_path)
     png_path = out / "demo.timeline.png"

@@ -1,10 +1,12 @@
 """Shared test fixtures. Tests run on CPU; every test uses small models and finishes in seconds."""
 
 import os
+import sys
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))  # plan_choices.py, shared by the planner's and the runtime's tests
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -69,3 +69,15 @@ def test_the_stages_meet_only_through_formats():
         if stage_a and stage_b and stage_a != stage_b:
             crossings.append((a, b))
     assert crossings == []
+
+
+def test_no_file_name_repeats_across_packages_for_another_job():
+    """A file's name says its job once in the package; `regen show`'s files are named for the format they
+    show (show/plan.py shows a formats/plan.py file)."""
+    shown = {"plan.py", "profile.py"}
+    by_name: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    repeated = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1 and name not in shown}
+    assert repeated == {}

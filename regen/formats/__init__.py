@@ -28,6 +28,7 @@ from regen.formats.plan import (
     PLAN_FORMAT,
     Decision,
     Plan,
+    PlanCharges,
     PlanFigures,
     PlanLink,
     RecipeOp,
@@ -44,7 +45,7 @@ __all__ = [
     "PROFILE_FORMAT", "Calibration", "CallInput", "CallSignature", "DeviceInfo", "ModuleCall", "OpRecord", "Profile",
     "RuntimeCosts", "SavedEntry", "SavedTensor", "StaticMemory", "TensorRecord", "load_profile", "op_fingerprint",
     "save_profile",
-    "PLAN_FORMAT", "Decision", "Plan", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport", "TimeParts",
+    "PLAN_FORMAT", "Decision", "Plan", "PlanCharges", "PlanFigures", "PlanLink", "RecipeOp", "RegionDecision", "SolverReport", "TimeParts",
     "load_plan", "save_plan",
     "load_profile_or_plan",
 ]

@@ -154,6 +154,21 @@ class TimeParts:
 
 
 @dataclass
+class PlanCharges:
+    """The charges a plan was solved with (the planner's RuntimeCharges: the profile's runtime costs and
+    calibration), so that a plan says what it believed, whatever its profile says later."""
+
+    dispatch_op_s: float = 0.0
+    capture_op_s: float = 0.0
+    replay_op_s: float = 0.0
+    recipe_s: float = 0.0
+    between_forward_ops_s: float = 0.0
+    swap_s: float = 0.0
+    swap_byte_s: float = 0.0
+    recompute_scale: float = 1.0
+
+
+@dataclass
 class PlanLink:
     """The host link a plan was solved for (its bandwidths are the plan's d2h/h2d_bytes_per_s)."""
 
@@ -195,6 +210,7 @@ class Plan:
     # how many decisions the planner wrote (one per saved tensor it planned): a file holding fewer was cut
     # or edited, and is refused on load (absent in older plans)
     num_decisions: int | None = None
+    charges: PlanCharges | None = None  # the charges it was solved with (absent in older plans)
 
     def region_member_count(self) -> int:
         """Recompute decisions rebuilt by a region replay (Decision.region)."""
@@ -291,6 +307,8 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             call=call_signature_from_document(doc.get("call"), where),
             simulated_parts=_optional_parts(doc.get("simulated_parts"), where),
             num_decisions=optional(doc, "num_decisions", int, where),
+            charges=(None if doc.get("charges") is None
+                     else build_dataclass(PlanCharges, doc["charges"], f"{where}: charges")),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed plan ({exc})") from None

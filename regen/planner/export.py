@@ -1,26 +1,31 @@
-"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan, and a Plan's decisions
-become choices again for the simulator.
+"""Between the planner and the Plan file: a StrategyResult becomes a formats.Plan, built once.
 
-This is the one place where candidate indices (inside the planner) and SavedTensor ids (in files) are
-converted, for the decisions, recipe inputs and the "rebuilt with" link, and where the planner's
-regions (indices into PlanningGraph.regions) become the Plan's (`Plan.regions`, the chosen ones only).
+`build_plan` is the one place a Plan is assembled: from the planning graph, the strategy's result, the
+simulator's figures for it, the link it was solved for, the notes of the request and the profile file
+it came from; nothing is set on a Plan after it. It is also the one place where candidate indices
+(inside the planner) become SavedTensor ids (in files), for the decisions, recipe inputs and the
+"rebuilt with" link, and where the planner's regions (indices into PlanningGraph.regions) become the
+Plan's (`Plan.regions`, the chosen ones only).
 """
 
 from __future__ import annotations
 
-from regen.errors import RegenError
-from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanFigures, RecipeOp,
-                                RegionDecision, TrackingStart)
+import dataclasses
+
+from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanCharges, PlanFigures,
+                                PlanLink, RecipeOp, RegionDecision, TrackingStart)
 from regen.formats.plan_rules import host_range_bytes
+from regen.planner.costs import reported_step_time_s
 from regen.planner.graph import PlanningGraph
-from regen.planner.recipes import Recipe, recipe_transient_bytes
+from regen.planner.residency import host_range_end
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, recipe_tracked_ops
 
 
-def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy: str,
-               sim: SimulationResult) -> Plan:
-    """The Plan of a strategy's result, with the simulator's figures for it."""
+def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy: str, sim: SimulationResult,
+               link: PlanLink | None = None, notes: list[str] | None = None, profile_path: str | None = None) -> Plan:
+    """The Plan of a strategy's result, with the simulator's figures for it: solved for `link`, under the
+    graph's host memory cap, its `notes` (the request's: regen.planner.solve) before the strategy's."""
     profile = graph.profile
     unpacks = sorted((e.unpack_before_op, e.unpack_order) for e in profile.saved_entries
                      if e.unpack_order is not None and e.unpack_before_op is not None)
@@ -30,7 +35,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
     plan_region = {r.index: k for k, r in enumerate(graph.regions[i] for i in sorted(
         {ch.region for ch in result.choices.values() if ch.region is not None}))}
     recipe_ops: dict[int, RecipeOp] = {}
-    host_intervals = []  # (copy-out issued after, copy-in needed at, host range bytes) of every swapped tensor
+    host_intervals = []  # (copy-out issued after, host range given back at, its bytes) of every swapped tensor
     for c in graph.candidates:
         s = c.saved
         ch = result.choices.get(c.index, Choice())
@@ -42,7 +47,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
             d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
             d.release_before_op = sim.release_steps[c.index]
             d.release_at_pack, d.release_at_unpack = graph.release_position(c, d.release_before_op)
-            host_intervals.append((c.issue_after, c.first_backward, host_range_bytes(c.bytes)))
+            host_intervals.append((c.issue_after, host_range_end(c), host_range_bytes(c.bytes)))
         elif ch.action == ACTION_RECOMPUTE and ch.region is not None:
             d.region = plan_region[ch.region]
             d.recompute_before_op = graph.regions[ch.region].replay_step
@@ -53,7 +58,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
                 d.rebuilt_with = other.id
                 d.recompute_before_op = other.first_backward
             d.recipe = list(ch.recipe.ops)
-            d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.anchors]
+            d.recipe_inputs = [graph.candidates[a].id for a in ch.recipe.inputs]
             for q in ch.recipe.ops:
                 op = profile.ops[q]
                 recipe_ops[q] = RecipeOp(index=q, name=op.name, is_random=op.is_random)
@@ -64,8 +69,8 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         fingerprint=profile.fingerprint, workload=dict(profile.workload), strategy=strategy, memory_cap_bytes=int(cap),
         baseline=PlanFigures(peak_bytes=int(profile.peak_bytes), step_time_s=float(base_time)),
         predicted=PlanFigures(peak_bytes=int(result.predicted_peak_bytes),
-                              step_time_s=float(base_time + result.predicted_step_time_s - compute)),
-        simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=float(base_time + sim.step_time_s - compute)),
+                              step_time_s=reported_step_time_s(graph, result.predicted_step_time_s)),
+        simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=reported_step_time_s(graph, sim.step_time_s)),
         solver=result.report, d2h_bytes_per_s=graph.d2h_bytes_per_s, h2d_bytes_per_s=graph.h2d_bytes_per_s,
         host_pool_bytes=_peak_concurrent(host_intervals), num_forward_ops=graph.num_forward_ops,
         num_forward_packs=sum(1 for e in profile.saved_entries
@@ -73,13 +78,16 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
         memory_at_start_bytes=int(profile.memory_at_start_bytes),
         decisions=decisions, recipe_ops=[recipe_ops[q] for q in sorted(recipe_ops)],
         baseline_timeline_bytes=list(graph.after_bytes), planned_timeline_bytes=[int(x) for x in sim.timeline_bytes],
-        notes=list(result.notes) + _figure_notes(decisions, compute), regions=regions, call=profile.call,
-        tracking_starts=_tracking_starts(graph, result.choices), simulated_parts=sim.parts,
+        notes=list(notes or []) + list(result.notes) + _figure_notes(decisions, compute), regions=regions,
+        call=profile.call, tracking_starts=_tracking_starts(graph, result.choices), simulated_parts=sim.parts,
+        link=link, host_memory_cap_bytes=graph.host_memory_cap_bytes, profile_path=profile_path,
+        num_decisions=len(decisions), charges=PlanCharges(**dataclasses.asdict(graph.costs)),
     )
 
 
+
 def _tracking_starts(graph: PlanningGraph, choices: dict[int, Choice]) -> list[TrackingStart]:
-    """The module calls that open the tracking windows of the chosen recipes (regen.planner.windows)."""
+    """The module calls that open the tracking windows of the chosen recipes (regen.planner.tracking_windows)."""
     return graph.window_starts.opening(recipe_tracked_ops(graph, choices))
 
 
@@ -137,42 +145,3 @@ def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
         run += delta
         best = max(best, run)
     return best
-
-
-def choices_from_plan(graph: PlanningGraph, plan: Plan) -> dict[int, Choice]:
-    """The simulator's view of a plan's decisions (recipes re-derived from their op lists)."""
-    by_id = graph.by_saved_id()
-    ops = graph.profile.ops
-    tensors = graph.profile.tensor_by_id()
-    choices: dict[int, Choice] = {}
-    region_index = {(r.call.module, r.call.call): r.index for r in graph.regions}
-    for d in plan.decisions:
-        c = by_id.get(d.saved_tensor)
-        if c is None:
-            raise RegenError(f"plan decision for saved tensor {d.saved_tensor}, which the profile does not have")
-        if d.action == ACTION_RECOMPUTE and d.region is not None:
-            pr = plan.regions[d.region]
-            r = region_index.get((pr.module, pr.call))
-            if r is None:
-                raise RegenError(f"plan region {pr.module!r} call {pr.call}, which is no region of the profile")
-            choices[c.index] = Choice(ACTION_RECOMPUTE, region=r)
-        elif d.action == ACTION_SWAP:
-            choices[c.index] = Choice(ACTION_SWAP, swap_in_step=d.swap_in_before_op, release_step=d.release_before_op)
-        elif d.action == ACTION_RECOMPUTE and d.rebuilt_with is not None:
-            other = by_id.get(d.rebuilt_with)
-            if other is None:
-                raise RegenError(f"plan decision for saved tensor {d.saved_tensor} is rebuilt with saved tensor "
-                                 f"{d.rebuilt_with}, which the profile does not have")
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=Recipe(ops=list(d.recipe), anchors=[], time_s=0.0,
-                                                                      transient_bytes=0),
-                                      rebuilt_with=other.index)
-        elif d.action == ACTION_RECOMPUTE:
-            anchors = [by_id[a].index for a in d.recipe_inputs if a in by_id]
-            op_times_s = float(sum(graph.time_s[q] for q in d.recipe))
-            recipe = Recipe(ops=list(d.recipe), anchors=anchors,
-                            time_s=graph.costs.recipe_time_s(op_times_s, len(d.recipe)),
-                            transient_bytes=recipe_transient_bytes(graph.profile, tensors, list(d.recipe),
-                                                                   c.saved.storage),
-                            random_ops=[q for q in d.recipe if ops[q].is_random])
-            choices[c.index] = Choice(ACTION_RECOMPUTE, recipe=recipe)
-    return choices

@@ -4,7 +4,7 @@
   other than autograd holds its storage, when later: dropping it frees nothing before), first/last
   backward use b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
   the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
-  replayed in backward: regen.planner.regions); a copy of a parameter (autocast's low-precision weight
+  replayed in backward: regen.planner.region_candidates); a copy of a parameter (autocast's low-precision weight
   copies, `opinfo.copies_first_arg`) gets no copy windows: it is kept or recomputed, never swapped, and
   its gap starts at the end of the forward (autocast's cache holds the copy until the forward ends);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
@@ -26,16 +26,20 @@ import networkx as nx
 from regen.errors import RegenError
 from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
 from regen.opinfo import copies_first_arg
+from regen.planner.costs import RuntimeCharges, copy_in_time_s, copy_out_time_s, op_times_s
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
-from regen.planner.regions import Region, add_regions
+from regen.planner.region_candidates import Region, add_regions
 from regen.planner.residency import op_capture_bytes
-from regen.planner.windows import WindowStarts
+from regen.planner.tracking_windows import WindowStarts
 
-MIN_WINDOW_STEPS = 2  # a swap's copy window covers at least this many steps (when the gap allows)
-# ... and at most window_steps_cap(candidates) steps: WINDOW_STEP_BUDGET over all candidates (it keeps the
-# MILP's copy variables O(budget)), between these two bounds. A slow link needs long windows: at R = 0.9 a
-# 3 MiB tensor of the built-in GPT takes ~25 ops to copy, and three of them are made at once, so windows of
-# 32 steps left most swaps out (hybrid at 50%: 37 ms over the unplanned step, against 13 ms with 128)
+# NOTE [ Copy window length ]
+# A swap's copy window covers at least MIN_WINDOW_STEPS steps (when the gap allows) and at most
+# window_steps_cap(candidates): WINDOW_STEP_BUDGET over all candidates (it keeps the MILP's copy variables
+# O(budget)), between MIN_WINDOW_STEPS_CAP and MAX_WINDOW_STEPS. The upper bound is long because a slow
+# link needs long windows: at R = 0.9 a 3 MiB tensor of the built-in GPT takes ~25 ops to copy, and three
+# of them are made at once; with windows of at most 32 steps most swaps do not fit, and hybrid at 50% of
+# the peak adds 37 ms to the unplanned step, against 13 ms with windows of up to 128.
+MIN_WINDOW_STEPS = 2
 MAX_WINDOW_STEPS = 128
 MIN_WINDOW_STEPS_CAP = 32
 WINDOW_STEP_BUDGET = 12_000
@@ -95,66 +99,6 @@ class Candidate:
     def can_recompute(self) -> bool:
         return not self.trivial and bool(self.recipes)
 
-    def alive_at(self, step: int) -> bool:
-        """Resident at `step` whatever its action ([p, f] or [b, e])."""
-        if self.producer <= step <= self.last_forward:
-            return True
-        return self.first_backward is not None and self.first_backward <= step <= self.last_backward
-
-
-@dataclass(frozen=True)
-class RuntimeCharges:
-    """The time regen's runtime adds per event, as the planner charges it (docs/internals.md "What a
-    plan's predicted time charges"): the profile's `runtime_costs` (zero without them), the Python time
-    between forward ops that a module replay runs again, and the profile's `calibration` (what the
-    workload's own planned steps said about those charges: none without it)."""
-
-    dispatch_op_s: float = 0.0  # every forward op in a tracking window of a per-tensor recipe (windows.py)
-    capture_op_s: float = 0.0  # a recipe op, captured in forward
-    replay_op_s: float = 0.0  # a recipe op, replayed in backward, beyond its own time
-    recipe_s: float = 0.0  # a replayed recipe, besides its ops
-    between_forward_ops_s: float = 0.0  # the plain forward's time outside ops, per forward op
-    swap_s: float = 0.0  # what a swapped tensor costs the compute thread (not its transfers): RuntimeCosts.swap_s
-    swap_byte_s: float = 0.0  # and per byte it moves (Calibration.swap_byte_s)
-    recompute_scale: float = 1.0  # measured over charged recompute time on the workload (Calibration)
-
-    @staticmethod
-    def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
-        """The charges of a profile: its probe's figures, the time the plain forward spends outside
-        ops, per forward op (the module code a region replay runs again), and its calibration."""
-        rc = profile.runtime_costs
-        cal = profile.calibration
-        measured = {} if cal is None else {"recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s}
-        between_s = _between_forward_ops_s(profile, op_times_s)
-        if rc is None:
-            return RuntimeCharges(between_forward_ops_s=between_s, **measured)
-        return RuntimeCharges(dispatch_op_s=rc.dispatch_op_s, capture_op_s=rc.capture_op_s,
-                              replay_op_s=rc.replay_op_s, recipe_s=rc.recipe_s, between_forward_ops_s=between_s,
-                              swap_s=rc.swap_s, **measured)
-
-    def recipe_time_s(self, op_times_s: float, num_ops: int) -> float:
-        """A per-tensor recipe of `num_ops` ops whose profiled times sum to `op_times_s`."""
-        return self.recompute_scale * (op_times_s + num_ops * (self.capture_op_s + self.replay_op_s) + self.recipe_s)
-
-    def region_time_s(self, op_times_s: float, num_ops: int) -> float:
-        """A module call of `num_ops` forward ops replayed by running its forward again."""
-        return self.recompute_scale * (op_times_s + num_ops * self.between_forward_ops_s)
-
-    def swap_time_s(self, nbytes: int) -> float:
-        """What swapping a tensor of `nbytes` costs the compute thread (its transfers are the link's)."""
-        return self.swap_s + nbytes * self.swap_byte_s
-
-
-def _between_forward_ops_s(profile: Profile, op_times_s: list[float]) -> float:
-    """The forward's time outside ops per forward op: from the profile's timed forward when it has one,
-    else the step's time outside ops spread over all ops (backward runs Python between ops as well)."""
-    num_forward = profile.num_forward_ops
-    if not num_forward:
-        return 0.0
-    if profile.forward_time_s is not None:
-        return max(0.0, float(profile.forward_time_s) - sum(op_times_s[:num_forward])) / num_forward
-    return max(0.0, float(profile.step_time_s) - sum(op_times_s)) / len(op_times_s)
-
 
 @dataclass
 class PlanningGraph:
@@ -171,13 +115,13 @@ class PlanningGraph:
     # issues copy-ins at unpacks (docs/internals.md), so a copy-in can only start right before an op that
     # follows an unpack. Empty when the profile records no unpacks (synthetic graphs): any step.
     copy_in_starts: list[int] = field(default_factory=list)
-    regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.regions)
+    regions: list[Region] = field(default_factory=list)  # replayable module calls (regen.planner.region_candidates)
     # Where the runtime can release a swapped storage (docs/internals.md "Swaps"): at a forward pack or a
     # backward unpack, i.e. right before the op that follows it. pack_steps[k] is that op for the k-th forward
     # pack, unpack_steps[u] for the u-th unpack (nondecreasing). Both empty (no saved entries): any step.
     pack_steps: list[int] = field(default_factory=list)
     unpack_steps: list[int] = field(default_factory=list)
-    # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.link)
+    # bound on the bytes swapped out at once (the plan's host pool), None for none (regen.planner.host_link)
     host_memory_cap_bytes: int | None = None
     # (name, choices): plans of this graph the caller already had, for the MILP to start from (regen.planner.solve)
     start_plans: list[tuple[str, dict]] = field(default_factory=list)
@@ -198,7 +142,7 @@ class PlanningGraph:
 
     @property
     def window_starts(self) -> WindowStarts:
-        """Where the runtime's tracking windows can open (regen.planner.windows)."""
+        """Where the runtime's tracking windows can open (regen.planner.tracking_windows)."""
         if self._window_starts is None:
             self._window_starts = WindowStarts.of(self.profile, self.pack_steps)
         return self._window_starts
@@ -264,9 +208,12 @@ class PlanningGraph:
         return {c.id: c for c in self.candidates}
 
 
-def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
-                h2d_bytes_per_s: float | None = None) -> PlanningGraph:
-    """Candidates, lifetimes, windows and recipes of a profile."""
+def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None,
+                host_memory_cap_bytes: int | None = None,
+                start_plans: list[tuple[str, dict]] | None = None) -> PlanningGraph:
+    """Candidates, lifetimes, windows and recipes of a profile, over a link of the given bandwidths (the
+    profile's own, else FALLBACK_BANDWIDTH_BYTES_PER_S, where None), with the bound on the host pool and
+    the plans the MILP may start from (regen.planner.solve)."""
     if not profile.ops:
         raise RegenError("the profile has no ops; nothing to plan")
     d2h = d2h_bytes_per_s or profile.device.d2h_bytes_per_s or FALLBACK_BANDWIDTH_BYTES_PER_S
@@ -274,7 +221,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
     if d2h <= 0 or h2d <= 0:
         raise RegenError(f"copy bandwidth must be positive (got d2h {d2h}, h2d {h2d} bytes/s)")
     ops = profile.ops
-    times = [max(0.0, float(op.time_s)) for op in ops]
+    times = op_times_s(profile)
     after = [int(op.memory_after_bytes) for op in ops]
     peak = [max(int(op.memory_peak_bytes), int(op.memory_after_bytes)) for op in ops]
     op_graph = _op_graph(profile)
@@ -307,6 +254,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
                           h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
                           copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
+                          host_memory_cap_bytes=host_memory_cap_bytes, start_plans=list(start_plans or []),
                           capture_bytes=op_capture_bytes(profile),
                           pack_steps=[e.pack_after_op + 1 for e in forward_packs],
                           unpack_steps=[op for _, op in sorted((e.unpack_order, e.unpack_before_op)
@@ -372,8 +320,8 @@ def _set_windows(graph: PlanningGraph, c: Candidate, max_steps: int) -> None:
     """Bounded copy windows (at most `max_steps` each): steps after the pack (copy-out) and before b (copy-in)."""
     b = c.first_backward
     times = graph.time_s
-    out_need = WINDOW_TRANSFER_FACTOR * c.bytes / graph.d2h_bytes_per_s
-    in_need = WINDOW_TRANSFER_FACTOR * c.bytes / graph.h2d_bytes_per_s
+    out_need = WINDOW_TRANSFER_FACTOR * copy_out_time_s(graph, c.bytes)
+    in_need = WINDOW_TRANSFER_FACTOR * copy_in_time_s(graph, c.bytes)
     # copy-out: o+1 .. at most b-2 (the copy-in needs a step after it)
     out_window, covered = [], 0.0
     s = c.issue_after + 1

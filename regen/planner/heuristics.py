@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.costs import copy_in_time_s
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.recipes import build_recipe, recipe_context
 from regen.planner.residency import inputs_kept, inputs_to_hold
@@ -56,7 +57,7 @@ def chen(graph: PlanningGraph) -> dict[int, Choice]:
         for c in cands:
             if c.index not in dropped:
                 continue
-            recipe, _why = build_recipe(ctx, c, is_anchor=lambda a: a.index not in dropped)
+            recipe, _why = build_recipe(ctx, c, is_input=lambda a: a.index not in dropped)
             if recipe is None or not inputs_kept(graph, recipe, c.first_backward, dropped):
                 failed.add(c.index)
             else:
@@ -101,7 +102,7 @@ def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_
     With `best_effort`, the valid plan of lowest simulated peak seen is returned instead of None.
     """
     choices: dict[int, Choice] = {}
-    locked: set[int] = set()  # anchors of chosen recomputes: must stay resident
+    locked: set[int] = set()  # inputs of chosen recipes: must stay resident
     best: tuple[int, dict[int, Choice]] = (graph.unplanned_peak_bytes + 1, {})
     for _ in range(MAX_GREEDY_ROUNDS):
         sim = simulate(graph, choices)
@@ -150,7 +151,7 @@ def _best_option(graph: PlanningGraph, c: Candidate, step: int, choices: dict[in
                 best = (recipe.time_s, Choice(ACTION_RECOMPUTE, recipe=recipe))
                 break
     if allow_swap and c.can_swap and c.out_window[-1] < step < c.in_window[0]:
-        transfer = c.bytes / graph.h2d_bytes_per_s
+        transfer = copy_in_time_s(graph, c.bytes)
         hidden = sum(graph.time_s[s] for s in c.in_window)
         cost = max(0.0, transfer - hidden) + SWAP_TRAFFIC_WEIGHT * transfer
         if best is None or cost < best[0]:

@@ -2,18 +2,19 @@
 
 A recipe (docs/internals.md "Recipes") walks back from the candidate's producer through op inputs
 (`op.inputs`) until every input is available: a tensor no op produced (parameter, buffer, batch), or
-the producer output of another candidate that is alive at b (an *anchor*: inside its own backward
-window, or kept / swapped back by then, which the plan must guarantee). Option `depth` d walks
+the producer output of another candidate that is alive at b (a *recipe input*, the plan's
+`Decision.recipe_inputs`: inside its own backward window, or kept / swapped back by then, which the
+plan must guarantee). Option `depth` d walks
 *through* up to d alive candidates on any path (recomputing them as intermediates) instead of
-anchoring on them, so a candidate can be rebuilt from further back when its direct inputs are dropped
+reading them as inputs, so a candidate can be rebuilt from further back when its direct inputs are dropped
 too. Random ops are replayed with their RNG state (flagged in the plan's recipe_ops). In-place ops are
 replayed only on a *recipe-internal* storage: one whose creating op is in the recipe along with every
 in-place write to it that precedes a recipe read of it (its whole write history up to that read,
 replayed in forward order, so the replayed storage holds the same contents when it is read). CPU
 dropout (`empty_like`, `bernoulli_`, `div_`) is recomputable this way. In-place writes to any other
-storage (parameters, the batch, anchors) are never replayed. A collective or an op of FSDP's gathering is
+storage (parameters, the batch, recipe inputs) are never replayed. A collective or an op of FSDP's gathering is
 never replayed (`opinfo.is_distributed`); a parameter FSDP gathered is read as a parameter, and only by a
-recipe whose replay finds it unsharded (regen.planner.gathered).
+recipe whose replay finds it unsharded (regen.planner.fsdp_reads).
 
 "Rebuilt with": a recomputable candidate T whose producer op another candidate R's recipe replays on
 the way (before T's first backward use) may be kept from R's rebuild until its own use instead of
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 from regen.formats.profile import PHASE_FORWARD, Profile
 from regen.opinfo import gathers_parameters, is_distributed, reads_first_arg_metadata_only
-from regen.planner.gathered import gathered_storages, resharded_read
+from regen.planner.fsdp_reads import gathered_storages, resharded_read
 
 if TYPE_CHECKING:
     from regen.planner.graph import Candidate, PlanningGraph
@@ -42,7 +43,7 @@ class Recipe:
     """One way to rebuild a candidate at its first backward use."""
 
     ops: list[int]  # forward op indices, execution order, ending with the producer
-    anchors: list[int]  # candidate indices (PlanningGraph.candidates) that must be resident at b
+    inputs: list[int]  # candidate indices (PlanningGraph.candidates) that must be resident at b (Decision.recipe_inputs)
     time_s: float
     transient_bytes: int  # intermediates' bytes (freed once the candidate is rebuilt)
     random_ops: list[int] = field(default_factory=list)
@@ -60,7 +61,7 @@ class RecipeContext:
     # storage -> the op that created it: the first op with a non-view, non-in-place output over it that
     # read no tensor of that storage (absent for parameters, buffers, the batch)
     creator: dict[int, int] = field(default_factory=dict)
-    # storage -> the forward ops that gathered an FSDP parameter into it (regen.planner.gathered)
+    # storage -> the forward ops that gathered an FSDP parameter into it (regen.planner.fsdp_reads)
     gathered: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -80,7 +81,7 @@ def add_recipes(graph: PlanningGraph) -> None:
                 break
             if not any(r.ops == recipe.ops for r in options):
                 options.append(recipe)
-            if not recipe.anchors:
+            if not recipe.inputs:
                 break  # nothing left to walk through
         c.recipes = options
         c.not_recomputable = None if options else reason
@@ -91,7 +92,7 @@ def storage_writes(profile: Profile, tensors: dict) -> tuple[dict[int, list[int]
     first non-view, non-in-place op with an output over it that read no tensor of that storage). An
     in-place op writes every storage among its outputs, which list the arguments its schema writes,
     returned or not (regen.opinfo.op_outputs: `rrelu_with_noise` writes its noise argument). FSDP's
-    gathering writes parameters, not the step's values (regen.planner.gathered): not counted here."""
+    gathering writes parameters, not the step's values (regen.planner.fsdp_reads): not counted here."""
     inplace_writers: dict[int, list[int]] = {}
     creator: dict[int, int] = {}
     for op in profile.ops:
@@ -118,12 +119,12 @@ def recipe_context(graph: PlanningGraph) -> RecipeContext:
 
 
 def build_recipe(ctx: RecipeContext, target: Candidate, depth: int = 0,
-                 is_anchor: Callable[[Candidate], bool] | None = None) -> tuple[Recipe | None, str | None]:
+                 is_input: Callable[[Candidate], bool] | None = None) -> tuple[Recipe | None, str | None]:
     """The recipe that rebuilds `target` at its first backward use.
 
-    An alive candidate met on the way is an anchor unless the walk may go through it: up to `depth`
-    alive candidates per path are walked through; with `is_anchor`, exactly the candidates it accepts
-    (and that are alive at b) are anchors. Returns (None, reason) when the target cannot be recomputed.
+    An alive candidate met on the way is an input of the recipe unless the walk may go through it: up to `depth`
+    alive candidates per path are walked through; with `is_input`, exactly the candidates it accepts
+    (and that are alive at b) are inputs. Returns (None, reason) when the target cannot be recomputed.
     """
     ops = ctx.graph.profile.ops
     if ops[target.producer].phase != PHASE_FORWARD:
@@ -131,7 +132,7 @@ def build_recipe(ctx: RecipeContext, target: Candidate, depth: int = 0,
     later = [w for w in ctx.inplace_writers.get(target.saved.storage, []) if w > target.producer]
     if later:
         return None, f"op {later[0]} ({ops[later[0]].name}) writes its storage in place after its producer"
-    walk = _RecipeWalk(ctx, target, is_anchor)
+    walk = _RecipeWalk(ctx, target, is_input)
     why = walk.visit_op(target.producer, depth)
     if why:
         return None, why
@@ -140,7 +141,7 @@ def build_recipe(ctx: RecipeContext, target: Candidate, depth: int = 0,
     if why:
         return None, why
     op_times_s = float(sum(ctx.graph.time_s[q] for q in order))
-    return Recipe(ops=order, anchors=sorted(walk.anchors), time_s=ctx.graph.costs.recipe_time_s(op_times_s, len(order)),
+    return Recipe(ops=order, inputs=sorted(walk.inputs), time_s=ctx.graph.costs.recipe_time_s(op_times_s, len(order)),
                   transient_bytes=recipe_transient_bytes(ctx.graph.profile, ctx.tensors, order,
                                                          target.saved.storage),
                   random_ops=[q for q in order if ops[q].is_random]), None
@@ -150,13 +151,13 @@ class _RecipeWalk:
     """One walk back from a target's producer; each visit returns why the target is not recomputable,
     or None."""
 
-    def __init__(self, ctx: RecipeContext, target: Candidate, is_anchor: Callable[[Candidate], bool] | None):
+    def __init__(self, ctx: RecipeContext, target: Candidate, is_input: Callable[[Candidate], bool] | None):
         self.ctx = ctx
         self.ops = ctx.graph.profile.ops
         self.target = target
-        self.is_anchor = is_anchor
+        self.is_input = is_input
         self.recipe_ops: set[int] = set()
-        self.anchors: set[int] = set()
+        self.inputs: set[int] = set()
 
     def written_storages(self, q: int) -> set[int]:
         op = self.ops[q]
@@ -209,14 +210,14 @@ class _RecipeWalk:
             if rec is not None and rec.storage in ctx.inplace_writers:
                 return f"input tensor {x} is modified in place"
             return None  # parameter, buffer or batch: captured by reference
-        overwritten = rec.storage in self.written_storages(reader)  # the reader writes it: rebuild, never anchor
+        overwritten = rec.storage in self.written_storages(reader)  # the reader writes it: rebuild, never an input
         cand = ctx.cand_by_tensor.get(x)
         if cand is not None and cand is not self.target and cand.bytes > 0 and not overwritten:
             alive = cand.last_backward is not None and cand.last_backward >= self.target.first_backward
             if alive:
-                anchor = self.is_anchor(cand) if self.is_anchor else budget <= 0
-                if anchor:
-                    self.anchors.add(cand.index)
+                as_input = self.is_input(cand) if self.is_input else budget <= 0
+                if as_input:
+                    self.inputs.add(cand.index)
                     return None
                 budget -= 1
         why = self.visit_history(rec.storage, reader, budget)
@@ -281,4 +282,4 @@ def rebuilt_with_recipe(graph: PlanningGraph, c: Candidate, rebuilt_with: int, o
     ops up to this candidate's producer, no inputs of its own, no time and no transient of its own (the
     other recipe pays)."""
     ops = [q for q in graph.candidates[rebuilt_with].recipes[option].ops if q <= c.producer]
-    return Recipe(ops=ops, anchors=[], time_s=0.0, transient_bytes=0)
+    return Recipe(ops=ops, inputs=[], time_s=0.0, transient_bytes=0)

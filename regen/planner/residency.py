@@ -10,21 +10,27 @@ and keeps the capture until the step ends, with, on a CPU device, a copy of the 
 op (`CPU_RNG_STATE_BYTES`; a CUDA device's RNG states are host tensors) and a copy of every buffer the op
 writes (regen.runtime.recompute.Scratch); a random region's call keeps an RNG state the same way, and a
 region's call holds its arguments until the replay (`held_argument_spans`: those no backward saves).
-Every strategy, the MILP and the simulator read memory through these functions.
+The simulator's memory pass is `planned_timelines` (with `gone_span`, the steps a choice frees), the
+MILP's read-back of its peak is `planned_peak_bytes`, and `lower_bound_peak` bounds every plan; the
+MILP's memory rows are the same accounting in linear form (regen.planner.milp.memory_rows, from
+`unplanned_step_bytes` and `CandidateVars.nonresident`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+import math
+from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.formats.profile import KIND_BUFFER, PHASE_FORWARD, Profile
 from regen.opinfo import writes_an_argument
 
 if TYPE_CHECKING:
     from regen.planner.graph import Candidate, PlanningGraph
     from regen.planner.recipes import Recipe
-    from regen.planner.regions import Region
+    from regen.planner.result import Choice
+    from regen.planner.region_candidates import Region
 
 # torch.get_rng_state(): the CPU generator's state (a 624-word Mersenne Twister and its position), which the
 # runtime copies for every random recipe op and random region call; on a CPU device it is device memory
@@ -95,8 +101,17 @@ def captured_bytes_timeline(graph: PlanningGraph, recipe_ops: Iterable[int], reg
     return out
 
 
+def resident_whatever_action(c: Candidate, step: int) -> bool:
+    """`c` is resident at `step` whatever its action: inside [p, f] or [b, e]."""
+    if c.producer <= step <= c.last_forward:
+        return True
+    return c.first_backward is not None and c.first_backward <= step <= c.last_backward
+
+
 def resident_without_plan(c: Candidate, step: int) -> bool:
-    """`c` is resident at `step` whatever its action (trivial, or inside [b, e])."""
+    """`c` is resident at `step`, a step where a recipe runs, whatever its action: a trivial candidate
+    over [p, e] (or [p, f] without a backward use), any other inside [b, e] (its forward span [p, f]
+    is not counted: a recipe input must be resident when the recipe runs in backward)."""
     if c.trivial:
         return c.producer <= step <= (c.last_backward if c.last_backward is not None else c.last_forward)
     return c.first_backward <= step <= c.last_backward
@@ -104,7 +119,7 @@ def resident_without_plan(c: Candidate, step: int) -> bool:
 
 def inputs_to_hold(graph: PlanningGraph, recipe: Recipe, step: int) -> list[int]:
     """The inputs of `recipe`, run before `step`, that the plan must keep (or bring back) for it."""
-    return [a for a in recipe.anchors if not resident_without_plan(graph.candidates[a], step)]
+    return [a for a in recipe.inputs if not resident_without_plan(graph.candidates[a], step)]
 
 
 def inputs_kept(graph: PlanningGraph, recipe: Recipe, step: int, gone: Container[int]) -> bool:
@@ -134,3 +149,83 @@ def lower_bound_peak(graph: PlanningGraph, allow_swap: bool = True, allow_recomp
         run += diff[s]
         best = max(best, unplanned_step_bytes(graph, s) - run)
     return best
+
+
+def gone_span(graph: PlanningGraph, c: Candidate, choice: Choice, release_step: int | None
+              ) -> tuple[range, range] | None:
+    """(steps during whose op, steps after whose op) `c` is not resident under `choice`, or None when
+    it always is. A recomputed candidate is gone from after its last forward use until its rebuild
+    (its first backward use, its "rebuilt with" candidate's, or its region's replay, whichever is
+    first); a swapped one from its `release_step` (it counts as resident during op s unless it was
+    already gone for the whole of it: released before op s, after its last forward use) until its
+    copy-in is issued. A swap without a release step (never copied out) is never gone."""
+    if choice.action == ACTION_KEEP or c.trivial:
+        return None
+    f, b = c.last_forward, c.first_backward
+    if choice.action == ACTION_RECOMPUTE:
+        if choice.rebuilt_with is not None:  # resident once the other recipe has run (before its op b)
+            b = min(b, graph.candidates[choice.rebuilt_with].first_backward)
+        if choice.region is not None:  # resident once the region has been replayed
+            b = min(b, graph.regions[choice.region].replay_step)
+        return range(f + 1, b), range(f, b)
+    if choice.action == ACTION_SWAP and release_step is not None:
+        return range(max(f + 1, release_step), choice.swap_in_step), range(max(f, release_step - 1), choice.swap_in_step)
+    return None
+
+
+def planned_timelines(graph: PlanningGraph, choices: dict[int, Choice], released_at: dict[int, int],
+                      transient_at: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Planned memory (after each op, inside each op) of `choices`: the unplanned timeline minus the
+    bytes of candidates not resident (`gone_span`; `released_at`: swapped candidate -> its release
+    step), plus `transient_at` (recipe and region transients while they run) inside each op, plus the
+    bytes the runtime holds for the plan's captures (`captured_bytes_timeline`)."""
+    n = graph.num_steps
+    gone_during = [0] * (n + 1)  # difference arrays over steps
+    gone_after = [0] * (n + 1)
+    for i, ch in choices.items():
+        c = graph.candidates[i]
+        span = gone_span(graph, c, ch, released_at.get(i))
+        if span is None:
+            continue
+        during, after = span
+        _add_on_steps(gone_during, during, c.bytes)
+        _add_on_steps(gone_after, after, c.bytes)
+    held = captured_bytes_timeline(
+        graph, [q for ch in choices.values() if ch.recipe is not None and ch.region is None for q in ch.recipe.ops],
+        [ch.region for ch in choices.values() if ch.region is not None])
+    timeline, peaks = [], []
+    run_during = run_after = 0
+    for s in range(n):
+        run_during += gone_during[s]
+        run_after += gone_after[s]
+        peaks.append(graph.peak_bytes[s] - run_during + transient_at[s] + held[s])
+        timeline.append(graph.after_bytes[s] - run_after + held[s])
+    return timeline, peaks
+
+
+def planned_peak_bytes(graph: PlanningGraph, gone_bytes_at: Sequence[float], transient_bytes_at: Sequence[float]
+                       ) -> int:
+    """The peak of a plan given, per step, the bytes of candidates not resident and the transients:
+    the largest unplanned step memory minus the one plus the other (rounded up)."""
+    peak = 0
+    for s in range(graph.num_steps):
+        peak = max(peak, unplanned_step_bytes(graph, s) - gone_bytes_at[s] + transient_bytes_at[s])
+    return int(math.ceil(peak))
+
+
+def _add_on_steps(diff: list[int], steps: range, value: int) -> None:
+    """Add `value` on `steps` (lo .. hi-1) of a difference array."""
+    if steps.stop <= steps.start:
+        return
+    diff[steps.start] += value
+    diff[steps.stop] -= value
+
+
+def host_range_end(c) -> int:
+    """Where a swapped candidate's host range goes back to the pool: its last backward use, where autograd
+    frees the last handle on it (the runtime keeps the bytes until then, for a backward over a retained
+    graph). Every copy-out is issued in forward and every range given back in backward, so the pool's
+    peak is the same whether a range ends at the first backward use or the last; the plan says what the
+    runtime does."""
+    return c.last_backward if c.last_backward is not None else c.first_backward
+

@@ -2,7 +2,7 @@
 
 Three timelines, as the runtime runs them (the timing pass):
 * the compute stream runs the profiled ops in order; before op s it replays the regions due there
-  (their time, and their transient while they run: regen.planner.regions), runs the recipes of candidates
+  (their time, and their transient while they run: regen.planner.region_candidates), runs the recipes of candidates
   recomputed there (`recompute_before_op`), and waits for the copy-ins of tensors op s reads (and of
   recipe inputs that are swapped) to finish;
 * a device-to-host copy stream (FIFO): a swapped tensor's copy-out is issued when op
@@ -16,12 +16,12 @@ Three timelines, as the runtime runs them (the timing pass):
 * a host-to-device copy stream (FIFO): the copy-in is issued when op `swap_in_before_op` is about to
   start; its device buffer is allocated then.
 
-The memory pass: the unplanned timeline minus the bytes of candidates that are not resident, plus
-recipe transients while a recipe runs, plus what the runtime holds for the plan's recipe and region
-captures from their op to the end of the step (RNG states, buffer copies: regen.planner.residency). A
-candidate counts as resident during op s unless it was already gone for the whole of it (a swapped one:
-released before op s, after its last forward use, its copy-in not yet issued). The simulator is the judge of every strategy: `solve` refuses to write a
-plan whose simulated peak is over the cap, or that is inconsistent (`errors`).
+The memory pass is the planner's one memory model (regen.planner.residency.planned_timelines), given
+the release steps and the recipe and region transients the timing pass found: the unplanned timeline
+minus the bytes of candidates that are not resident, plus the transients, plus what the runtime holds
+for the plan's captures. Every time the timing pass charges comes from regen.planner.costs. The
+simulator is the judge of every strategy: `solve` refuses to write a plan whose simulated peak is over
+the cap, or that is inconsistent (`errors`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import heapq
 from dataclasses import dataclass, field
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, TimeParts
+from regen.planner.costs import copy_in_time_s, copy_out_time_s
 from regen.planner.graph import Candidate, PlanningGraph
-from regen.planner.regions import region_transient_bytes
-from regen.planner.residency import captured_bytes_timeline, resident_without_plan
+from regen.planner.region_candidates import region_transient_bytes
+from regen.planner.residency import planned_timelines, resident_without_plan
 from regen.planner.result import Choice
 
 TIME_EPS_S = 1e-12  # a copy that ends within this of an op boundary counts as done by it
@@ -118,7 +119,7 @@ def simulate(graph: PlanningGraph, choices: dict[int, Choice]) -> SimulationResu
     """Replay `choices` (candidate index -> Choice; absent means keep) over the graph's profile."""
     events = _events(graph, choices)
     timing = _timing_pass(graph, choices, events)
-    timeline, peaks = _memory_pass(graph, choices, timing)
+    timeline, peaks = planned_timelines(graph, choices, timing.released_at, timing.transient_at)
     peak = max(max(peaks), max(timeline))
     return SimulationResult(peak_bytes=int(peak), step_time_s=timing.step_time_s, timeline_bytes=timeline,
                             peak_timeline_bytes=peaks, errors=events.errors, release_steps=timing.released_at,
@@ -180,7 +181,7 @@ def recipe_tracked_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> froz
 
 def tracked_forward_ops(graph: PlanningGraph, choices: dict[int, Choice]) -> frozenset[int]:
     """The forward ops the runtime's dispatch mode follows on a steady-state step: the tracking windows
-    of the chosen recipes' tracked ops (regen.planner.windows); none without recipes."""
+    of the chosen recipes' tracked ops (regen.planner.tracking_windows); none without recipes."""
     return graph.window_starts.covered(recipe_tracked_ops(graph, choices))
 
 
@@ -209,15 +210,15 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         now = releases.release(s, now, copy_ins)
         for c in copy_ins:
             t0 = max(now, h2d_free, out_done.get(c.index, now))
-            h2d_free = t0 + c.bytes / graph.h2d_bytes_per_s
+            h2d_free = t0 + copy_in_time_s(graph, c.bytes)
             in_done[c.index] = h2d_free
-        for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.regions)
+        for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.region_candidates)
             now += graph.regions[r].time_s
             parts.recompute_s += graph.regions[r].time_s
             transient_at[s] += region_transient_bytes(graph, graph.regions[r], ev.rebuilt_by[r])
         for c in ev.recompute_at.get(s, []):
             recipe = choices[c.index].recipe
-            for a in recipe.anchors:
+            for a in recipe.inputs:
                 if resident_without_plan(cands[a], s):
                     continue
                 ach = choices.get(a, Choice())
@@ -244,46 +245,10 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
             now += graph.costs.swap_time_s(c.bytes)  # the swap's cost to the compute thread, all at its copy-out
             parts.swap_calls_s += graph.costs.swap_time_s(c.bytes)
             t0 = max(now, d2h_free)
-            d2h_free = t0 + c.bytes / graph.d2h_bytes_per_s
+            d2h_free = t0 + copy_out_time_s(graph, c.bytes)
             releases.copied_out(c, d2h_free)
     parts.link_wait_s = max(0.0, now - graph.compute_time_s - parts.recompute_s - parts.dispatch_s - parts.swap_calls_s)
     return _Timing(step_time_s=now, transient_at=transient_at, released_at=releases.released_at, parts=parts)
-
-
-def _memory_pass(graph: PlanningGraph, choices: dict[int, Choice], timing: _Timing) -> tuple[list[int], list[int]]:
-    """Planned memory after and inside each op: unplanned minus non-resident candidates, plus transients."""
-    n = graph.num_steps
-    cands = graph.candidates
-    saved_during = [0] * (n + 1)  # difference arrays over steps
-    saved_after = [0] * (n + 1)
-    for i, ch in choices.items():
-        c = cands[i]
-        if ch.action == ACTION_KEEP or c.trivial:
-            continue
-        f, b = c.last_forward, c.first_backward
-        if ch.action == ACTION_RECOMPUTE:
-            if ch.rebuilt_with is not None:  # resident once the other recipe has run (before its op b)
-                b = min(b, cands[ch.rebuilt_with].first_backward)
-            if ch.region is not None:  # resident once the region has been replayed
-                b = min(b, graph.regions[ch.region].replay_step)
-            _add(saved_during, f + 1, b, c.bytes)
-            _add(saved_after, f, b, c.bytes)
-        elif ch.action == ACTION_SWAP and c.index in timing.released_at:
-            # gone during op s iff s > f, released before op s and its copy-in not yet issued
-            r = timing.released_at[c.index]
-            _add(saved_during, max(f + 1, r), ch.swap_in_step, c.bytes)
-            _add(saved_after, max(f, r - 1), ch.swap_in_step, c.bytes)
-    held = captured_bytes_timeline(
-        graph, [q for ch in choices.values() if ch.recipe is not None and ch.region is None for q in ch.recipe.ops],
-        [ch.region for ch in choices.values() if ch.region is not None])
-    timeline, peaks = [], []
-    run_during = run_after = 0
-    for s in range(n):
-        run_during += saved_during[s]
-        run_after += saved_after[s]
-        peaks.append(graph.peak_bytes[s] - run_during + timing.transient_at[s] + held[s])
-        timeline.append(graph.after_bytes[s] - run_after + held[s])
-    return timeline, peaks
 
 
 def _rebuilt_with_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate, r: int) -> str | None:
@@ -311,11 +276,3 @@ def _region_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate
             return (f"rebuilt by region {region.name}, whose argument {graph.candidates[a].id} is not kept "
                     f"({ach.action})")
     return None
-
-
-def _add(diff: list[int], lo: int, hi: int, value: int) -> None:
-    """Add `value` on steps lo .. hi-1."""
-    if hi <= lo:
-        return
-    diff[lo] += value
-    diff[hi] -= value

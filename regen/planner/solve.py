@@ -1,27 +1,29 @@
 """`regen solve`'s planning: validate the request, run a strategy, check the result, build the Plan.
 
-The walk from `solve` to the written Plan: validate the request, settle the host link and host memory
-(regen.planner.link: a CPU device without an explicit link plans recompute only), build the planning graph
-(regen.planner.graph), run the strategy (regen.planner.strategies), put the copy-ins where the runtime
-issues them (regen.planner.copy_order), replay the plan in the simulator (the one final check: a plan
-that is inconsistent or over the cap is never returned), and export it (regen.planner.export).
+The walk from `solve` to the written Plan: validate the request (regen.planner.options), settle the host
+link and host memory (regen.planner.host_link: a CPU device without an explicit link plans recompute
+only), build the planning graph with everything it needs (regen.planner.graph), run the strategy
+(regen.planner.strategies), put the copy-ins where the runtime issues them (regen.planner.copy_order),
+replay the plan in the simulator (the one final check: a plan that is inconsistent or over the cap is
+never returned), and build the Plan once (regen.planner.export).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
-from regen.errors import InfeasibleCapError, RegenError
+from regen.errors import InfeasibleCapError
 from regen.formats.plan import Plan
 from regen.formats.profile import Profile
 from regen.planner.copy_order import order_copy_ins
 from regen.planner.export import build_plan
 from regen.planner.graph import build_graph
-from regen.planner.link import (default_host_memory_cap_bytes, has_no_link, host_memory_error, link_bandwidth,
-                                no_link_error, no_link_note, plan_link)
+from regen.planner.host_link import (default_host_memory_cap_bytes, has_no_link, host_memory_error, link_bandwidth,
+                                     no_link_error, no_link_note, plan_link)
 from regen.planner.milp.highs import reset_solver_threads
-from regen.planner.milp.model import DEFAULT_REL_GAP
+from regen.planner.options import SolveOptions, check_solve_request, solve_options
 from regen.planner.strategies import MILP_STRATEGIES, STRATEGIES
 from regen.units import format_bytes, format_duration
 
@@ -32,30 +34,25 @@ SWAPPING_STRATEGIES = ("hybrid", "swap", "str", "offload-all")  # strategies tha
 # ---- solve -------------------------------------------------------------------------------------
 
 
-def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", time_limit_s: float = 60.0,
-          bandwidth_gb_s: float | None = None, progress: Progress = None, rel_gap: float = DEFAULT_REL_GAP,
-          link_ratio: float | None = None, host_memory_cap_bytes: int | None = None,
-          start_plans: list[tuple[str, dict]] | None = None) -> Plan:
+def solve(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str | None = None, *,
+          progress: Progress = None, **settings) -> Plan:
     """A plan for `profile` under `memory_cap_bytes`, checked by the simulator.
 
-    The MILP strategies stop at `rel_gap` (relative gap between the plan and the solver's bound, 1% by
-    default) or at `time_limit_s`, whichever comes first. The host link is `bandwidth_gb_s` or
-    `link_ratio` (one of them, or neither for the profile's own bandwidth; regen.planner.link), and the
-    host pool stays within `host_memory_cap_bytes` (default: a fraction of this machine's RAM). `start_plans`: (name, choices) plans
-    of this profile's graph the MILP strategies may start from (the least-peak plan of an InfeasibleCapError)."""
-    if strategy not in STRATEGIES:
-        raise RegenError(f"unknown strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
-    if not memory_cap_bytes or memory_cap_bytes <= 0:
-        raise RegenError(f"the memory cap must be positive (got {memory_cap_bytes})")
-    if not time_limit_s or time_limit_s <= 0:
-        raise RegenError(f"--time-limit must be positive (got {time_limit_s})")
-    if not 0 <= rel_gap < 1:
-        raise RegenError(f"the relative gap must be in [0, 1) (got {rel_gap})")
-    bw, link_source = link_bandwidth(profile, bandwidth_gb_s, link_ratio)
+    `options`: a SolveOptions (regen.planner.options), or a strategy name; `settings` are SolveOptions
+    fields by name, over `options` (`solve(profile, cap, "hybrid", time_limit_s=20)`). The MILP strategies
+    stop at `rel_gap` (relative gap between the plan and the solver's bound, 1% by default) or at
+    `time_limit_s`, whichever comes first. The host link is `bandwidth_gb_s` or `link_ratio` (one of them,
+    or neither for the profile's own bandwidth; regen.planner.host_link), and the host pool stays within
+    `host_memory_cap_bytes` (default: a fraction of this machine's RAM). `start_plans`: (name, choices)
+    plans of this profile's graph the MILP strategies may start from (the least-peak plan of an
+    InfeasibleCapError). `progress` gets one line per stage."""
+    options = solve_options(options, **settings)
+    check_solve_request(memory_cap_bytes, options)
+    bw, link_source = link_bandwidth(profile, options.bandwidth_gb_s, options.link_ratio)
+    host_memory_cap_bytes = options.host_memory_cap_bytes
     if host_memory_cap_bytes is None:
         host_memory_cap_bytes = default_host_memory_cap_bytes()
-    elif host_memory_cap_bytes <= 0:
-        raise RegenError(f"the host memory cap must be positive (got {host_memory_cap_bytes})")
+    strategy = options.strategy
     say = progress or (lambda _m: None)
     notes = []
     if has_no_link(profile, link_source) and strategy in SWAPPING_STRATEGIES:
@@ -66,9 +63,8 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
         strategy = "recompute"
     reset_solver_threads()
     t0 = time.perf_counter()
-    graph = build_graph(profile, bw, bw)
-    graph.host_memory_cap_bytes = host_memory_cap_bytes
-    graph.start_plans = list(start_plans or [])
+    graph = build_graph(profile, bw, bw, host_memory_cap_bytes=host_memory_cap_bytes,
+                        start_plans=list(options.start_plans))
     decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
     say(f"planning {len(graph.candidates)} saved tensors ({len(decidable)} with a choice) over "
         f"{graph.num_steps} ops; cap {format_bytes(memory_cap_bytes)} of unplanned peak "
@@ -79,22 +75,22 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     if keep_everything:  # nothing to save: any swap or recompute would only cost time
         run = STRATEGIES["keep-all"]
         say("the cap is at or above the unplanned peak: every tensor is kept")
-    result = run(graph, memory_cap_bytes, time_limit_s, rel_gap, say)
+    result = run(graph, memory_cap_bytes, options.time_limit_s, options.rel_gap, say)
     if keep_everything:
         result.notes.append("the cap is at or above the unplanned peak: every tensor is kept")
-    sim = order_copy_ins(graph, result.choices, memory_cap_bytes)
+    choices, sim = order_copy_ins(graph, result.choices, memory_cap_bytes)
+    result = dataclasses.replace(result, choices=choices)
     if not sim.valid:
         raise AssertionError(f"internal error: strategy {strategy} produced an inconsistent plan: {sim.errors[:3]}")
     if sim.peak_bytes > memory_cap_bytes:
         raise AssertionError(f"internal error: strategy {strategy} produced a plan whose simulated peak "
                              f"{sim.peak_bytes} is over the cap {memory_cap_bytes}; not writing it")
     result.report.solve_time_s = time.perf_counter() - t0
-    plan = build_plan(graph, result, memory_cap_bytes, strategy, sim)
+    link = plan_link(profile, graph.d2h_bytes_per_s, graph.h2d_bytes_per_s, link_source)
+    plan = build_plan(graph, result, memory_cap_bytes, strategy, sim, link=link, notes=notes,
+                      profile_path=options.profile_path)
     if host_memory_cap_bytes is not None and plan.host_pool_bytes > host_memory_cap_bytes:
         raise host_memory_error(plan.host_pool_bytes, host_memory_cap_bytes, strategy)
-    plan.link = plan_link(profile, graph.d2h_bytes_per_s, graph.h2d_bytes_per_s, link_source)
-    plan.host_memory_cap_bytes = host_memory_cap_bytes
-    plan.notes[:0] = notes
     unit = graph.time_unit
     say(f"simulated: peak {format_bytes(sim.peak_bytes)}, step {format_duration(plan.simulated.step_time_s, unit)} "
         f"(predicted {format_duration(plan.predicted.step_time_s, unit)}, unplanned "
@@ -102,13 +98,17 @@ def solve(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", tim
     return plan
 
 
-def solve_within_reach(profile: Profile, memory_cap_bytes: int, strategy: str = "hybrid", **options) -> Plan:
-    """`solve` at `memory_cap_bytes`, or, when no plan of `strategy` reaches it, at the smallest cap one
-    reaches (the plan's `memory_cap_bytes` says which); `options` are solve's."""
+def solve_within_reach(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str | None = None, *,
+                       progress: Progress = None, **settings) -> Plan:
+    """`solve` at `memory_cap_bytes`, or, when no plan of the strategy reaches it, at the smallest cap one
+    reaches (the plan's `memory_cap_bytes` says which), starting from the least-peak plan found; the
+    arguments are solve's."""
+    options = solve_options(options, **settings)
     try:
-        return solve(profile, memory_cap_bytes, strategy, **options)
+        return solve(profile, memory_cap_bytes, options, progress=progress)
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
-        start = [("least-peak plan", exc.plan_at_smallest)] if exc.plan_at_smallest is not None else []
-        return solve(profile, exc.smallest_feasible_cap_bytes, strategy, start_plans=start, **options)
+        start = (("least-peak plan", exc.plan_at_smallest),) if exc.plan_at_smallest is not None else ()
+        return solve(profile, exc.smallest_feasible_cap_bytes, dataclasses.replace(options, start_plans=start),
+                     progress=progress)

@@ -31,9 +31,10 @@ import pulp
 
 from regen.errors import InfeasibleCapError, RegenError, SolverError
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, SolverReport
+from regen.planner.costs import copy_in_time_s, copy_out_time_s
 from regen.planner.graph import PlanningGraph
 from regen.planner.milp.highs import new_var, require_highspy, run_highs
-from regen.planner.residency import inputs_kept, unplanned_step_bytes
+from regen.planner.residency import inputs_kept, resident_whatever_action, unplanned_step_bytes
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import simulate
 from regen.units import format_duration
@@ -102,8 +103,8 @@ def solve_str(graph: PlanningGraph, cap: int, time_limit_s: float, say: Callable
     the plan, and swap-outs in flight); `check_cap=False` returns a plan even when the simulator puts it
     over the cap (for the comparison benchmark, which reports it)."""
     if graph.num_steps > STR_MAX_OPS:
-        raise RegenError(f"--strategy str: {graph.num_steps} ops is too big for STR's O(n^2) formulation "
-                         f"(limit {STR_MAX_OPS}); use --strategy hybrid")
+        raise RegenError(f"strategy str: {graph.num_steps} ops is too big for STR's O(n^2) formulation "
+                         f"(limit {STR_MAX_OPS}); use strategy='hybrid'")
     require_highspy()
     nodes = coarsen(graph)
     notes = [f"str: coarsened {graph.num_steps} ops to {len(nodes)} nodes"] if len(nodes) < graph.num_steps else []
@@ -124,7 +125,7 @@ def solve_str(graph: PlanningGraph, cap: int, time_limit_s: float, say: Callable
     if check_cap and sim.peak_bytes > cap:
         raise InfeasibleCapError(
             f"strategy str: STR's plan, mapped to regen's actions, peaks at {sim.peak_bytes} bytes in the simulator, "
-            f"over the cap of {cap} (its stage-level model misses memory inside stages); use --strategy hybrid",
+            f"over the cap of {cap} (its stage-level model misses memory inside stages); use strategy='hybrid'",
             smallest_feasible_cap_bytes=sim.peak_bytes)
     report = SolverReport(name="highs", status="optimal" if run.solution_status == pulp.LpSolutionOptimal
                           else "time_limit", objective_s=objective, bound_s=None, gap=None,
@@ -193,7 +194,7 @@ class _StrModel:
         """Resident entering t+1 only if resident entering t, computed in t, or swapped in by then; one
         transfer per direction at a time."""
         n, R, S, P, Q, prob, finish = self.n, self.R, self.S, self.P, self.Q, self.prob, self.finish
-        xfer = {i: self.nodes[i].bytes / self.graph.h2d_bytes_per_s for i in self.cap_nodes}
+        xfer = {i: copy_in_time_s(self.graph, self.nodes[i].bytes) for i in self.cap_nodes}
         for i in self.cap_nodes:
             for t in range(i + 1, n):
                 back_in = [Q[u, i] for u in range(i + 1, t) if (u, i) in Q and finish(u, xfer[i]) < t]
@@ -217,13 +218,13 @@ class _StrModel:
         of the stage's ops is inside its forward or backward use ([p, f] or [b, e]), and a swapped-out
         tensor holds its memory until its copy-out has finished."""
         g, nodes, cap, in_stage_peak = self.graph, self.nodes, self.cap, self.in_stage_peak
-        xfer = {i: nodes[i].bytes / g.h2d_bytes_per_s for i in self.cap_nodes}
-        xfer_out = {i: nodes[i].bytes / g.d2h_bytes_per_s for i in self.cap_nodes}
+        xfer = {i: copy_in_time_s(g, nodes[i].bytes) for i in self.cap_nodes}
+        xfer_out = {i: copy_out_time_s(g, nodes[i].bytes) for i in self.cap_nodes}
         for t in range(self.n):
             terms, forced_total = [], 0
             for i in self.cap_nodes:
                 forced = sum(g.candidates[ci].bytes for ci in nodes[i].candidates
-                             if any(g.candidates[ci].alive_at(s) for s in nodes[t].ops)) if in_stage_peak else 0
+                             if any(resident_whatever_action(g.candidates[ci], s) for s in nodes[t].ops)) if in_stage_peak else 0
                 free = nodes[i].bytes - forced
                 forced_total += forced
                 if (t, i) in self.S:

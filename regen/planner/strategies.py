@@ -79,7 +79,7 @@ def _heuristic(name: str, graph: PlanningGraph, choices: dict[int, Choice], cap:
     if sim.peak_bytes > cap:
         raise InfeasibleCapError(
             f"strategy {name} reaches a peak of {format_bytes(sim.peak_bytes)}, over the cap of "
-            f"{format_bytes(cap)}; use a cap of at least {format_bytes(sim.peak_bytes)} or --strategy hybrid",
+            f"{format_bytes(cap)}; use a cap of at least {format_bytes(sim.peak_bytes)} or strategy='hybrid'",
             smallest_feasible_cap_bytes=sim.peak_bytes)
     report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
                           gap=None, solve_time_s=0.0)

@@ -1,6 +1,6 @@
 """What a module call leaves behind besides its output: state a replay of the call would write again.
 
-A region (regen.planner.regions) is rebuilt in backward by calling its module again, as
+A region (regen.planner.region_candidates) is rebuilt in backward by calling its module again, as
 torch.utils.checkpoint does. That is a replay only if the call's sole effects are its output and the
 tensors autograd saves: a call that appends its keys and values to a cache object it was given, stores a
 tensor in a module attribute or in a list, or changes a module's attribute, would do it a second time

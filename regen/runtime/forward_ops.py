@@ -187,7 +187,7 @@ class ForwardOps:
             return None
         index = self.index
         checked = [k for k, i in index.decisions.items() if i.action == ACTION_RECOMPUTE and i.region is None]
-        return FastOps(self.captures, index.recipe_op_names, checked + list(index.anchor_keys),
+        return FastOps(self.captures, index.recipe_op_names, checked + list(index.recipe_input_keys),
                        {g for g in self.gather_ops if g < max(index.recipe_op_names, default=-1)}, self.entries)
 
     def end_forward(self) -> None:

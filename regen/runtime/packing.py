@@ -29,7 +29,7 @@ class PackRecord:
     def __init__(self, shape, dtype, info, checked: bool):
         self.shape: torch.Size = shape
         self.dtype: torch.dtype = dtype
-        self.info: DecisionInfo | None = info  # None: keep the tensor; else swap, recompute or a kept recipe anchor
+        self.info: DecisionInfo | None = info  # None: keep the tensor; else swap, recompute or a kept recipe input
         # dropped for a recipe or kept as a recipe's input: a later step checks that the writer map names the
         # same op output for it (writer_mismatch), so a step with another data flow is a mismatch
         self.checked = checked
@@ -38,11 +38,11 @@ class PackRecord:
 class WriterMatch:
     """Matches a step's packs through its writer map and records them in order."""
 
-    __slots__ = ("decisions", "anchor_keys", "writer", "recording")
+    __slots__ = ("decisions", "recipe_input_keys", "writer", "recording")
 
     def __init__(self, index: PlanIndex, writer: dict[int, Writer]):
         self.decisions = index.decisions
-        self.anchor_keys = index.anchor_keys
+        self.recipe_input_keys = index.recipe_input_keys
         self.writer = writer  # the step's (forward_ops.py), filled as its forward ops run
         self.recording: list[PackRecord] = []
 
@@ -51,10 +51,10 @@ class WriterMatch:
         when its writer's output does not have the decision's shape and dtype."""
         w = live_writer(self.writer, storage_key(x))
         info = None if w is None else self.decisions.get((w.op, w.slot))
-        anchor = info is not None and info.key in self.anchor_keys
-        checked = anchor or (info is not None and info.action == ACTION_RECOMPUTE and info.region is None)
+        recipe_input = info is not None and info.key in self.recipe_input_keys
+        checked = recipe_input or (info is not None and info.action == ACTION_RECOMPUTE and info.region is None)
         self.recording.append(PackRecord(x.shape, x.dtype, None if info is None or (
-            info.action == ACTION_KEEP and not anchor) else info, checked))
+            info.action == ACTION_KEEP and not recipe_input) else info, checked))
         if info is None:
             return None, None
         if w.shape != info.shape or w.dtype != info.dtype:

@@ -1,8 +1,8 @@
 """The plan read once into the lookup tables the runtime matches against.
 
 `PlanIndex` holds the decisions by `(producer_op, output_slot)` (each a `DecisionInfo`: shape and dtype
-parsed, recipe anchors and the rebuilt-with link as keys), the recipe op names and randomness, the
-anchors some recipe reads, and the regions (`RegionInfo`: packs as decision keys, found by module call).
+parsed, recipe inputs and the rebuilt-with link as keys), the recipe op names and randomness, the
+recipe inputs some recipe reads, and the regions (`RegionInfo`: packs as decision keys, found by module call).
 `index_plan` checks the plan for internal consistency: a plan that contradicts itself is a FormatError.
 """
 
@@ -34,7 +34,7 @@ class DecisionInfo:
     shape: torch.Size
     dtype: torch.dtype
     action: str
-    anchors: tuple[tuple[int, int], ...] = ()  # recipe_inputs as (producer_op, output_slot)
+    recipe_inputs: tuple[tuple[int, int], ...] = ()  # recipe_inputs as (producer_op, output_slot)
     rebuilt_with: tuple[int, int] | None = None  # the decision whose recipe rebuilds this one (Decision.rebuilt_with)
     rebuilds: tuple[tuple[int, int], ...] = ()  # decisions rebuilt with this one's recipe, kept for their use
     region: int | None = None  # rebuilt by replaying Plan.regions[region] (Decision.region)
@@ -60,7 +60,7 @@ class PlanIndex:
     decisions: dict[tuple[int, int], DecisionInfo]
     recipe_op_names: dict[int, str]
     recipe_op_random: dict[int, bool]
-    anchor_keys: frozenset  # candidates some recompute decision reads
+    recipe_input_keys: frozenset  # candidates some recompute decision reads
     num_forward_ops: int
     has_recipes: bool = False  # any recompute decision with a recipe (fast steps then keep a minimal dispatch mode)
     swap_bytes: int = 0
@@ -93,7 +93,7 @@ def index_plan(plan: Plan) -> PlanIndex:
                                       action=d.action)
     names = {r.index: r.name for r in plan.recipe_ops}
     randoms = {r.index: bool(r.is_random) for r in plan.recipe_ops}
-    anchors: set[tuple[int, int]] = set()
+    recipe_inputs: set[tuple[int, int]] = set()
     for info in decisions.values():
         d = info.decision
         if info.action != ACTION_RECOMPUTE:
@@ -121,8 +121,8 @@ def index_plan(plan: Plan) -> PlanIndex:
                 raise FormatError(f"{where}: saved tensor {d.saved_tensor} reads saved tensor {sid}, "
                                   f"which has no decision")
             keys.append((src.producer_op, src.output_slot))
-        info.anchors = tuple(keys)
-        anchors.update(keys)
+        info.recipe_inputs = tuple(keys)
+        recipe_inputs.update(keys)
     for info in decisions.values():
         d = info.decision
         if d.rebuilt_with is None:
@@ -138,7 +138,7 @@ def index_plan(plan: Plan) -> PlanIndex:
     has_recipes = any(i.action == ACTION_RECOMPUTE and i.region is None for i in decisions.values())
     regions = _index_regions(plan, by_saved, where)
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
-                     anchor_keys=frozenset(anchors), num_forward_ops=n_fwd,
+                     recipe_input_keys=frozenset(recipe_inputs), num_forward_ops=n_fwd,
                      has_recipes=has_recipes, swap_bytes=swap_bytes, regions=regions,
                      region_by_call={(r.region.module, r.region.call): rid for rid, r in regions.items()},
                      region_replay_order=tuple(sorted((r.region.replay_at_unpack, rid) for rid, r in regions.items()

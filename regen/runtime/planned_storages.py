@@ -1,17 +1,17 @@
 """One step's planned storages: what the runtime did with each storage its plan decides, and what it still owes.
 
 A `PlannedStorage` is one storage of one step, named by its decision's `(producer_op, output_slot)`. When a
-matched tensor is packed (`PlannedStorages.pack`) it is kept (a `Kept`; a recipe anchor also keeps a
+matched tensor is packed (`PlannedStorages.pack`) it is kept (a `Kept`; a recipe input also keeps a
 tensor over its storage), swapped (the `SwapQueue` copies it out) or dropped for recompute (its recipe
 ops were captured as they ran); a swapped or dropped entry is packed as a `Saved`. In backward
-`materialize` makes the storage resident again: restored by the swap queue, a kept anchor, or rebuilt
+`materialize` makes the storage resident again: restored by the swap queue, a kept recipe input, or rebuilt
 by its recipe (`recompute.replay_recipe`), which also hands over the planned storages rebuilt with it
 (docs/internals.md "Rebuilt with another's recipe"), held until their own use, or by replaying its
 region's module call (region_replays.py), which rebuilds all of the region's dropped members at once. A
 resident storage is dropped after its last use (its first unpacks and the recipes reading it);
 everything else the planned storage holds goes when autograd frees its last handle, or when the step is
 released. A backward over a retained graph (`retain_graph=True`, then another backward) unpacks
-again: swapped storages are restored and recipes run again, reading kept anchors through the tensor
+again: swapped storages are restored and recipes run again, reading kept recipe inputs through the tensor
 autograd still holds for them (a weak reference: it costs no memory once autograd frees it). Every
 entry keeps its tensor's version counter (`Kept`, or a `version_probe` for a `Saved`) and its value at
 the pack: an in-place change before the unpack raises autograd's own error (`check_version`).
@@ -53,10 +53,10 @@ class PlannedStorage:
         self.copy_out: CopyOut | None = None
         self.copy_in: CopyIn | None = None
         self.recipe_ran = False
-        self.version = 0  # kept anchors: version counter when packed
+        self.version = 0  # kept recipe_inputs: version counter when packed
         self.released = False
         self.storage_key: int | None = None  # swapped: the storage copied out (fast-path check)
-        # kept anchors: the tensor autograd holds for it, weakly: alive again in a backward over a retained graph
+        # kept recipe_inputs: the tensor autograd holds for it, weakly: alive again in a backward over a retained graph
         self.kept_by_autograd: weakref.ref | None = None
 
 
@@ -168,7 +168,7 @@ class PlannedStorages:
                 ps.mode = ACTION_KEEP
         if ps.mode == ACTION_KEEP:
             kept = Kept(x)
-            if key in self.index.anchor_keys and ps.storage is None:
+            if key in self.index.recipe_input_keys and ps.storage is None:
                 ps.storage = kept.tensor
                 ps.kept_by_autograd = weakref.ref(kept.tensor)
                 ps.version = kept.version
@@ -192,11 +192,11 @@ class PlannedStorages:
         if missing:
             self._mismatch(f"the recipe of op {ps.key[0]} needs ops {missing}, which were not captured")
             return False
-        for a in info.anchors:
-            anchor = self.storages.get(a)
-            if anchor is None:
-                anchor = self.storages[a] = PlannedStorage(a, self.index.decisions.get(a))
-            anchor.pending += 1
+        for a in info.recipe_inputs:
+            recipe_input = self.storages.get(a)
+            if recipe_input is None:
+                recipe_input = self.storages[a] = PlannedStorage(a, self.index.decisions.get(a))
+            recipe_input.pending += 1
         self.stats.dropped_tensors += 1
         return True
 
@@ -233,9 +233,9 @@ class PlannedStorages:
 
     def _recompute(self, ps: PlannedStorage) -> torch.Tensor:
         info = ps.info
-        allowed = set(info.anchors)
+        allowed = set(info.recipe_inputs)
 
-        def anchor(key):
+        def recipe_input(key):
             if key not in allowed:
                 raise PlanMismatchError(
                     f"regen.apply: the recipe of op {ps.key[0]} reads op {key[0]} output {key[1]}, which is "
@@ -248,7 +248,7 @@ class PlannedStorages:
 
         keep = tuple(k for k in info.rebuilds if (b := self.storages.get(k)) is not None and b.storage is None
                      and not b.released and b.mode == ACTION_RECOMPUTE)
-        result, kept = replay_recipe(ps.key, info.decision.recipe, self.captures, anchor, info.shape, info.dtype,
+        result, kept = replay_recipe(ps.key, info.decision.recipe, self.captures, recipe_input, info.shape, info.dtype,
                                      keep=keep)
         self.stats.recomputes += 1
         ps.storage = result
@@ -261,7 +261,7 @@ class PlannedStorages:
             b.storage = tensor
         if not ps.recipe_ran:
             ps.recipe_ran = True
-            for a in info.anchors:
+            for a in info.recipe_inputs:
                 a_cand = self.storages.get(a)
                 if a_cand is not None:
                     self.used(a_cand)

@@ -19,11 +19,11 @@ CPU, returns no workspace), so a replay runs each op under its own grad mode.
 In backward, `replay_recipe` runs a decision's recipe in order with autocast off (the ops were
 recorded below autocast, the casts it chose among them, so a backward inside an autocast block must not
 cast them again), resolving each `Ref`
-from the outputs of earlier recipe ops or from the anchors (`recipe_inputs`) the caller provides,
+from the outputs of earlier recipe ops or from the recipe inputs (`recipe_inputs`) the caller provides,
 dropping each intermediate right after its last use, and restoring the ambient RNG state (and each
 private generator's) after each random op. An in-place recipe op (CPU dropout's `bernoulli_`, `div_`)
 mutates and returns the recipe's own replayed intermediate: the tensor it writes must resolve to an
-output of an earlier recipe op, never to an anchor or an external tensor (the planner only emits such
+output of an earlier recipe op, never to a recipe input or an external tensor (the planner only emits such
 recipes; the replay checks it).
 Anything that does not resolve, or an output that does not match the plan, raises
 `PlanMismatchError`: a recipe is never replayed approximately.
@@ -232,13 +232,13 @@ def _written_args(cap: CapturedOp) -> list:
 
 
 def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[int, CapturedOp],
-                  anchor: Callable[[tuple[int, int]], torch.Tensor],
+                  recipe_input: Callable[[tuple[int, int]], torch.Tensor],
                   expect_shape: torch.Size, expect_dtype: torch.dtype,
                   keep: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
     """Run `recipe`; return a tensor over the rebuilt storage of `candidate` (op, slot), and those of the
     intermediates named in `keep` (other candidates rebuilt on the way, held for their own use).
 
-    `anchor(key)` returns a tensor over the storage of a resident candidate the recipe may read
+    `recipe_input(key)` returns a tensor over the storage of a resident candidate the recipe may read
     (the decision's recipe_inputs), or raises PlanMismatchError when `key` is not one of them.
     """
     caps = _recipe_captures(candidate, recipe, captures)
@@ -251,10 +251,10 @@ def replay_recipe(candidate: tuple[int, int], recipe: list[int], captures: dict[
     held.add(candidate)
 
     def resolve_detached(a):
-        return _resolve(a, candidate, table, anchor, detach_externals=True)
+        return _resolve(a, candidate, table, recipe_input, detach_externals=True)
 
     def resolve_plain(a):
-        return _resolve(a, candidate, table, anchor, detach_externals=False)
+        return _resolve(a, candidate, table, recipe_input, detach_externals=False)
 
     with torch.no_grad(), _autocast_off():
         for pos, cap in enumerate(caps):
@@ -284,14 +284,14 @@ def _recipe_captures(candidate: tuple[int, int], recipe: list[int], captures: di
     return caps
 
 
-def _resolve(a, candidate: tuple[int, int], table: dict, anchor: Callable, detach_externals: bool):
-    """A captured argument as the replay passes it: a storage the recipe wrote or an anchor's (Ref), a
+def _resolve(a, candidate: tuple[int, int], table: dict, recipe_input: Callable, detach_externals: bool):
+    """A captured argument as the replay passes it: a storage the recipe wrote or a recipe input's (Ref), a
     tensor read as it is now (External, Gathered: checked), a fresh buffer (Like, Scratch), or itself."""
     if isinstance(a, Ref):
         key = (a.op, a.slot)
         base = table.get(key)
         if base is None:
-            base = anchor(key)
+            base = recipe_input(key)
         return view_of(base, a.geometry)
     if isinstance(a, (External, Gathered)):
         if a.tensor.numel() and not a.tensor.untyped_storage().nbytes():

@@ -12,7 +12,7 @@ that take the k-th tensor the replay packs for the plan's k-th pack of the call:
 storage of the member rebuilt there. Like torch.utils.checkpoint's early stop, the replay ends at the
 pack that gives the last member it rebuilds (`RegionInfo.packs_needed`): the rest of the forward
 (often a block's last matmul and its residual add) rebuilds nothing and is not run; the planner
-charges the replay up to that pack (regen.planner.regions). The module's buffers are swapped for
+charges the replay up to that pack (regen.planner.region_candidates). The module's buffers are swapped for
 copies during the replay, so running statistics (BatchNorm's running mean and var,
 num_batches_tracked) are not updated twice and the originals are not written at all. Nothing is
 replayed op by op: the module's own forward runs at native speed, with the handle's dispatch mode

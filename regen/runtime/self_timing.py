@@ -404,7 +404,7 @@ def _captured(x: torch.Tensor) -> None:
 
 def _replays(x: torch.Tensor, recipes: int, length: int) -> None:
     """Replay `recipes` recipes of `length` ops of the mix, each op reading the one before it (the first,
-    the anchor) and the anchor; recipes of one op go round the mix."""
+    the recipe input) and the recipe input; recipes of one op go round the mix."""
     writer = {storage_key(x): Writer.of(-1, 0, x)}
     captures, shapes = {}, []
     with torch.no_grad():

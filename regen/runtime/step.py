@@ -331,7 +331,7 @@ class Step:
             self.release()
 
     def release(self, aborted: bool = False):
-        """Return everything the step holds: host ranges, device copies, captures, anchors."""
+        """Return everything the step holds: host ranges, device copies, captures, recipe inputs."""
         self.aborted = self.aborted or aborted
         self.stage = STAGE_CLOSED
         self.swaps.release_all()

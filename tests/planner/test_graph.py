@@ -3,6 +3,7 @@
 from regen.formats.profile import KIND_INPUT
 from regen.planner.graph import (MAX_WINDOW_STEPS, MIN_WINDOW_STEPS_CAP, WINDOW_TRANSFER_FACTOR, build_graph,
                                   window_steps_cap)
+from regen.planner.residency import resident_whatever_action
 from regen.graphs.builder import FLOAT32_BYTES, ProfileBuilder
 from regen.graphs.synthetic import chain_profile
 
@@ -17,7 +18,7 @@ def test_lifetimes_and_gaps_follow_the_profile():
         assert (c.producer, c.last_forward, c.first_backward) == (s.producer_op, s.last_forward_use,
                                                                     s.backward_uses[0])
         assert list(c.gap) == list(range(s.last_forward_use + 1, s.backward_uses[0]))
-        assert all(c.alive_at(s) for s in range(c.producer, c.last_forward + 1))
+        assert all(resident_whatever_action(c, s) for s in range(c.producer, c.last_forward + 1))
         if c.can_swap:
             assert c.out_window[0] == c.issue_after + 1 and c.in_window[-1] == c.first_backward - 1
             assert len(c.out_window) <= MAX_WINDOW_STEPS and c.out_window[-1] < c.in_window[-1]
@@ -25,12 +26,12 @@ def test_lifetimes_and_gaps_follow_the_profile():
     assert graph.candidates[-1].trivial
 
 
-def test_recipes_anchor_on_alive_candidates_and_walk_through_with_depth():
+def test_recipes_read_alive_candidates_as_inputs_and_walk_through_with_depth():
     graph = build_graph(chain_profile(5, seed=1))
     c = graph.candidates[2]  # produced by op 1 from candidate 1's tensor... chain: x_k = op_k(x_{k-1})
     shallow, deeper = c.recipes[0], c.recipes[1]
-    assert shallow.ops == [c.producer] and shallow.anchors == [c.index - 1]
-    assert deeper.ops == [c.producer - 1, c.producer] and deeper.anchors == [c.index - 2]
+    assert shallow.ops == [c.producer] and shallow.inputs == [c.index - 1]
+    assert deeper.ops == [c.producer - 1, c.producer] and deeper.inputs == [c.index - 2]
     assert deeper.time_s > shallow.time_s and deeper.transient_bytes > 0 == shallow.transient_bytes
 
 
@@ -68,7 +69,7 @@ def test_cpu_gpt_dropout_masks_are_recomputable_and_lower_the_recompute_only_cap
         names = [ops[q].name for q in c.recipes[0].ops]
         # empty_like reads only its argument's shape: the mask's recipe is these three ops and nothing before
         assert names == ["aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar"]
-        assert not c.recipes[0].anchors
+        assert not c.recipes[0].inputs
         assert [ops[q].name for q in c.recipes[0].random_ops] == ["aten.bernoulli_.float"]
     after = smallest_feasible_cap(graph, allow_swap=False, allow_recompute=True)
     # without in-place replays: no recipe replays an in-place op (so no candidate made in place is recomputable)

@@ -144,8 +144,8 @@ def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
     from regen.planner.milp.highs import new_highs
     from regen.planner.milp.relaxation import Relaxation
 
-    graph = build_graph(small_transformer)
-    graph.host_memory_cap_bytes = small_transformer.peak_bytes // 8  # binds: most swaps cannot go at once
+    # a host memory cap that binds: most swaps cannot go at once
+    graph = build_graph(small_transformer, host_memory_cap_bytes=small_transformer.peak_bytes // 8)
     cap = int(small_transformer.peak_bytes * 0.5)
     model = Model(graph, cap, MilpOptions())
     left_out = set(model.rows_not_in_relaxation)

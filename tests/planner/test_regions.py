@@ -8,12 +8,12 @@ from regen.errors import FormatError
 from regen.formats import load_plan, save_plan
 from regen.formats.plan import ACTION_RECOMPUTE
 from regen.planner import solve
-from regen.planner.export import choices_from_plan
+from plan_choices import choices_from_plan
 from regen.planner.graph import build_graph
 from regen.planner.heuristics import block_regions, checkpoint_blocks
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.solution import solve_model
-from regen.planner.regions import region_transient_bytes
+from regen.planner.region_candidates import region_transient_bytes
 from regen.planner.simulator import simulate
 
 SMALL = {

@@ -35,7 +35,7 @@ def test_without_module_calls_the_dispatch_mode_is_charged_from_the_first_op():
     plain, charged = _graphs()
     c = charged.candidates[2]  # produced by op 2 from candidate 1 (op 1): ops 0..2 are tracked
     recipe = c.recipes[0]
-    assert recipe.ops == [2] and recipe.anchors == [1]
+    assert recipe.ops == [2] and recipe.inputs == [1]
     keep_plain, keep_charged = simulate(plain, {}), simulate(charged, {})
     assert keep_charged.step_time_s == pytest.approx(keep_plain.step_time_s)  # no recipe: no tracking
     sim_plain = simulate(plain, {2: Choice(ACTION_RECOMPUTE, recipe=plain.candidates[2].recipes[0])})

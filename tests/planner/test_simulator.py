@@ -2,7 +2,7 @@
 
 chain_profile(5, seed=1): candidates 0..3 have a gap (candidate 4 is read by the loss and right away
 by its backward); candidate k is produced by op k, last read in forward by op k+1 and first read in
-backward by op 10-k. Its recipes: [k] anchored on candidate k-1, then walking further back.
+backward by op 10-k. Its recipes: [k] with input candidate k-1, then walking further back.
 """
 
 import pytest
@@ -25,7 +25,7 @@ def _graph(bytes_per_s=SLOW_BYTES_PER_S):
     # what the tests below rely on
     assert [(x.producer, x.last_forward, x.first_backward) for x in c[:4]] == [(0, 1, 10), (1, 2, 9), (2, 3, 8),
                                                                               (3, 4, 7)]
-    assert c[0].recipes[0].anchors == [] and c[2].recipes[0].anchors == [1] and c[1].recipes[0].anchors == [0]
+    assert c[0].recipes[0].inputs == [] and c[2].recipes[0].inputs == [1] and c[1].recipes[0].inputs == [0]
     return graph
 
 
@@ -119,7 +119,7 @@ def test_a_late_copy_out_stalls_compute_at_its_release_step():
 def test_a_recipe_input_that_is_not_resident_makes_the_plan_invalid():
     graph = _graph()
     c1, c2 = graph.candidates[1], graph.candidates[2]
-    own = {2: Choice(ACTION_RECOMPUTE, recipe=c2.recipes[0])}  # anchored on candidate 1, which is kept
+    own = {2: Choice(ACTION_RECOMPUTE, recipe=c2.recipes[0])}  # its input is candidate 1, which is kept
     assert simulate(graph, own).valid
     both = dict(own)
     both[1] = Choice(ACTION_RECOMPUTE, recipe=c1.recipes[0])  # candidate 1 is rebuilt only at op 9, after op 8
@@ -175,7 +175,7 @@ def test_copy_outs_start_at_a_tensors_first_pack_in_pack_order_as_the_runtime_is
     in issue order: a tensor saved twice (attention probabilities, by softmax and by the matmul after it)
     is copied from its first pack, and copy-outs issued after one op keep the step's pack order."""
     from regen.planner import solve
-    from regen.planner.export import choices_from_plan
+    from plan_choices import choices_from_plan
     from regen.planner.simulator import _events
     from regen.profiler import profile_workload
     from regen.workloads import Workload

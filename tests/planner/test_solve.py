@@ -8,7 +8,7 @@ from regen.errors import InfeasibleCapError, RegenError
 from regen.planner import solve, solve_within_reach
 from regen.units import parse_memory_cap
 from regen.planner.graph import build_graph
-from regen.planner.export import choices_from_plan
+from plan_choices import choices_from_plan
 from regen.planner.milp.model import DEFAULT_REL_GAP
 from regen.planner.simulator import simulate
 from regen.graphs.synthetic import chain_profile

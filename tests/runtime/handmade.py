@@ -5,7 +5,7 @@ the forward ops (model call through the loss), a per-step writer map names each 
 and output slot that last wrote its storage (`opinfo.written_outputs`), entries sharing a storage form
 one candidate, and the backward's unpack sequence gives each entry its unpack order. The plan builders
 then write real `regen.formats.Plan` objects: keep-all, swap-all, recompute (recipes walked back through
-unsaved intermediates to parameters, the batch, or anchors) and hybrid mixes.
+unsaved intermediates to parameters, the batch, or recipe inputs) and hybrid mixes.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def trace_workload(workload, seed: int = 0) -> Trace:
 def _recipe(trace: Trace, key: tuple[int, int], actions: dict) -> tuple[list[int], list[int]] | None:
     """Ops that rebuild candidate `key` from externals and already-decided candidates, or None."""
     recipe: set[int] = set()
-    anchors: set[tuple[int, int]] = set()
+    recipe_inputs: set[tuple[int, int]] = set()
     stack = [key[0]]
     while stack:
         r = stack.pop()
@@ -154,10 +154,10 @@ def _recipe(trace: Trace, key: tuple[int, int], actions: dict) -> tuple[list[int
             if k in trace.candidates and k != key:
                 if k not in actions:
                     return None
-                anchors.add(k)
+                recipe_inputs.add(k)
             else:
                 stack.append(k[0])
-    return sorted(recipe), sorted(trace.candidates[a].id for a in anchors)
+    return sorted(recipe), sorted(trace.candidates[a].id for a in recipe_inputs)
 
 
 def build_plan(trace: Trace, choose, strategy: str = "handmade", workload_name: str = "handmade",

@@ -1,7 +1,7 @@
 """A later step whose forward takes another branch (same op names, shapes and saved tensors, another data
 flow) is a plan mismatch on the fast path, even when the allocator gives the new tensor the address of a
 freed one that the verified step's recipe read: the writer map's entries are checked alive, and every
-dropped or anchor pack is checked to be the op output the plan names."""
+dropped or recipe input's pack is checked to be the op output the plan names."""
 
 import pytest
 import torch

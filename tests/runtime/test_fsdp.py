@@ -4,7 +4,7 @@ plan from rank 0 and applies it. For swap, recompute, hybrid and region plans, a
 bf16 autocast: loss and local gradients bitwise equal to unplanned FSDP2 in the verified step and in the
 pack-order fast path's step after it, each rank's measured peak within the cap + 5% and below unplanned.
 Recipes and regions read a unit's gathered parameters only in that unit's backward, where FSDP has them
-unsharded (regen.planner.gathered): a block's output, which the next block saves, is not recomputable."""
+unsharded (regen.planner.fsdp_reads): a block's output, which the next block saves, is not recomputable."""
 
 import contextlib
 import datetime

@@ -61,4 +61,4 @@ def test_inplace_recipe_op_on_a_tensor_the_recipe_did_not_create_is_refused():
                        kwargs={}, refs=((9, 0), (0, 0)))}
     with pytest.raises(PlanMismatchError, match="writes in place"):
         replay_recipe((1, 0), [0, 1], caps, lambda key: x, x.shape, x.dtype)
-    assert torch.equal(x, torch.ones(4))  # the anchor was not touched
+    assert torch.equal(x, torch.ones(4))  # the recipe input was not touched

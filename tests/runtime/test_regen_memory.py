@@ -76,7 +76,7 @@ def test_rng_state_copies_are_counted_and_the_measured_peak_stays_under_the_cap(
 
 
 def test_the_predicted_peak_includes_the_rng_states():
-    from regen.planner.export import choices_from_plan
+    from plan_choices import choices_from_plan
     from regen.planner.residency import CPU_RNG_STATE_BYTES
     from regen.planner.simulator import simulate
 

@@ -134,7 +134,7 @@ def test_a_block_argument_no_backward_saves_is_held_until_the_last_replay_and_ch
     is charged the mask from after its last forward read until the last replay that takes it."""
     from dataclasses import replace
 
-    from regen.planner.export import choices_from_plan
+    from plan_choices import choices_from_plan
     from regen.planner.graph import build_graph
     from regen.planner.simulator import simulate
 

@@ -17,7 +17,7 @@ from common import assert_same, make, run_and_grads, step, traced
 from handmade import PLANS
 from regen.errors import InfeasibleCapError
 from regen.formats.plan import ACTION_SWAP
-from regen.planner.export import choices_from_plan
+from plan_choices import choices_from_plan
 from regen.planner.graph import build_graph
 from regen.planner.simulator import simulate
 from regen.runtime.swap import SwapQueue

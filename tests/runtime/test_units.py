@@ -47,7 +47,7 @@ def test_plan_index_refuses_inconsistent_plans():
     _, trace = traced("mlp")
     plan = PLANS["recompute"](trace)
     index = index_plan(plan)
-    assert any(i.action != "keep" for i in index.decisions.values()) and index.anchor_keys
+    assert any(i.action != "keep" for i in index.decisions.values()) and index.recipe_input_keys
     d = next(d for d in plan.decisions if d.action == "recompute" and d.recipe_inputs)
     d.recipe_inputs = [9999]
     with pytest.raises(FormatError, match="9999"):

@@ -93,7 +93,7 @@ def _recipe_plan(name: str):
 
 @pytest.mark.parametrize("name", ["gpt", "bn-blocks"])
 def test_fast_steps_follow_only_their_windows_and_match_the_unplanned_run(name, monkeypatch):
-    from regen.planner.export import choices_from_plan
+    from plan_choices import choices_from_plan
     from regen.planner.graph import build_graph
     from regen.planner.simulator import tracked_forward_ops
 

@@ -39,9 +39,13 @@ SWEEP_MIN_GAIN = 1e-4  # another sweep only after one that lowered the objective
 MIN_SOLVER_TIME_S = 1e-3
 UNGUIDED_BLOCK_TIME_S = 2.0  # at most, per block, while the LP bound is not known yet
 FINAL_CHECK_TIME_FRACTION = 0.05  # of the time limit, kept back from the sweeps for the simulator check
-# and at least this per candidate with a choice: reading the plan back, ordering its copy-ins and the
-# final check take up to about 0.5 s per 1,000 candidates (6,000: a 30 s solve ended at 31.6 s with 5% only)
-FINAL_CHECK_S_PER_CANDIDATE = 5e-4
+FINAL_CHECK_S_PER_CANDIDATE = 5e-4  # and at least this per candidate with a choice (Note [ Final check reserve ])
+
+# NOTE [ Final check reserve ]
+# Reading the plan back, ordering its copy-ins and the simulator's final check take up to about 0.5 s per
+# 1,000 candidates with a choice, so the sweeps keep back the larger of FINAL_CHECK_TIME_FRACTION of the
+# time limit and FINAL_CHECK_S_PER_CANDIDATE per candidate: with 5% only, a 30 s solve of 6,000
+# candidates ends at 31.6 s.
 FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
 SWEEP_PROGRESS_INTERVAL_S = 2.0  # at most one progress line per this many seconds during the sweeps
 

@@ -14,7 +14,7 @@ The formulation of docs/milp.md, O(candidates x window) in size:
   started by s" (it may start only once the copy-out is complete, and a step may copy only once it
   has started), per-step capacity `sum_t m_t yin_{t,s} <= h2d x T_s` where
   `T_s = c_s + recompute at s + stall_s` and `stall_s >= 0` is exposed transfer time;
-* recompute: option k's time is charged at b (the first backward use); its anchors must be resident
+* recompute: option k's time is charged at b (the first backward use); its inputs must be resident
   then: `rec_{t,k} <= keep_a + (fraction of a copied in before b)` unless a is resident anyway;
 * memory: t not resident at step s of its gap: N_t(s) = rec_t + od_t(s-1) - is_t(s). The savings
   `S(s) = sum_t m_t N_t(s)` are a running sum whose terms change only at window steps, so they are
@@ -25,8 +25,8 @@ The formulation of docs/milp.md, O(candidates x window) in size:
 * regions (regen.planner.milp.region_vars): `z_R` replays module call R at its replay step, a member t
   may be rebuilt by it (`reg_{t,R}`, one of t's actions: gone from f_t+1 until the replay), its
   arguments are kept, its time and transient are charged at the replay step;
-* objective: sum_s T_s, plus the runtime's dispatch mode on the forward up to the last op a chosen
-  per-tensor recipe needs (regen.planner.milp.tracking), plus the compute thread's share of each swap
+* objective: sum_s T_s, plus the runtime's dispatch mode on the forward ops of the chosen per-tensor
+  recipes' tracking windows (regen.planner.tracking_windows, charged by regen.planner.milp.tracking), plus the compute thread's share of each swap
   (`costs.swap_time_s(bytes_i)` x swap_i; the simulator charges it at the copy-out).
 
 Memory is in units of `mem_unit` bytes, time in `time_unit` seconds, so coefficients stay near 1.
@@ -42,6 +42,7 @@ import pulp
 
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.planner.costs import copy_in_bytes_per_s, copy_out_bytes_per_s
 from regen.planner.graph import Candidate, PlanningGraph
 from regen.planner.milp.highs import linear, new_var
 from regen.planner.milp.region_vars import (RegionVars, add_region_input_constraints, add_region_vars,
@@ -170,7 +171,7 @@ class Model:
                 prob += pulp.lpSum(chosen) <= 1, f"one_{i}"
             if v.swap is not None:
                 self._swap_constraints(v)
-        self._anchor_constraints()
+        self._recipe_input_constraints()
         add_region_input_constraints(self)
         for a, b in opt.fifo_pairs:
             self._fifo_constraint(a, b)
@@ -263,21 +264,21 @@ class Model:
                 prob += linear(upto + [(-1.0, v.is_expr(s0))]) <= 0, f"in_started_{i}_{s0}"
                 self.rows_not_in_relaxation.append(f"in_started_{i}_{s0}")
 
-    def _anchor_constraints(self) -> None:
+    def _recipe_input_constraints(self) -> None:
         g, prob = self.graph, self.prob
         for i, v in self.vars.items():
             b = v.c.first_backward
             for k, r in enumerate(v.rec):
-                for a_idx in v.c.recipes[k].anchors:
+                for a_idx in v.c.recipes[k].inputs:
                     if resident_without_plan(g.candidates[a_idx], b):
                         continue
                     av = self.vars.get(a_idx)
                     if av is None:
                         continue  # always kept
                     # r <= keep_a + the fraction of a's copy-in done before b starts, keep_a = 1 - a's actions
-                    # (a rebuilt-with anchor counts as gone: conservative)
+                    # (a rebuilt-with input counts as gone: conservative)
                     back = [(-1.0, av.yin[s]) for s in av.c.in_window if s < b] if av.swap is not None else []
-                    prob += linear([(1.0, r)] + [(1.0, x) for x in av.actions()] + back) <= 1, f"anchor_{i}_{k}_{a_idx}"
+                    prob += linear([(1.0, r)] + [(1.0, x) for x in av.actions()] + back) <= 1, f"recipe_input_{i}_{k}_{a_idx}"
 
     def _fifo_constraint(self, first: int, later: int) -> None:
         """Copy-outs complete in issue order: `later` done by j implies `first` done by j."""
@@ -307,14 +308,14 @@ class Model:
             for k, r in enumerate(v.rec):
                 rec_at.setdefault(v.c.first_backward, []).append((v.c.recipes[k].time_s / tu) * r)
         for s, terms in out_at.items():
-            prob += linear(terms) <= g.d2h_bytes_per_s * g.time_s[s] / mu, f"d2h_{s}"
+            prob += linear(terms) <= copy_out_bytes_per_s(g) * g.time_s[s] / mu, f"d2h_{s}"
         stalls = []
-        rate = g.h2d_bytes_per_s * tu / mu  # memory units per time unit
+        rate = copy_in_bytes_per_s(g) * tu / mu  # memory units per time unit
         for s, terms in in_at.items():
             st = new_var(f"stall_{s}", 0)
             self.stall[s] = st
             stalls.append(st)
             recomputes = linear([(-rate * coef, x) for term in rec_at.get(s, []) for x, coef in term.items()])
             prob += (linear(terms + [(-rate, st)]) + recomputes
-                     <= g.h2d_bytes_per_s * g.time_s[s] / mu), f"h2d_{s}"
+                     <= copy_in_bytes_per_s(g) * g.time_s[s] / mu), f"h2d_{s}"
         return stalls

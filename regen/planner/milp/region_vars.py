@@ -1,6 +1,6 @@
 """Region decisions in the MILP (docs/milp.md "Regions"), next to the per-candidate actions.
 
-For every region R (regen.planner.regions) with a member that has variables:
+For every region R (regen.planner.region_candidates) with a member that has variables:
 * `z_R` (binary): R is replayed, at its replay step b_R; its replay time is charged there (objective and
   copy-in channel, as recipes are);
 * `reg_{t,R}` (binary) for each member t: t is rebuilt by R. It is one of t's actions (at most one
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import pulp
 
 from regen.planner.milp.highs import new_var
-from regen.planner.regions import Region
+from regen.planner.region_candidates import Region
 
 if TYPE_CHECKING:
     from regen.planner.milp.model import Model

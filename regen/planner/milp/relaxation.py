@@ -4,14 +4,20 @@ The relaxation of a large model takes seconds to tens of seconds (3,000 candidat
 core), so it can run on a thread of its own (`Relaxation`): HiGHS releases the GIL while it solves,
 and the block search (regen.planner.milp.blocks) sweeps on the other core meanwhile.
 
-The LP leaves out two families of rows (`Model.rows_not_in_relaxation`); without them it relaxes the
-MILP further, so its optimum is still a valid lower bound, and on 3,000 candidates (bench/solver_scaling.py)
-it solves in 14 s instead of 30:
-* the host-memory rows (regen.planner.milp.host_memory): the same bound unless the host cap binds;
-  their chain made the LP take 30 s instead of 18;
-* the copy-in start rows (`in_started`: nothing flows before a copy-in starts): a bound 0.001% lower
-  on 3,000 candidates and 0.003% on 1,000, in 14 s instead of 21 and 2.6 s instead of 3.6.
+The LP leaves out two families of rows (`Model.rows_not_in_relaxation`): the host-memory rows
+(regen.planner.milp.host_memory) and the copy-in start rows (`in_started`: nothing flows before a copy-in
+starts). Without them it relaxes the MILP further, so its optimum is still a valid lower bound, and it
+solves sooner (Note [ Rows the LP relaxation leaves out ]).
 """
+
+# NOTE [ Rows the LP relaxation leaves out ]
+# Rule: a row goes into Model.rows_not_in_relaxation when it costs the LP much time and lowers its bound
+# by little. On 3,000 candidates (bench/solver_scaling.py) the LP without both families solves in 14 s,
+# against 30 s with them:
+# * the host-memory rows give the same bound unless the host cap binds, and their chain is most of the
+#   LP's time (30 s with them, 18 s without);
+# * the copy-in start rows lower the bound by 0.001% on 3,000 candidates (0.003% on 1,000), and cost
+#   21 s against 14 s (3.6 s against 2.6 s on 1,000).
 
 from __future__ import annotations
 

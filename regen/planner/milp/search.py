@@ -40,14 +40,20 @@ MAX_REPAIR_ROUNDS = 4
 MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
 WARM_START_TIME_FRACTION = 0.2  # of the time limit, for the recompute-only warm start of hybrid
 BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are solved block by block
-# with swaps, from this many: the copy-channel rows make branch and bound stall far sooner (the built-in
-# GPT's 88 candidates at R = 0.9 and a 50% cap: 13.8% from its bound after 30 s, a plan of 151.8 ms of
-# op time, where the block sweeps reach 140.2 ms in 15 s; the 39 of the CNN solve alike either way)
-SWAP_BLOCK_IMPROVE_MIN_CANDIDATES = 60
-# hybrid's recompute-only MILP warm start, up to this many decidable candidates: above, the block sweeps
-# improve on the greedy plans faster than it does (3,000 candidates: it took 6.7 s of 30, and the sweeps
-# then ended 1.65% from the LP bound where from the greedy plan they ended 1.03% from it)
+SWAP_BLOCK_IMPROVE_MIN_CANDIDATES = 60  # with swaps, from this many (Note [ Block search with swaps ])
+# hybrid's recompute-only MILP warm start, up to this many decidable candidates (Note [ Recompute-only warm start ])
 RECOMPUTE_WARM_START_MAX_CANDIDATES = 2000
+
+# NOTE [ Block search with swaps ]
+# With swaps the copy-channel rows make branch and bound stall far sooner, so the block search takes
+# over from fewer candidates. The built-in GPT's 88 candidates at R = 0.9 and a 50% cap: the full MILP
+# is 13.8% from its bound after 30 s, with a plan of 151.8 ms of op time, where the block sweeps reach
+# 140.2 ms in 15 s; the CNN's 39 candidates solve alike either way.
+
+# NOTE [ Recompute-only warm start ]
+# Above RECOMPUTE_WARM_START_MAX_CANDIDATES the block sweeps improve on the greedy plans faster than the
+# recompute-only MILP does: on 3,000 candidates it takes 6.7 s of a 30 s limit, and the sweeps started from
+# its plan end 1.65% from the LP bound, against 1.03% from the greedy plan.
 
 Say = Callable[[str], None]
 

@@ -21,8 +21,8 @@ from regen.planner.milp.highs import SOLVER_THREADS, run_highs, size_message, va
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, Model
 from regen.planner.recipes import rebuilt_with_recipe
-from regen.planner.regions import region_transient_bytes
-from regen.planner.residency import unplanned_step_bytes
+from regen.planner.region_candidates import region_transient_bytes
+from regen.planner.residency import planned_peak_bytes
 from regen.planner.result import Choice
 from regen.units import format_duration
 
@@ -63,7 +63,7 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
         raise CapInfeasible()
     if not run.has_solution:
         raise SolverError(f"the solver (highs) stopped after {run.elapsed_s:.1f} s without a feasible plan "
-                          f"(time limit {time_limit_s:g} s); raise --time-limit or the memory cap")
+                          f"(time limit {time_limit_s:g} s); raise time_limit_s or the memory cap")
     objective = pulp.value(model.prob.objective) or 0.0
     tu = model.time_unit
     if model.options.minimize_peak:
@@ -116,13 +116,12 @@ def read_choices(model: Model) -> dict[int, Choice]:
             start = next(s for s in v.c.in_breaks if value_of(v.is_expr(s)) > BINARY_THRESHOLD)
             out[i] = Choice(ACTION_SWAP, swap_in_step=start)
     stall_s = {s: value_of(var) * model.time_unit for s, var in model.stall.items()}
-    latest_copy_in_steps(model.graph, out, stall_s)
-    return out
+    return latest_copy_in_steps(model.graph, out, stall_s)
 
 
 def predicted_peak_bytes(model: Model) -> int:
-    """The peak the model predicts for its solution: unplanned memory minus the savings S, plus the
-    transients of the recipes chosen."""
+    """The peak the model predicts for its solution (regen.planner.residency.planned_peak_bytes):
+    unplanned memory minus the savings S, plus the transients of the recipes and regions chosen."""
     g = model.graph
     n = g.num_steps
     seg_of = [None] * n
@@ -138,11 +137,8 @@ def predicted_peak_bytes(model: Model) -> int:
         if value_of(rv.z) > BINARY_THRESHOLD:
             rebuilt = {t for t, x in rv.members.items() if value_of(x) > BINARY_THRESHOLD}
             trans[rv.region.replay_step] += region_transient_bytes(g, rv.region, rebuilt)
-    peak = 0
-    for s in range(n):
-        saved = (value_of(seg_of[s]) * model.mem_unit) if seg_of[s] is not None else 0.0
-        peak = max(peak, unplanned_step_bytes(g, s) - saved + trans[s])
-    return int(math.ceil(peak))
+    gone = [(value_of(seg_of[s]) * model.mem_unit) if seg_of[s] is not None else 0.0 for s in range(n)]
+    return planned_peak_bytes(g, gone, trans)
 
 
 def step_time_s(model: Model) -> float:

@@ -1,7 +1,7 @@
 """The MILP's charge for the runtime's dispatch mode (docs/milp.md "Objective").
 
 With per-tensor recipes, a steady-state step runs the forward ops of the chosen recipes' tracking
-windows through the runtime's dispatch mode (regen.planner.windows: each op a recipe captures or reads,
+windows through the runtime's dispatch mode (regen.planner.tracking_windows: each op a recipe captures or reads,
 from the latest module call that starts at or before it), and every such op costs `costs.dispatch_op_s`
 (measured on the profiled workload: 10-30 us per op on a CPU). An op is charged once however many
 recipes need it. The simulator charges the same (simulator.tracked_forward_ops).

@@ -28,7 +28,7 @@ A call is a region only if its replay is exact and its memory is what the planne
 * no op in it writes in place a storage made before the call, except module buffers (BatchNorm's
   running stats), which the runtime restores after the replay (their bytes are part of the transient);
 * no op in it is a collective or FSDP's gathering (one rank alone cannot replay those), and every
-  parameter FSDP gathered that it reads is unsharded at the replay (regen.planner.gathered).
+  parameter FSDP gathered that it reads is unsharded at the replay (regen.planner.fsdp_reads).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from regen.formats.plan_rules import replay_stop_pack
 from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
 from regen.opinfo import is_distributed
-from regen.planner.gathered import gathered_storages, resharded_read
+from regen.planner.fsdp_reads import gathered_storages, resharded_read
 
 if TYPE_CHECKING:
     from regen.planner.graph import PlanningGraph
@@ -179,7 +179,7 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
         c = by_id.get(e.saved_tensor) if e.saved_tensor is not None else None
         packs.append(c.index if c is not None and c.index in member_set else None)
     member_bytes = {graph.candidates[t].saved.storage: graph.candidates[t].bytes for t in members}
-    # the replay stops at a pack (regen.runtime.regions): the last op it runs is the last one dispatched
+    # the replay stops at a pack (regen.runtime.region_replays): the last op it runs is the last one dispatched
     # before that pack (the op that packs its inputs has not run yet; one that packs its output has)
     replayed = range(call.first_op, entries[replay_stop_pack(packs)].pack_after_op + 1)
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,

@@ -10,7 +10,7 @@ or before t (`Profile.module_calls`, the root at op 0), through t and on to the 
 it (the runtime lets its dispatch mode go in a pack hook); every op in that window goes through
 the dispatch mode (`RuntimeCharges.dispatch_op_s` each), and the ops outside every window run plainly.
 A plan names the calls that open its windows (`Plan.tracking_starts`); the runtime hooks them and reads
-their op counts on the verified step (regen.runtime.windows).
+their op counts on the verified step (regen.runtime.window_hooks).
 """
 
 from __future__ import annotations
