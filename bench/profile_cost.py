@@ -1,69 +1,119 @@
-"""What profiling costs: wall time of `profile_workload` (repeats=3) as a ratio to one plain training step.
+"""What profiling costs: `regen profile`'s wall time as a number of plain training steps, where it goes,
+and the host memory it takes, on a Llama decoder family of growing depth.
 
-Measured side by side in one run (this machine is shared and noisy): for each config, a plain
-forward+backward+optimizer step is timed (median of a few, after a warm-up), then a full profile.
-The first profile in a process also pays one-time initialisation (torch.profiler's backend, the
-optimizer's lazy imports); a tiny MLP is profiled first so that cost is reported on its own line.
+Each depth runs in a process of its own (its memory is its own): a Llama decoder (width 256, 4 heads,
+2 key/value heads, sequence 256, batch 2, vocabulary 2048, Hugging Face transformers, defaults as
+shipped) is built; a plain forward+backward+optimizer step is timed (median of PLAIN_STEPS after
+WARMUP_STEPS); then `profile_workload` runs as `regen profile` runs it (the runtime probe, repeats 3,
+the warm-up by time) and the calibration after it. Reported: ops and saved tensors, the plain step,
+the profile's and the calibration's wall time in plain steps, the profile's phases (from its progress
+lines), and the process's peak resident memory above what it held after its plain steps.
 
-    .venv/bin/python bench/profile_cost.py [configs/X.yaml ...]
+    .venv/bin/python bench/profile_cost.py [--layers 4 8 16 32] [--no-calibrate]
+
+Time it only on a quiet machine (nothing else running).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from regen.profiler import profile_workload
-from regen.workloads import build_workload, forward_loss, load_config
-
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIGS = ("configs/gpt-small.yaml", "configs/hf-gpt2.yaml")
-PROFILE_REPEATS = 3
 PLAIN_STEPS = 5
-WARMUP_STEPS = 1
-TINY_MLP = {"in_features": 8, "hidden": 8, "depth": 1}
-TINY_BATCH = 2
+WARMUP_STEPS = 2
+WIDTH, HEADS, KV_HEADS, SEQ_LEN, BATCH, VOCAB = 256, 4, 2, 256, 2, 2048
 
 
-def plain_step_s(workload, optimizer) -> float:
-    t0 = time.perf_counter()
-    forward_loss(workload).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+def llama(layers: int):
+    """The held-out family: a Llama causal LM of `layers` layers (defaults as shipped)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                      num_hidden_layers=layers, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, max_position_embeddings=2 * SEQ_LEN)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids.clone()}
 
 
-def measure(config_path: Path) -> dict:
-    config = load_config(config_path)
-    workload = build_workload(config["workload"], batch_size=config["batch_size"], args=config["args"])
-    optimizer = torch.optim.AdamW(workload.model.parameters(), lr=0.0)  # lr 0: weights unchanged
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(layers: int, calibrate: bool) -> dict:
+    """One depth, in this process."""
+    from regen.calibration import calibrate as calibrate_profile
+    from regen.profiler import profile_workload
+    from regen.runtime.self_timing import measure_runtime_costs
+    from regen.workloads import build_workload, forward_loss
+
+    workload = build_workload("bench.profile_cost:llama", args={"layers": layers})
+    optimizer = torch.optim.AdamW(workload.model.parameters(), lr=0.0)  # lr 0: the weights stay as built
+
+    def plain_step_s() -> float:
+        t0 = time.perf_counter()
+        forward_loss(workload).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
     for _ in range(WARMUP_STEPS):
-        plain_step_s(workload, optimizer)
-    step_s = statistics.median(plain_step_s(workload, optimizer) for _ in range(PLAIN_STEPS))
+        plain_step_s()
+    step_s = statistics.median(plain_step_s() for _ in range(PLAIN_STEPS))
+    rss_before = _rss_bytes()
+    phases: list[tuple[float, str]] = []
     t0 = time.perf_counter()
-    profile = profile_workload(workload, "cpu", repeats=PROFILE_REPEATS, warmup_steps=WARMUP_STEPS, progress=None)
-    profile_s = time.perf_counter() - t0
-    return {"config": config_path.name, "ops": len(profile.ops), "saved": len(profile.saved_tensors),
-            "step_s": step_s, "profile_s": profile_s, "ratio": profile_s / step_s}
+    profile = profile_workload(workload, "cpu", repeats=3, warmup_steps=1, warmup_s=2.0,
+                               progress=lambda m: phases.append((time.perf_counter(), m.split(":")[0])),
+                               runtime_probe=measure_runtime_costs)
+    t1 = time.perf_counter()
+    if calibrate:
+        calibrate_profile(workload, profile, lambda m: None)
+    t2 = time.perf_counter()
+    spent: dict[str, float] = {}
+    for (start, name), (end, _) in zip(phases, phases[1:] + [(t1, "")]):
+        key = name.split(" step")[0].split(" 1/")[0]
+        spent[key] = spent.get(key, 0.0) + end - start
+    return {"layers": layers, "ops": len(profile.ops), "saved": len(profile.saved_tensors), "step_s": step_s,
+            "profile_s": t1 - t0, "calibration_s": t2 - t1, "phases": spent,
+            "profiling_rss_bytes": max(0, _rss_bytes() - rss_before), "rss_before_bytes": rss_before}
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = [Path(p) for p in (argv if argv else [ROOT / c for c in DEFAULT_CONFIGS])]
-    print(f"profiling cost on {torch.get_num_threads()} CPU thread(s), torch {torch.__version__}, "
-          f"repeats={PROFILE_REPEATS}, warm-up {WARMUP_STEPS}")
-    t0 = time.perf_counter()
-    tiny = build_workload("mlp", batch_size=TINY_BATCH, args=TINY_MLP)
-    profile_workload(tiny, "cpu", repeats=1, warmup_steps=0, progress=None)
-    print(f"one-time initialisation (first profile in the process, a tiny MLP): {time.perf_counter() - t0:.2f} s")
-    print(f"{'config':<18} {'ops':>6} {'saved':>6} {'plain step':>11} {'profile':>9} {'ratio':>7}")
-    for path in paths:
-        r = measure(path)
-        print(f"{r['config']:<18} {r['ops']:>6} {r['saved']:>6} {r['step_s'] * 1e3:>8.1f} ms "
-              f"{r['profile_s']:>7.2f} s {r['ratio']:>6.1f}x")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--no-calibrate", action="store_true", help="profile only, as `regen profile --no-calibrate`")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one depth, JSON out
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(measure(args.one, not args.no_calibrate)))
+        return 0
+    print(f"profiling cost on {torch.get_num_threads()} CPU thread(s), torch {torch.__version__}; Llama, width "
+          f"{WIDTH}, sequence {SEQ_LEN}, batch {BATCH}; each depth in its own process")
+    print(f"{'layers':>6} {'ops':>6} {'saved':>6} {'step':>9} {'profile':>9} {'in steps':>9} {'calibration':>12} "
+          f"{'profiling RSS':>14}  largest phases")
+    for layers in args.layers:
+        child = subprocess.run([sys.executable, __file__, "--one", str(layers)]
+                               + (["--no-calibrate"] if args.no_calibrate else []),
+                               capture_output=True, text=True, cwd=ROOT)
+        if child.returncode != 0:
+            print(f"{layers:>6} failed: {child.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        top = sorted(r["phases"].items(), key=lambda kv: -kv[1])[:3]
+        print(f"{layers:>6} {r['ops']:>6} {r['saved']:>6} {r['step_s'] * 1e3:>6.0f} ms {r['profile_s']:>7.1f} s "
+              f"{r['profile_s'] / r['step_s']:>8.0f}x {r['calibration_s'] / r['step_s']:>10.0f}x "
+              f"{r['profiling_rss_bytes'] / 2**20:>10.0f} MiB  "
+              + ", ".join(f"{name} {s:.1f} s" for name, s in top), flush=True)
     return 0
 
 
