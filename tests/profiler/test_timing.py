@@ -37,11 +37,12 @@ def profile_busy(busy_calls: int, sleep_s: float = SLEEP_S):
 
 
 def test_a_step_slowed_by_another_process_is_measured_again():
-    """Busy during warm-up and plain timing only: the second measurement agrees and is kept."""
+    """Busy during warm-up and plain timing only: measured again, and the slowed measurement is not the
+    one kept (whether the machine running the test is itself busy enough to ask for a third is not this
+    test's business: test_a_quiet_profile_is_measured_once is the quiet case)."""
     profile, messages = profile_busy(busy_calls=3)
     assert any("disagree (another process?); measuring again" in m for m in messages)
     assert profile.step_time_s < SLEEP_S / 2
-    assert not any(n.startswith("timing:") for n in profile.notes)
 
 
 def test_a_disagreement_that_persists_is_kept_and_noted():
