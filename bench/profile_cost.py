@@ -7,7 +7,8 @@ shipped) is built; a plain forward+backward+optimizer step is timed (median of P
 WARMUP_STEPS); then `profile_workload` runs as `regen profile` runs it (the runtime probe, repeats 3,
 the warm-up by time) and the calibration after it. Reported: ops and saved tensors, the plain step,
 the profile's and the calibration's wall time in plain steps, the profile's phases (from its progress
-lines), and the process's peak resident memory above what it held after its plain steps.
+lines), the process's peak resident memory through its plain steps (model, optimizer state, a step's
+activations: "RSS of steps") and how much higher profiling took it ("profiling RSS").
 
     .venv/bin/python bench/profile_cost.py [--layers 4 8 16 32] [--no-calibrate]
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiling cost on {torch.get_num_threads()} CPU thread(s), torch {torch.__version__}; Llama, width "
           f"{WIDTH}, sequence {SEQ_LEN}, batch {BATCH}; each depth in its own process")
     print(f"{'layers':>6} {'ops':>6} {'saved':>6} {'step':>9} {'profile':>9} {'in steps':>9} {'calibration':>12} "
-          f"{'profiling RSS':>14}  largest phases")
+          f"{'RSS of steps':>13} {'profiling RSS':>14}  largest phases")
     for layers in args.layers:
         child = subprocess.run([sys.executable, __file__, "--one", str(layers)]
                                + (["--no-calibrate"] if args.no_calibrate else []),
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         top = sorted(r["phases"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{layers:>6} {r['ops']:>6} {r['saved']:>6} {r['step_s'] * 1e3:>6.0f} ms {r['profile_s']:>7.1f} s "
               f"{r['profile_s'] / r['step_s']:>8.0f}x {r['calibration_s'] / r['step_s']:>10.0f}x "
-              f"{r['profiling_rss_bytes'] / 2**20:>10.0f} MiB  "
+              f"{r['rss_before_bytes'] / 2**20:>9.0f} MiB {r['profiling_rss_bytes'] / 2**20:>10.0f} MiB  "
               + ", ".join(f"{name} {s:.1f} s" for name, s in top), flush=True)
     return 0
 
