@@ -92,10 +92,19 @@ def measure_runtime_costs(device: torch.device,
     again, up to PROBE_ATTEMPTS times, keeping its steadiest reading; one still out of bounds falls back
     to its default with a note (NOTE [ Bounds of the runtime's own costs ])."""
     readings: dict[str, Reading] = {}
+    # the ops' figures and the swap's are measured apart, so only an unsettled group is measured again
+    pending: dict[str, Callable[[], dict[str, Reading]]] = {
+        "ops": lambda: _op_readings(device), "swap": lambda: {"swap_s": _swap_reading(device)}}
     for _ in range(PROBE_ATTEMPTS):
-        fresh = _op_readings(device) | {"swap_s": _swap_reading(device)}
-        readings = {name: _steadier(name, readings.get(name), r) for name, r in fresh.items()}
-        if all(r.settled(name) for name, r in readings.items()):
+        unsettled = {}
+        for group, measure in pending.items():
+            fresh = measure()
+            for name, r in fresh.items():
+                readings[name] = _steadier(name, readings.get(name), r)
+            if not all(readings[name].settled(name) for name in fresh):
+                unsettled[group] = measure
+        pending = unsettled
+        if not pending:
             break
     # the workload's steps are the costly part: timed once, and checked against the tiny tensors' figure
     on_workload = _dispatch_on_workload(timed_forward) if timed_forward is not None else None

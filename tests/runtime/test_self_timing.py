@@ -170,3 +170,18 @@ def test_an_unsteady_figure_is_measured_again_and_its_steadier_reading_kept(monk
     monkeypatch.setattr(probe, "_swap_reading", lambda device: probe.Reading(1e-4, 0.0))
     costs = measure_runtime_costs(torch.device("cpu"))
     assert costs.capture_op_s == 30e-6 and costs.spreads["capture_op_s"] == 0.1 and costs.notes == []
+
+
+def test_only_the_unsettled_group_of_figures_is_measured_again(monkeypatch):
+    """A steady swap figure is not measured again because an op figure was unsteady (the swap probe is the
+    costly one)."""
+    from regen.formats.profile import RUNTIME_COST_DEFAULTS_S
+    from regen.runtime import self_timing as probe
+
+    readings = iter([{"recipe_s": probe.Reading(60e-6, 3.0)}, {"recipe_s": probe.Reading(50e-6, 0.2)}])
+    steady = {name: probe.Reading(value, 0.0) for name, value in RUNTIME_COST_DEFAULTS_S.items() if name != "swap_s"}
+    swaps = []
+    monkeypatch.setattr(probe, "_op_readings", lambda device: steady | next(readings))
+    monkeypatch.setattr(probe, "_swap_reading", lambda device: swaps.append(device) or probe.Reading(1e-4, 0.0))
+    costs = measure_runtime_costs(torch.device("cpu"))
+    assert len(swaps) == 1 and costs.recipe_s == 50e-6
