@@ -45,7 +45,7 @@ from regen.caches import training_caches_off
 from regen.errors import RegenError
 from regen.formats.plan import ACTION_SWAP, Plan, TimeParts
 from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE_BOUNDS, Calibration, Profile
-from regen.workloads import Workload, training_step
+from regen.workloads import Workload, training_state_kept, training_step
 
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
 LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.host_link)
@@ -125,20 +125,21 @@ def _measure(workload: Workload, variants: list[_Variant], device_type: str, say
     caches = training_caches_off(workload.model)  # as under regen.apply and while profiling
     t0 = time.perf_counter()
     try:
-        for r in range(ROUNDS):
-            if r and time.perf_counter() - t0 > BUDGET_S:
-                break
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
-            for v in order:
-                handle = None if v.plan is None else regen.apply(
-                    workload.model, v.plan, on_mismatch="raise",
-                    emulate_link=device_type == "cpu" and v.plan.action_counts()[ACTION_SWAP] > 0)
-                try:
-                    v.times_s.append(_block(workload, device_type, stacks.pop_finished))
-                finally:
-                    if handle is not None:
-                        handle.remove()
-            say(f"calibration: round {r + 1}/{ROUNDS}")
+        with training_state_kept(workload.model):  # its steps leave buffers and RNG states as found
+            for r in range(ROUNDS):
+                if r and time.perf_counter() - t0 > BUDGET_S:
+                    break
+                order = variants[r % len(variants):] + variants[:r % len(variants)]
+                for v in order:
+                    handle = None if v.plan is None else regen.apply(
+                        workload.model, v.plan, on_mismatch="raise",
+                        emulate_link=device_type == "cpu" and v.plan.action_counts()[ACTION_SWAP] > 0)
+                    try:
+                        v.times_s.append(_block(workload, device_type, stacks.pop_finished))
+                    finally:
+                        if handle is not None:
+                            handle.remove()
+                say(f"calibration: round {r + 1}/{ROUNDS}")
     finally:
         caches.restore()
     return len(variants[0].times_s)

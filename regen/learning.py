@@ -21,7 +21,6 @@ for that, only through regen.formats (a Profile in, a Plan out):
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,7 +37,7 @@ from regen.runtime.recompute import External, Like, Ref, Scratch
 from regen.runtime.model_access import module_device
 from regen.runtime.storage_views import Geometry
 from regen.units import format_bytes
-from regen.workloads import Workload
+from regen.workloads import Workload, training_state_kept
 
 SOLVE_TIME_LIMIT_S = 30.0
 SOLVE_STRATEGY = "hybrid"
@@ -70,7 +69,7 @@ def profile_call(request: LearnRequest, bandwidth) -> Profile:
     device = module_device(model)
     workload = Workload(name="learned", model=model, batch=request.kwargs if request.kwargs else request.args,
                         loss_fn=replay_loss(request.loss_tail))
-    with _training_state_kept(model):
+    with training_state_kept(model):
         return profile_workload(workload, device=str(device or "cpu"), repeats=1, warmup_steps=0, progress=None,
                                 park=True, bandwidth=bandwidth, optimizer_step=False)
 
@@ -146,26 +145,3 @@ def _resolve(a, tensors: dict, index: int):
     if isinstance(a, (Like, Scratch)):
         return a.materialize()
     return a
-
-
-@contextlib.contextmanager
-def _training_state_kept(model: nn.Module):
-    """Gradients, module buffers and RNG states as they were before the block."""
-    parameters = list(model.parameters())
-    grads = [p.grad for p in parameters]
-    for p in parameters:
-        p.grad = None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        for p, g in zip(parameters, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

@@ -269,3 +269,27 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise WorkloadError(f"{path}: 'args' must be a mapping of keyword arguments")
     return {"workload": str(data["workload"]), "args": args, "batch_size": data.get("batch_size"),
             **{k: v for k, v in data.items() if k not in ("workload", "args", "batch_size")}}
+
+
+@contextlib.contextmanager
+def training_state_kept(model: nn.Module):
+    """Gradients, module buffers (BatchNorm statistics) and RNG states as they were before the block: steps
+    regen runs for itself (a learned profile, a calibration) leave the user's model as they found it."""
+    parameters = list(model.parameters())
+    grads = [p.grad for p in parameters]
+    for p in parameters:
+        p.grad = None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for p, g in zip(parameters, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

@@ -4,6 +4,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from regen import calibration as cal
 from regen.formats.plan import ACTION_SWAP, TimeParts
@@ -105,3 +106,21 @@ def test_a_plan_step_that_fails_keeps_the_defaults_with_a_note(tiny_gpt, monkeyp
     calibration = cal.calibrate(workload, profile)
     assert (calibration.recompute_scale, calibration.swap_byte_s, calibration.rounds) == (1.0, 0.0, 0)
     assert "a calibration step failed: not this model" in calibration.notes[0]
+
+
+def test_calibration_leaves_the_models_buffers_and_rng_as_it_found_them(monkeypatch):
+    """A model with BatchNorm: the calibration's steps (planned and unplanned) do not move its running
+    statistics or the RNG the user's loop continues from."""
+    from regen.profiler import profile_workload
+    from regen.workloads import build_workload
+
+    workload = build_workload("cnn", batch_size=4, args=dict(channels=4, num_blocks=2, image_size=16))
+    profile = profile_workload(workload, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    monkeypatch.setattr(cal, "ROUNDS", 1)
+    buffers = {name: b.clone() for name, b in workload.model.named_buffers()}
+    assert any("running_mean" in name for name in buffers)
+    rng = torch.get_rng_state()
+    calibration = cal.calibrate(workload, profile)
+    assert calibration.rounds == 1
+    assert all(torch.equal(b, buffers[name]) for name, b in workload.model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
