@@ -70,6 +70,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from regen.call_signature import TrainableCount
 from regen.caches import announced_caches_off
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan
@@ -157,6 +158,8 @@ class RegenHandle:
             self.root.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True),
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ]
+        self.trainable = TrainableCount(self.root)  # read at each step when on_mismatch="dynamic"
+        self._hooks += self.trainable.hooks
         self.region_hooks = RegionHooks(self.root, lambda: self.current)
         self._hooks += self.region_hooks.add(states)
         self.window_hooks = WindowHooks(self.root, lambda: self.current)
@@ -272,7 +275,8 @@ class RegenHandle:
         """The plan of the set this call runs under; None when none fits and on_mismatch is "keep" (with a
         warning) or "dynamic" (the fallback's step)."""
         dynamic = self.on_mismatch == "dynamic"
-        state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic)
+        state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic,
+                                trainable=self.trainable)
         if dynamic and self._any_rank is not None and self._any_rank(state is None):
             state = None  # every rank runs the same kind of step (a planned step's collectives need them all)
         if state is not None:

@@ -33,7 +33,7 @@ from torch import nn
 from regen.errors import RegenError
 from regen.formats.plan import ACTION_RECOMPUTE
 from regen.runtime.planned_storages import PlannedStorages, Saved
-from regen.runtime.saved_entries import Kept, Untracked
+from regen.runtime.saved_entries import Kept, Untracked, check_version
 from regen.runtime.forward_ops import FastOps, ForwardOps
 from regen.runtime.mismatch import MismatchPolicy
 from regen.runtime.packing import PackRecord, WriterMatch, fewer_packs_mismatch, order_mismatch, writer_mismatch
@@ -47,6 +47,8 @@ from regen.runtime.tracker import STAGE_CLOSED, STAGE_COUNTING, STAGE_TAIL, rege
 # Recipe replays run with only the tracker paused (other modes still see them); regen's own small ops run
 # under tracker.regen_ops.
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # no __torch_dispatch__ of their own
 
 
@@ -193,7 +195,7 @@ class Step:
     def _pack(self, x: torch.Tensor):
         """The pack hook of a step matching through the writer map."""
         stage = self.stage
-        if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
+        if _graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return Untracked(x)
         self._count_forward_pack(x)
         if stage == STAGE_CLOSED:
@@ -228,10 +230,15 @@ class Step:
             return self._fast_pack(x)
 
     def _fast_pack(self, x: torch.Tensor):
-        """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record."""
-        if torch._C._current_graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
+        """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record.
+        (`_count_forward_pack` written out: this runs for every saved tensor of every step.)"""
+        if _graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return Untracked(x)
-        self._count_forward_pack(x)
+        seen = self.forward_packs_seen
+        self.forward_packs_seen = seen + 1
+        due = self._due_at_pack
+        if due and due[0][0] <= seen:
+            self.swaps.release_due_at_pack(seen)
         if self.stage == STAGE_CLOSED:
             return Kept(x)
         if self.tracking_done:  # no dispatch mode until the next window: packs match by order
@@ -239,28 +246,29 @@ class Step:
             self.ctx.tracking_done(self)
         k = self.pack_count
         sequence = self.sequence
-        if k >= len(sequence):  # nothing left to match (a plan whose forward saves nothing)
+        last = len(sequence) - 1
+        if k > last:  # nothing left to match (a plan whose forward saves nothing)
             self.end_forward(in_pack_hook=True)
             return Kept(x)
         self.pack_count = k + 1
         rec = sequence[k]
-        if x.dtype != rec.dtype or x.shape != rec.shape:
-            self.mismatch(order_mismatch(k, x, rec))
+        if rec.info is None and x.dtype == rec.dtype and x.shape == rec.shape:  # the common case: kept
             result = Kept(x)
-        elif rec.info is None:
+        elif x.dtype != rec.dtype or x.shape != rec.shape:
+            self.mismatch(order_mismatch(k, x, rec))
             result = Kept(x)
         elif rec.checked and (problem := writer_mismatch(k, x, rec, self.ops.writer)) is not None:
             self.mismatch(problem)
             result = Kept(x)
         else:
             result = self.storages.pack(x, rec.info, self.planned, True)
-        if k + 1 == len(sequence):  # the verified step's last forward pack: matching is over
+        if k == last:  # the verified step's last forward pack: matching is over
             self.end_forward(in_pack_hook=True)
         return result
 
     # ---- unpack -------------------------------------------------------------------------------------
     def unpack(self, obj):
-        if isinstance(obj, Untracked):
+        if type(obj) is Untracked:
             return obj.unpack()
         if self.aborted:
             raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
@@ -268,7 +276,7 @@ class Step:
         self.unpack_count = k + 1
         if k == 0:
             self._first_unpack()
-        if torch.is_grad_enabled() and self.planned:  # the engine runs a create_graph backward with grad on
+        if self.planned and _grad_enabled():  # the engine runs a create_graph backward with grad on
             self.mismatch(DOUBLE_BACKWARD_MISMATCH)
         due = self._due_at_unpack
         if self._due_at_pack or (due and due[0][0] <= k):
@@ -277,10 +285,16 @@ class Step:
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)
         due, i = self._regions_due, self._next_region
-        while i < len(due) and due[i][0] <= k:  # module calls replayed at this position of the backward clock
-            self.storages.replay_region(due[i][1])
-            i += 1
-        self._next_region = i
+        if i < len(due) and due[i][0] <= k:
+            while i < len(due) and due[i][0] <= k:  # module calls replayed at this position of the backward clock
+                self.storages.replay_region(due[i][1])
+                i += 1
+            self._next_region = i
+        if type(obj) is Kept:  # the common case (Kept.unpack written out)
+            tensor = obj.tensor
+            if tensor._version != obj.version:
+                check_version(tensor, obj.version)
+            return tensor
         if not isinstance(obj, Saved):
             return obj.unpack()
         obj.check_version()
