@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from regen.errors import RegenError
+from regen.errors import RegenError, WorkloadError
 from regen.formats.plan import Plan
 from regen.formats.profile import Profile
 from regen.opinfo import op_outputs, storage_key, tensor_outputs, written_outputs
@@ -37,7 +37,7 @@ from regen.runtime.recompute import External, Like, Ref, Scratch
 from regen.runtime.model_access import module_device
 from regen.runtime.storage_views import Geometry
 from regen.units import format_bytes
-from regen.workloads import Workload, training_state_kept
+from regen.workloads import Workload, compute_loss, training_state_kept
 
 SOLVE_TIME_LIMIT_S = 30.0
 SOLVE_STRATEGY = "hybrid"
@@ -116,11 +116,20 @@ def replay_loss(tail: LossTail):
                     tensors[(w, Geometry.of(t))] = t
                 if t.dim() == 0 and t.requires_grad and t.is_floating_point():
                     loss = t
-        if loss is None:
-            raise RegenError("no scalar that requires grad came after the model's output (the loss)")
+        if loss is None:  # the model returned its loss (a Hugging Face model given labels: `output.loss`)
+            loss = _loss_in_output(output)
         return loss
 
     return loss_fn
+
+
+def _loss_in_output(output) -> torch.Tensor:
+    """The loss a model returned itself, found as `regen profile` finds it (regen.workloads.compute_loss)."""
+    try:
+        return compute_loss("learned", output, None, None)
+    except WorkloadError:
+        raise RegenError("no scalar that requires grad came after the model's output, and the output holds no "
+                         "loss (.loss, a 'loss' key or a scalar)") from None
 
 
 def _without_backward_seed(ops: list) -> list:

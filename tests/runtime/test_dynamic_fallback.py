@@ -139,3 +139,21 @@ def test_learned_plans_are_used_from_the_next_step_and_saved(tmp_path):
             assert_same(reference[3][:3], run_and_grads(other))
     assert loaded.stats.planned_steps == 2
     assert_nothing_left(handle, w.model)
+
+
+def test_a_model_that_returns_its_loss_is_learned():
+    """A Hugging Face model given labels returns its loss (`output.loss`): nothing runs between the model's
+    return and backward, and the learned plan takes the loss from the output as `regen profile` does."""
+    w = make("hf-gpt2")
+    batches = [w, w, w]
+    reference = _steps(batches)
+    cap = _start_bytes(w) + int(0.7 * measure_memory(lambda: run_and_grads(w)).peak_increase_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache notice, a plan at its smallest feasible cap
+        with regen.apply(w.model, memory_cap=cap, learn=True) as handle:
+            got = _steps(batches, handle)
+    for (loss, grads, buffers, rng), (loss2, grads2, buffers2, rng2) in zip(reference, got):
+        assert_same((loss, grads, buffers), (loss2, grads2, buffers2))
+        assert torch.equal(rng, rng2)
+    assert handle.stats.dynamic_steps == 2 and handle.stats.planned_steps == 1
+    assert_nothing_left(handle, w.model)
