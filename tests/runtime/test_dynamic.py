@@ -20,6 +20,7 @@ from regen.errors import RegenError
 from regen.measure import measure_memory
 from regen.runtime.dynamic import OverCapWarning
 from regen.runtime.dynamic.cap_memory import model_storages
+from regen.workloads import Workload
 
 CAP_TOLERANCE = 0.05
 # the cap, as the model's memory plus this fraction of the unplanned step's measured increase: low enough
@@ -267,3 +268,29 @@ def test_dynamic_mode_on_hugging_face_models_at_their_defaults_with_lengths_vary
                 assert_same(reference, got[0])
                 assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
     assert handle.stats.steps == len(steps) and handle.stats.rebuilds > 0
+
+
+def test_what_backward_makes_counts_against_the_cap():
+    """An MLP over a large batch: backward's gradient buffers (each as large as an activation) come on top of
+    the activations still saved. Counted (CPU: every backward op's output), they make room by dropping saved
+    activations and the step stays within the cap; were they not counted it would pass the cap by about 10%."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(256, 256), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    w = Workload(name="wide", model=model, batch=(torch.randn(4096, 256),),
+                 loss_fn=lambda out, batch: out.square().mean())
+    run_and_grads(w)
+    reference = run_and_grads(w)
+    start = _start_bytes(w)
+    unplanned = measure_memory(lambda: run_and_grads(w))
+    cap = int(start + 0.6 * unplanned.peak_increase_bytes)
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverCapWarning)
+        with regen.apply(model, memory_cap=cap) as handle:
+            measured = measure_memory(lambda: got.append(run_and_grads(w)))
+    assert_same(reference, got[0])
+    assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
+    assert handle.stats.evictions > 0
