@@ -92,19 +92,19 @@ def _check_set(plans: list[Plan]) -> None:
                                  f"({TWO_USES_DOC})")
 
 
-def choose(states: list[PlanState], root: nn.Module, args: tuple, kwargs: dict,
-           by_call: bool = False, trainable: Callable[[], int] | None = None) -> tuple[PlanState | None, str]:
+def choose(states: list[PlanState], root: nn.Module, args: tuple, kwargs: dict, by_call: bool,
+           trainable: Callable[[], int]) -> tuple[PlanState | None, str]:
     """The plan for a call of the model: (its state, "") or (None, why none fits).
 
     A single plan takes every call, unless `by_call` (a handle that runs such calls in dynamic mode): then
     each plan that records its call (`Plan.call`) takes only that call, its trainable parameters included
-    (`trainable()`: their number, default `trainable_parameters(root)`)."""
+    (`trainable()`: their number, e.g. a call_signature.TrainableCount)."""
     if len(states) == 1 and not (by_call and states[0].plan.call is not None):
         return states[0], ""
     inputs = call_inputs(args, kwargs)
     matching = [s for s in states if s.plan.call.inputs == inputs]
     if len(matching) > 1 or by_call:
-        count = trainable() if trainable is not None else trainable_parameters(root)
+        count = trainable()
         matching = [s for s in matching if s.plan.call.trainable_parameters == count]
     if len(matching) == 1:
         return matching[0], ""

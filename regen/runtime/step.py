@@ -213,12 +213,11 @@ class Step:
         return result
 
     def _count_forward_pack(self, x: torch.Tensor) -> None:
-        """Count a forward pack (slow or fast path), note it for the open region calls (slow path) and release
-        the swaps due before it."""
+        """Count a forward pack of the slow path, note it for the open region calls and release the swaps due
+        before it (`_fast_pack` does the same, less the region calls, written out)."""
         k = self.forward_packs_seen
         self.forward_packs_seen = k + 1
-        if self.sequence is None:
-            self.regions.forward_packed(x)
+        self.regions.forward_packed(x)
         due = self._due_at_pack
         if due and due[0][0] <= k:
             self.swaps.release_due_at_pack(k)
@@ -231,7 +230,8 @@ class Step:
 
     def _fast_pack(self, x: torch.Tensor):
         """The pack hook of a step after the verified one: the k-th pack gets the verified step's k-th record.
-        (`_count_forward_pack` written out: this runs for every saved tensor of every step.)"""
+        It runs for every saved tensor of every step, so the counting is written out here (as
+        `_count_forward_pack`, without its region notes: later steps check replays by shape and dtype)."""
         if _graph_task_id() != -1:  # packed in backward (double backward, checkpoint)
             return Untracked(x)
         seen = self.forward_packs_seen
@@ -285,11 +285,10 @@ class Step:
         if copy_ins and copy_ins[0][0] <= k:
             self.swaps.issue_due(k)
         due, i = self._regions_due, self._next_region
-        if i < len(due) and due[i][0] <= k:
-            while i < len(due) and due[i][0] <= k:  # module calls replayed at this position of the backward clock
-                self.storages.replay_region(due[i][1])
-                i += 1
-            self._next_region = i
+        while i < len(due) and due[i][0] <= k:  # module calls replayed at this position of the backward clock
+            self.storages.replay_region(due[i][1])
+            i += 1
+        self._next_region = i
         if type(obj) is Kept:  # the common case (Kept.unpack written out)
             tensor = obj.tensor
             if tensor._version != obj.version:
