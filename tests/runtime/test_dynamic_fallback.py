@@ -118,6 +118,14 @@ def _steps(batches, learn_handle=None):
     return results
 
 
+def _assert_steps_same(reference, got):
+    """Each step's loss, gradients, buffers and the RNG state after it, bit for bit."""
+    assert len(reference) == len(got)
+    for (loss, grads, buffers, rng), (loss2, grads2, buffers2, rng2) in zip(reference, got):
+        assert_same((loss, grads, buffers), (loss2, grads2, buffers2))
+        assert torch.equal(rng, rng2)
+
+
 def test_learned_plans_are_used_from_the_next_step_and_saved(tmp_path):
     w = make("gpt")
     other = _batch_b(w)
@@ -128,9 +136,7 @@ def test_learned_plans_are_used_from_the_next_step_and_saved(tmp_path):
         warnings.simplefilter("ignore")  # the notices, and a learned plan at its smallest feasible cap
         with regen.apply(w.model, memory_cap=cap, learn=True) as handle:
             got = _steps(batches, handle)
-        for (loss, grads, buffers, rng), (loss2, grads2, buffers2, rng2) in zip(reference, got):
-            assert_same((loss, grads, buffers), (loss2, grads2, buffers2))
-            assert torch.equal(rng, rng2)
+        _assert_steps_same(reference, got)
         # A: dynamic (observed), dynamic (profiled before it), planned; B the same; A planned
         assert handle.stats.dynamic_steps == 4 and handle.stats.planned_steps == 3
         assert len(handle.save_learned_plans(tmp_path)) == 2
@@ -152,8 +158,6 @@ def test_a_model_that_returns_its_loss_is_learned():
         warnings.simplefilter("ignore")  # the cache notice, a plan at its smallest feasible cap
         with regen.apply(w.model, memory_cap=cap, learn=True) as handle:
             got = _steps(batches, handle)
-    for (loss, grads, buffers, rng), (loss2, grads2, buffers2, rng2) in zip(reference, got):
-        assert_same((loss, grads, buffers), (loss2, grads2, buffers2))
-        assert torch.equal(rng, rng2)
+    _assert_steps_same(reference, got)
     assert handle.stats.dynamic_steps == 2 and handle.stats.planned_steps == 1
     assert_nothing_left(handle, w.model)
