@@ -74,6 +74,9 @@ KIND_ACTIVATION = "activation"  # produced by an op of the step
 KIND_PARAMETER = "parameter"  # a parameter or a view of one (compared by storage)
 KIND_BUFFER = "buffer"  # a module buffer (e.g. batch-norm running stats)
 KIND_INPUT = "input"  # the batch, or another tensor from outside the step
+# SavedEntry.excluded_reason only: saved on another device than the step's (a CUDA attention's random seed
+# held on the host): none of the device's memory, never planned, kept as autograd keeps it
+EXCLUDED_OTHER_DEVICE = "other-device"
 
 
 @dataclass
@@ -130,7 +133,7 @@ class SavedEntry:
     index: int  # pack order
     tensor: int  # tensor id of what was packed
     saved_tensor: int | None  # candidate id, None when excluded
-    excluded_reason: str | None  # parameter | buffer | input | None
+    excluded_reason: str | None  # parameter | buffer | input | other-device | None
     shape: list[int]
     stride: list[int]
     storage_offset: int

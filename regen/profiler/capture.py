@@ -134,9 +134,11 @@ class StepRecorder:
     """Bookkeeping of one recorded step; see the module docstring."""
 
     def __init__(self, tracker: MemoryTracker, parameters: list[torch.Tensor], buffers: list[torch.Tensor],
-                 known_inputs: list[torch.Tensor], held: list[torch.Tensor] = (), park: ParkStore | None = None):
+                 known_inputs: list[torch.Tensor], held: list[torch.Tensor] = (), park: ParkStore | None = None,
+                 device_type: str | None = None):
         self.tracker = tracker
         self.park = park
+        self.device_type = device_type  # the step's device type: a tensor saved elsewhere is not planned (None: any)
         self.phase = PHASE_FORWARD
         self._ids = WeakTensorKeyDictionary()
         self.tensors: list[TensorRecord] = []
@@ -303,6 +305,7 @@ class StepRecorder:
             return None, x
         index = len(self.entries)
         tid, info = self.id_of_input(x)
+        on_step_device = self.device_type is None or x.device.type == self.device_type
         writer = None
         if info is not None and info.kind == KIND_ACTIVATION and info.key:
             writer = self.writer.get(info.key)
@@ -311,8 +314,9 @@ class StepRecorder:
             kind=info.kind if info is not None else KIND_INPUT, writer=writer,
             random_contents=writer is not None and self.random_contents.get(info.key, False), shape=list(x.shape),
             stride=list(x.stride()), storage_offset=x.storage_offset(), dtype=str(x.dtype),
-            pack_after_op=len(self.ops) - 1 if self.ops else NO_OP))
-        if self.park is not None and info is not None and info.kind == KIND_ACTIVATION and info.key and info.nbytes:
+            pack_after_op=len(self.ops) - 1 if self.ops else NO_OP, on_step_device=on_step_device))
+        if (self.park is not None and on_step_device and info is not None and info.kind == KIND_ACTIVATION
+                and info.key and info.nbytes):
             return index, self.park.park(x, tag=(info, writer))
         return index, x
 

@@ -4,7 +4,7 @@ A plan that swaps or recomputes a saved tensor drops autograd's reference to its
 memory only once nothing else holds it. PyTorch's GRU keeps every step's hidden state in a list until
 the layer returns, a module may keep a tensor in `self.cache`, a Python local holds its tensor until the
 function returns, the training loop holds the model's output until backward ends. The probe measures it:
-one more forward+backward in which the pack hook hands autograd a copy of every candidate's storage (on
+one more forward+backward in which the pack hook hands autograd a copy of every saved storage the step made (on
 the host for a CUDA device, so the probe itself needs no more device memory) and keeps only a weak
 reference to the original. The original then dies exactly when its other holders let go of it; a dispatch
 mode counting the ops as the recorded step did polls the weak references before every op.
@@ -56,9 +56,8 @@ class _ProbeMode(TorchDispatchMode):
 class _Probe:
     """The pack and unpack hooks of the probe step, and what they found."""
 
-    def __init__(self, device: torch.device, candidate_entries: set[int]):
-        self.device = device
-        self.candidate_entries = candidate_entries
+    def __init__(self, copied_entries: set[int]):
+        self.copied_entries = copied_entries
         self.num_packs = 0
         self.copies: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}  # storage key -> (original, copy)
         self.watched: dict[int, StorageWeakRef] = {}  # entry index -> its original storage, while alive
@@ -75,7 +74,7 @@ class _Probe:
             return None, x
         index = self.num_packs
         self.num_packs += 1
-        if index not in self.candidate_entries:
+        if index not in self.copied_entries:
             return None, x
         with _regen_ops():
             storage = x.untyped_storage()
@@ -88,16 +87,16 @@ class _Probe:
                 copy = flat.cpu() if x.device.type != "cpu" else _outside_the_allocator(flat)
                 known = self.copies[key] = (StorageWeakRef(storage), copy)
             self.watched[index] = known[0]
-            return index, (known[1], x.dtype, x.shape, x.stride(), x.storage_offset())
+            return index, (known[1], x.device, x.dtype, x.shape, x.stride(), x.storage_offset())
 
     def unpack(self, handle):
         index, saved = handle
         if index is None:
             return saved
-        copy, dtype, shape, stride, offset = saved
+        copy, device, dtype, shape, stride, offset = saved
         with _regen_ops():
-            data = copy.to(self.device) if self.device.type != "cpu" else copy  # read in place on a CPU
-            return torch.empty(0, dtype=dtype, device=self.device).set_(data.untyped_storage(), offset, shape, stride)
+            data = copy.to(device) if device.type != "cpu" else copy  # read in place on a CPU
+            return torch.empty(0, dtype=dtype, device=device).set_(data.untyped_storage(), offset, shape, stride)
 
 
 @dataclass
@@ -110,11 +109,12 @@ class ProbeFindings:
     left_behind: dict[tuple[str, int], str]
 
 
-def probe_step(workload: Workload, device: torch.device, candidate_entries: set[int],
+def probe_step(workload: Workload, copied_entries: set[int],
                recorded_names: list[str]) -> ProbeFindings | None:
-    """Run the probe step, for the forward packs in `candidate_entries`; None when it dispatched another op
-    sequence than the recorded one (its op indices would not be the profile's)."""
-    probe = _Probe(device, candidate_entries)
+    """Run the probe step, autograd holding copies of the storages of the forward packs in `copied_entries`
+    (every storage it holds that the step's ops made); None when it dispatched another op sequence than the
+    recorded one (its op indices would not be the profile's)."""
+    probe = _Probe(copied_entries)
     watcher = CallWatcher(workload.model)
     mode = _ProbeMode(probe, watcher)
     with _gradients_set_aside(workload), torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):

@@ -144,8 +144,9 @@ class ParkingHooks:
         self.kept_keys = {storage_key(t) for t in kept}
 
     def pack(self, x: torch.Tensor):
-        if torch._C._current_graph_task_id() != -1 or storage_key(x) in self.kept_keys or x.untyped_storage().nbytes() == 0:
-            return x  # saved during backward, or not an activation: held as autograd would
+        if (torch._C._current_graph_task_id() != -1 or x.device.type != self.store.device.type
+                or storage_key(x) in self.kept_keys or x.untyped_storage().nbytes() == 0):
+            return x  # saved during backward, on another device, or not an activation: held as autograd would
         return self.store.park(x)
 
     def unpack(self, packed):

@@ -42,6 +42,7 @@ module used two ways"), whose gradient a training step hands on rather than accu
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from contextlib import nullcontext
@@ -53,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 from regen.caches import CACHE_NOTICE, training_caches_off
 from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
-from regen.formats.profile import PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
+from regen.formats.profile import EXCLUDED_OTHER_DEVICE, PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
 from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
 from regen.ranks import rank_agreement
 from regen.profiler.capture import (
@@ -153,7 +154,7 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
         gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
         _zero_grad(optimizer, workload)
         say("probing until when saved tensors are held outside autograd")
-        notes = list(capture.notes) + record_probe(workload, dev, capture)
+        notes = list(capture.notes) + record_probe(workload, capture)
         try:
             step_times_s, optimizer_times_s, op_times_s = _times_that_agree(timer, capture, step_times_s,
                                                                             optimizer_times_s, notes)
@@ -207,11 +208,14 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
     )
 
 
-def record_probe(workload: Workload, device: torch.device, capture: Capture) -> list[str]:
+def record_probe(workload: Workload, capture: Capture) -> list[str]:
     """Fill each saved tensor's `held_until_op` and each module call's `leaves_behind` from the probe step;
     the notes they call for."""
-    entries = {e for s in capture.saved_tensors for e in s.entries}
-    found = probe_step(workload, device, entries, capture.op_names)
+    # every storage autograd holds that the step's ops made: the candidates', and those saved on another
+    # device (never planned, but held by autograd, not by something outside the call that made them)
+    entries = ({e for s in capture.saved_tensors for e in s.entries}
+               | {e.index for e in capture.saved_entries if e.excluded_reason == EXCLUDED_OTHER_DEVICE})
+    found = probe_step(workload, entries, capture.op_names)
     if found is None:
         for call in capture.module_calls:  # unknown: no call is taken to be replayable
             call.leaves_behind = "the liveness probe step dispatched another op sequence"
@@ -287,17 +291,20 @@ def _warm_up(timer: "_StepTimer", warmup_steps: int, warmup_s: float) -> None:
         timer.say(f"warm-up step {k}" + (f"/{warmup_steps}" if k <= warmup_steps else f" (until {warmup_s:g} s)"))
         try:
             timer.plain_step()
+            continue
         except (torch.OutOfMemoryError, WorkloadError) as exc:
             out_of_memory = isinstance(exc, torch.OutOfMemoryError) or isinstance(exc.__cause__,
                                                                                    torch.OutOfMemoryError)
             if timer.park or not timer.cuda or not out_of_memory:
                 raise
-            timer.say("the unplanned step ran out of device memory: profiling parked (saved tensors held in "
-                      "host memory while recording, as with --park)")
-            _zero_grad(timer.optimizer, timer.workload)
-            torch.cuda.empty_cache()
-            timer.park = True
-            timer.plain_step()
+        # retried outside the except clause: the exception's frames hold the failed step's graph until then
+        timer.say("the unplanned step ran out of device memory: profiling parked (saved tensors held in "
+                  "host memory while recording, as with --park)")
+        _zero_grad(timer.optimizer, timer.workload)
+        gc.collect()
+        torch.cuda.empty_cache()
+        timer.park = True
+        timer.plain_step()
 
 
 def _timing_disagreement(step_time_s: float, op_sum_s: float) -> str | None:
@@ -431,7 +438,8 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
     batch_tensors = [t for t in tree_flatten(workload.batch)[0] if isinstance(t, torch.Tensor)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     recorder = StepRecorder(tracker, parameters=list(model.parameters()), buffers=list(model.buffers()),
-                            known_inputs=batch_tensors, held=list(extra_inputs) + grads, park=store)
+                            known_inputs=batch_tensors, held=list(extra_inputs) + grads, park=store,
+                            device_type=device.type)
     modules = ModuleRecorder(model, recorder)
     recorder.current_module = modules.current
     with allocator_events if allocator_events is not None else nullcontext(), modules:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regen.formats.profile import (KIND_ACTIVATION, KIND_INPUT, PHASE_FORWARD, OpRecord, SavedEntry, SavedTensor,
+from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, KIND_ACTIVATION, KIND_INPUT, PHASE_FORWARD, OpRecord, SavedEntry, SavedTensor,
                                    TensorRecord)
 
 
@@ -27,6 +27,7 @@ class RawEntry:
     pack_after_op: int
     unpack_order: int | None = None
     unpack_before_op: int | None = None
+    on_step_device: bool = True  # False: saved on another device than the step's (EXCLUDED_OTHER_DEVICE)
 
 
 def saved_records(raw_entries: list[RawEntry], ops: list[OpRecord], tensors: list[TensorRecord],
@@ -38,7 +39,9 @@ def saved_records(raw_entries: list[RawEntry], ops: list[OpRecord], tensors: lis
     groups: dict[int, list[RawEntry]] = {}
     for raw in raw_entries:
         excluded = None
-        if raw.kind != KIND_ACTIVATION:
+        if not raw.on_step_device:
+            excluded = EXCLUDED_OTHER_DEVICE
+        elif raw.kind != KIND_ACTIVATION:
             excluded = raw.kind
         elif raw.writer is None:
             excluded = KIND_INPUT  # an activation storage no forward op wrote (made in backward)

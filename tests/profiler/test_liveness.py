@@ -18,7 +18,7 @@ def test_the_probe_leaves_gradients_as_it_found_them():
     found = {name: p.grad for name, p in model.named_parameters()} | {"x": x.grad}
     assert all(g is not None for g in found.values())
     snapshot = {name: g.clone() for name, g in found.items()}
-    found_by_probe = probe_step(workload, torch.device("cpu"), {e for s in capture.saved_tensors for e in s.entries},
+    found_by_probe = probe_step(workload, {e for s in capture.saved_tensors for e in s.entries},
                           capture.op_names)
     assert found_by_probe is not None  # the probe ran the recorded op sequence although gradients were there
     after = {name: p.grad for name, p in model.named_parameters()} | {"x": x.grad}

@@ -63,8 +63,9 @@ class DynamicStep:
     """One training step in dynamic mode; `pack` and `unpack` are its saved-tensor hooks."""
 
     def __init__(self, memory, cap_bytes: int, policy: str, stats, pause: Callable, released: Callable,
-                 swaps=None):
+                 swaps=None, device_type: str = "cpu"):
         self.memory = memory
+        self.device_type = device_type  # a tensor saved on another device (a host random seed) is only held
         self.cap_bytes = cap_bytes
         self.stats = stats
         self.pause = pause  # () -> a context manager during which the dispatch mode passes ops through
@@ -143,8 +144,8 @@ class DynamicStep:
     def _pack(self, x: torch.Tensor):
         if self.in_backward or torch._C._current_graph_task_id() != -1 or self.released:
             return Untracked(x)
-        w = live_writer(self.writer, storage_key(x))
-        if w is None:  # a parameter, a buffer, the batch: not an activation of this step
+        w = live_writer(self.writer, storage_key(x)) if x.device.type == self.device_type else None
+        if w is None:  # a parameter, a buffer, the batch, a tensor on another device: not the cap's to plan
             return x.detach()
         node = self.nodes[(w.op, w.slot)]
         if node.tensor is None:

@@ -98,6 +98,7 @@ class DynamicEngine:
         self.policy = policy
         device = module_device(root)
         on_cuda = device is not None and device.type == "cuda"
+        self.device_type = device.type if device is not None else "cpu"
         self.memory = DeviceMemory(device) if on_cuda else TrackedMemory()
         self.mode = DynamicMode(count_backward=not on_cuda)
         self.mode_pushed = False
@@ -117,7 +118,7 @@ class DynamicEngine:
         stacks.pop_finished()  # this handle's and others' steps that pack no more
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
-                           self.swaps)
+                           self.swaps, self.device_type)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
