@@ -17,8 +17,8 @@ before the optimizer step (AdamW with lr=0, as the profiler's: real kernels and 
 change). Each row is printed as soon as it is measured: the plan's cap and simulated peak, the measured
 step time next to the predicted one, the simulated stall, the copy-outs still unfinished when the
 forward ended (per step), and a gradient check against no plan (seeds reset, same weights): plans
-without recompute must give the unplanned gradients bit for bit (the check that catches stream races),
-plans with recompute must stay within twice the spread of two unplanned runs (a third sample of the
+without recompute must give the unplanned gradients bit for bit where two unplanned runs agree bit for bit
+(the check that catches stream races), other plans must stay within twice the spread of two unplanned runs (a third sample of the
 same nondeterminism: attention's backward may use atomics). Solver time limits and a time budget keep
 the whole check under 5 minutes (plans not started within the budget are skipped, said so).
 
@@ -130,7 +130,8 @@ def gradients(w) -> dict[str, torch.Tensor]:
     loss, output = forward_with_output(w)
     loss.backward()
     del loss, output
-    grads = {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
+    # kept in host memory: a device copy would add the gradients' bytes to every measured peak after it
+    grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in w.model.named_parameters() if p.grad is not None}
     w.model.zero_grad(set_to_none=True)
     return grads
 
@@ -142,10 +143,11 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def check_gradients(plan, planned: dict, reference: dict, spread: float) -> tuple[bool, str]:
-    """Without recompute (recipes or regions): bit for bit; with recompute: within RECOMPUTE_SPREAD_FACTOR x
-    the unplanned spread."""
+    """Without recompute (recipes or regions), when two unplanned runs agree bit for bit: bit for bit;
+    otherwise within RECOMPUTE_SPREAD_FACTOR x the unplanned spread (a backward with atomics, such as
+    memory-efficient attention's with dropout, differs from itself)."""
     diff = max_difference(planned, reference)
-    if not plan.action_counts().get("recompute") and not plan.regions:
+    if spread == 0.0 and not plan.action_counts().get("recompute") and not plan.regions:
         return diff == 0.0, "bitwise" if diff == 0.0 else f"DIFFER {diff:.1e}"
     ok = diff <= RECOMPUTE_SPREAD_FACTOR * spread
     return ok, f"{diff:.1e}/{spread:.1e}" + ("" if ok else " OVER")
@@ -272,6 +274,11 @@ def profile_and_report(w, cfg: Config):
     return profile
 
 
+def _device_index(device: torch.device) -> int:
+    """`device`'s index (the current device for a bare "cuda"): the memory-fraction calls want one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def parked_profile_ok(w, cfg: Config, profile) -> bool:
     """Profile `w` again with less device memory than its unplanned peak: the profiler must fall back to a
     parked step and compute the same peak (within PARKED_PEAK_TOLERANCE). On CPU there is no memory fraction
@@ -282,7 +289,7 @@ def parked_profile_ok(w, cfg: Config, profile) -> bool:
     if cfg.cuda:
         torch.cuda.empty_cache()
         total_bytes = torch.cuda.get_device_properties(cfg.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(limit_bytes / total_bytes, cfg.device)
+        torch.cuda.set_per_process_memory_fraction(limit_bytes / total_bytes, _device_index(cfg.device))
     else:
         print("  memory fraction: skipped on CPU (no per-process device memory limit); profiling parked on request",
               flush=True)
@@ -291,7 +298,7 @@ def parked_profile_ok(w, cfg: Config, profile) -> bool:
                                   park=not cfg.cuda)
     finally:
         if cfg.cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0, cfg.device)
+            torch.cuda.set_per_process_memory_fraction(1.0, _device_index(cfg.device))
             torch.cuda.empty_cache()
     was_parked = any(n.startswith("recorded parked") for n in parked.notes)
     difference = abs(parked.peak_bytes - profile.peak_bytes) / profile.peak_bytes

@@ -64,7 +64,9 @@ def test_the_gradient_check_catches_a_difference():
     ref = {"w": torch.ones(3)}
     off = {"w": torch.tensor([1.0, 1.0, 1.0 + 1e-6])}
     assert gpu_check.check_gradients(_Plan(0), ref, ref, 0.0) == (True, "bitwise")
-    assert not gpu_check.check_gradients(_Plan(0), off, ref, 1.0)[0]  # swaps: bit for bit, whatever the spread
+    assert not gpu_check.check_gradients(_Plan(0), off, ref, 0.0)[0]  # swaps: bit for bit where runs are
+    assert gpu_check.check_gradients(_Plan(0), off, ref, 1e-6)[0]  # else within the unplanned spread's bound
+    assert not gpu_check.check_gradients(_Plan(0), off, ref, 1e-8)[0]
     assert gpu_check.check_gradients(_Plan(2), off, ref, 1e-6)[0]
     assert not gpu_check.check_gradients(_Plan(2), off, ref, 1e-8)[0]
 
