@@ -196,6 +196,25 @@ def test_cap_too_small_warns_and_stays_exact():
     assert handle.stats.over_cap_steps == 1
 
 
+@pytest.mark.parametrize("peak_bytes, warned", [(3 << 30, True), (1 << 30, False)])
+def test_a_measured_peak_over_the_cap_warns_with_the_allocators_figure(peak_bytes, warned):
+    """On CUDA the allocator's peak is read as a step starts and when it is let go (here a stand-in reader:
+    the peak grows from 0 to `peak_bytes` during the step, under a 2 GiB cap nothing else passes)."""
+    w = make("cnn")
+    reference = run_and_grads(w)
+    readings = iter([0, peak_bytes])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with regen.apply(w.model, memory_cap="2GiB") as handle:
+            handle.engine.read_peak = lambda: next(readings)
+            got = run_and_grads(w)
+    assert_same(reference, got)
+    over = [c for c in caught if issubclass(c.category, OverCapWarning)]
+    assert len(over) == warned and handle.stats.over_cap_steps == warned
+    if warned:
+        assert "peaked at 3.00 GiB" in str(over[0].message) and "50% over" in str(over[0].message)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "give a plan, or a memory_cap"),
     ({"memory_cap": "60%"}, "is unknown here"),

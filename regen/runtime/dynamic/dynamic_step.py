@@ -36,6 +36,8 @@ from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
 from regen.units import format_bytes
 
+MEASURED_TOLERANCE = 0.05  # a step's measured peak over the cap by more than this fraction: warned
+
 
 class OverCapWarning(UserWarning):
     """A dynamic step's memory passed its cap with nothing left to evict (the result stays exact)."""
@@ -192,6 +194,19 @@ class DynamicStep:
                       f"{format_bytes(self.cap_bytes)} and nothing more can be dropped (parameters, gradients, "
                       f"what the program holds and tensors that cannot be rebuilt stay); this step runs over the "
                       f"cap, its results exact. Raise the cap or lower the batch size",
+                      OverCapWarning, stacklevel=2)
+
+    def measured_peak(self, peak_bytes: int) -> None:
+        """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in
+        backward, which the checks at packs and unpacks do not see): warn when it is over the cap + 5%."""
+        if self.warned or peak_bytes <= self.cap_bytes * (1 + MEASURED_TOLERANCE):
+            return
+        self.warned = True
+        self.stats.over_cap_steps += 1
+        warnings.warn(f"regen.apply (dynamic): a step peaked at {format_bytes(peak_bytes)} of device memory (the "
+                      f"allocator's figure), {peak_bytes / self.cap_bytes - 1:.0%} over the cap "
+                      f"{format_bytes(self.cap_bytes)}: ops' own temporaries and backward's gradients passed what "
+                      f"the cap left; its results are exact. Lower the cap by that much to stay under it",
                       OverCapWarning, stacklevel=2)
 
     def handle_died(self, node: TensorNode) -> None:

@@ -11,6 +11,11 @@ owns no module hook, so one handle's hooks decide every step and the two sets ne
 * `pop_mode()`: a planned step begins: the mode is popped when it is on top of the stack (it stays
   pushed across consecutive dynamic steps, so on CPU their backward is counted as memory in use);
 * `remove(abort)`: the handle is removed.
+
+On CUDA the allocator's peak (`torch.cuda.max_memory_allocated`, never reset: the loop's own figures stay
+its own) is read when a step starts and when it is let go; a step that set a new maximum over its cap +
+5% warns with that figure (`DynamicStep.measured_peak`), as the checks at packs and unpacks cannot see an
+op's temporaries or backward's gradients there.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class DynamicStats:
     evictions: int = 0  # held nodes dropped to stay under the cap
     rebuilds: int = 0  # recipes replayed (a dropped node needed again, or an input of one)
     input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
-    over_cap_steps: int = 0  # steps that passed the cap with nothing left to drop (OverCapWarning)
+    over_cap_steps: int = 0  # steps over the cap: nothing left to drop, or a measured peak (CUDA) (OverCapWarning)
     peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (cap_memory.py)
     copy_outs: int = 0  # host link (swaps.py): copies to the host started ahead
     swap_evictions: int = 0  # of the evictions, nodes let go as swapped out (their bytes on the host)
@@ -100,6 +105,9 @@ class DynamicEngine:
         on_cuda = device is not None and device.type == "cuda"
         self.device_type = device.type if device is not None else "cpu"
         self.memory = DeviceMemory(device) if on_cuda else TrackedMemory()
+        # the allocator's peak so far (CUDA), or None where the allocator keeps none
+        self.read_peak = (lambda: torch.cuda.max_memory_allocated(device)) if on_cuda else None
+        self._peak_at_start: dict[int, int] = {}  # id(step) -> the allocator's peak when it started
         self.mode = DynamicMode(count_backward=not on_cuda)
         self.mode_pushed = False
         self.stats = DynamicStats()
@@ -120,6 +128,8 @@ class DynamicEngine:
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type)
         self.stats.steps += 1
+        if self.read_peak is not None:
+            self._peak_at_start[id(step)] = self.read_peak()
         self.current = step
         self.live_steps.append(step)
         self.mode.step = step
@@ -172,6 +182,11 @@ class DynamicEngine:
             self.swaps.close()
 
     def _released(self, step: DynamicStep) -> None:
+        before = self._peak_at_start.pop(id(step), None)
+        if before is not None and not step.aborted:
+            peak = self.read_peak()
+            if peak > before:  # a new maximum: this step's own peak
+                step.measured_peak(peak)
         if step in self.live_steps:
             self.live_steps.remove(step)
         self._close_link()
