@@ -5,8 +5,8 @@ A plan's predicted time is the unplanned step plus what the planner charges for 
 Two things neither sees, and both are paid by the step:
 
 * a recompute runs in backward, next to backward's own working set, on operands gone cold in the caches,
-  with regen's hooks and replays around it (on the zoo's decoders the measured recomputes were 1.2-1.5x
-  their charge);
+  with regen's hooks and replays around it (docs/benchmarks.md: the zoo's measured recomputes against their
+  charge);
 * a swap's copies take from compute beside them in proportion to their bytes (on a CPU device the emulated
   link's memcpy runs on the cores the ops use; on a GPU the copy engines share its memory bandwidth).
 

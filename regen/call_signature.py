@@ -40,12 +40,17 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(1 for p in model.parameters() if p.requires_grad)
 
 
+# NOTE [ A cached parameter list ]
+# On the zoo's bench-size Llama, walking the module tree for its parameters took about 0.12 ms a step and
+# reading a cached list's flags a few microseconds: at checkpointing's peak the walk was a visible share of
+# what regen's runtime adds to a step.
+
+
 class TrainableCount:
     """`trainable_parameters(model)` for a call every step: the parameters are listed again only after a
     module or parameter was registered somewhere (torch's global registration hooks, which a LoRA adapter
-    added or a layer replaced sets off); their requires_grad flags are read at each call. Walking the module
-    tree costs about 0.12 ms on the zoo's bench-size Llama; reading a list of flags, a few microseconds. A
-    parameter deleted without a registration after it (`del module.weight`) is still counted until one: a
+    added or a layer replaced sets off); their requires_grad flags are read at each call, which costs a small
+    fraction of walking the module tree every step (Note [ A cached parameter list ]). A parameter deleted without a registration after it (`del module.weight`) is still counted until one: a
     plan set may then pick the plan of the call as it was, and the step's saved tensors, which differ from it,
     raise a PlanMismatchError. The owner removes `hooks` when it is done."""
 

@@ -1,7 +1,7 @@
 """The MILP's LP relaxation: a valid lower bound on the step time, and where a plan differs from it.
 
-The relaxation of a large model takes seconds to tens of seconds (3,000 candidates: about 20 s on one
-core), so it can run on a thread of its own (`Relaxation`): HiGHS releases the GIL while it solves,
+The relaxation of a large model takes seconds to tens of seconds (Note [ Rows the LP relaxation leaves
+out ]), so it can run on a thread of its own (`Relaxation`): HiGHS releases the GIL while it solves,
 and the block search (regen.planner.milp.blocks) sweeps on the other core meanwhile.
 
 The LP leaves out two families of rows (`Model.rows_not_in_relaxation`): the host-memory rows

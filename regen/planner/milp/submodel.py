@@ -1,8 +1,8 @@
 """Sub-MIPs of one HiGHS model: every column but a chosen few fixed at a solution's values and taken out.
 
 The block search (regen.planner.milp.blocks) re-optimises a few dozen candidates at a time. Fixing the
-other columns by their bounds leaves HiGHS the whole model to presolve on every block (on 3,000
-candidates about 0.6 s before any search); `restrict` instead builds the block's own model: the free
+other columns by their bounds leaves HiGHS the whole model to presolve on every block, a cost paid
+before any search that grows with the model; `restrict` instead builds the block's own model: the free
 columns, the rows that touch one of them (their bounds shifted by the fixed columns' activity), and
 the fixed columns' cost as the objective offset. Any solution of the sub-model, with the fixed values,
 is a solution of the whole model with the same objective; rows without a free column keep the
