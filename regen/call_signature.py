@@ -57,16 +57,21 @@ class TrainableCount:
     def __init__(self, model: nn.Module):
         self.model = model
         self._parameters: list[nn.Parameter] | None = None
+        self._module_ids: set[int] = set()  # the model's modules when the list was made
         stale = self._stale
         self.hooks = [torch.nn.modules.module.register_module_parameter_registration_hook(stale),
                       torch.nn.modules.module.register_module_module_registration_hook(stale)]
 
-    def _stale(self, *_args) -> None:
-        self._parameters = None
+    def _stale(self, module: nn.Module, *_args) -> None:
+        """A registration on one of the model's modules; one on a module outside it (a container a forward
+        builds and drops: `self.layers[:n]` makes a new ModuleList every step) changes nothing counted."""
+        if id(module) in self._module_ids:
+            self._parameters = None
 
     def __call__(self) -> int:
         if self._parameters is None:
             self._parameters = list(self.model.parameters())
+            self._module_ids = {id(m) for m in self.model.modules()}
         return sum(1 for p in self._parameters if p.requires_grad)
 
 
