@@ -34,7 +34,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,11 +47,13 @@ RECOMPUTE_SPREAD_FACTOR = 2.0  # a plan with recompute: its gradient difference 
 GIB = 2**30
 PARKED_FRACTION = 0.8  # the device memory the parked profile may use, as a fraction of the unplanned peak
 PARKED_PEAK_TOLERANCE = 0.01  # a parked profile's computed peak is the normal one's within this
+ZOO_GPU_BATCH = 4  # a zoo architecture at size "gpu" (regen.zoo.SIZES): sequences of 1,024
 
 
 @dataclass(frozen=True)
 class Config:
     device: torch.device
+    workload: str  # a built-in workload or module:function (regen.workloads.build_workload)
     workload_args: dict
     batch_size: int
     train_steps: int
@@ -67,11 +69,11 @@ class Config:
 
 
 # GPT-2 small's shape (12 layers, 768 wide, 12 heads, 50257 vocabulary) at a batch that fits comfortably
-GPU = Config(device=torch.device("cuda"), batch_size=8, train_steps=10, warmup_steps=3, profile_repeats=3,
+GPU = Config(device=torch.device("cuda"), workload="hf-gpt2", batch_size=8, train_steps=10, warmup_steps=3, profile_repeats=3,
              workload_args={"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq_len": 512,
                             "dropout": 0.1},
              solve_time_limit_s=12.0, budget_s=230.0, link_ratio=None)
-CPU_DRY_RUN = Config(device=torch.device("cpu"), batch_size=2, train_steps=1, warmup_steps=1, profile_repeats=1,
+CPU_DRY_RUN = Config(device=torch.device("cpu"), workload="hf-gpt2", batch_size=2, train_steps=1, warmup_steps=1, profile_repeats=1,
                      workload_args={"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "seq_len": 16,
                                     "dropout": 0.1},
                      solve_time_limit_s=5.0, budget_s=float("inf"), link_ratio=0.5)
@@ -327,9 +329,9 @@ def run(cfg: Config) -> int:
     from regen.workloads import build_workload
 
     t_start = time.perf_counter()
-    w = build_workload("hf-gpt2", batch_size=cfg.batch_size, args=cfg.workload_args, device=str(cfg.device))
+    w = build_workload(cfg.workload, batch_size=cfg.batch_size, args=cfg.workload_args, device=str(cfg.device))
     name = torch.cuda.get_device_name(cfg.device) if cfg.cuda else "CPU (dry run: emulated link, no memory figures)"
-    print(f"gpu_check on {name}: hf-gpt2 {cfg.workload_args}, batch {cfg.batch_size}", flush=True)
+    print(f"gpu_check on {name}: {cfg.workload} {cfg.workload_args}, batch {cfg.batch_size}", flush=True)
     profile = profile_and_report(w, cfg)
     parked_ok = parked_profile_ok(w, cfg, profile)
     optimizer = torch.optim.AdamW(w.model.parameters(), lr=0.0)  # the weights stay those of the reference
@@ -366,18 +368,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the check's code on CPU with a tiny model and the emulated link (no figures)")
+    parser.add_argument("--zoo", metavar="NAME",
+                        help="check a Hugging Face architecture of regen.zoo at its defaults (size 'gpu'; tiny in "
+                             "the dry run) instead of GPT-2 small, e.g. llama")
     args = parser.parse_args(argv)
     import regen
     import regen.planner  # noqa: F401 (pulp and highspy: bench/gpu_check.sh installs them from .whl/ when there)
 
     print(f"regen from {Path(regen.__file__).parent}, torch {torch.__version__}", flush=True)
+    cpu, gpu = CPU_DRY_RUN, GPU
+    if args.zoo:
+        from regen.zoo import ZOO
+
+        if args.zoo not in ZOO:
+            print(f"gpu_check: --zoo {args.zoo}: not in regen.zoo (one of {', '.join(sorted(ZOO))})")
+            return 2
+        cpu = replace(cpu, workload=f"regen.zoo:{args.zoo}", workload_args={"size": "tiny"})
+        gpu = replace(gpu, workload=f"regen.zoo:{args.zoo}", workload_args={"size": "gpu"}, batch_size=ZOO_GPU_BATCH)
     if args.cpu_dry_run:
-        return run(CPU_DRY_RUN)
+        return run(cpu)
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
               f"nothing to check (--cpu-dry-run runs its code on CPU)")
         return 0
-    return run(GPU)
+    return run(gpu)
 
 
 if __name__ == "__main__":

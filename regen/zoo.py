@@ -8,7 +8,8 @@ other default stay as the library ships them. They are workloads (regen.workload
     regen profile --model regen.zoo:t5 --arg size=bench -o t5.profile.yaml
 
 `size="tiny"` (the default: 2 layers, width 64, short sequences) is what the conformance tests run;
-`size="bench"` (4 layers, width 192) is what bench/zoo.py runs. `ZOO` maps every name to its factory,
+`size="bench"` (4 layers, width 192) is what bench/zoo.py runs, `size="gpu"` (8 layers, width 1,024, sequences of
+1,024) what `bench/gpu_check.py --zoo` runs. `ZOO` maps every name to its factory,
 `FAMILIES` groups them the way users train them.
 """
 
@@ -41,6 +42,8 @@ class Size:
 SIZES = {
     "tiny": Size(layers=2, width=64, heads=4, kv_heads=2, seq_len=64, vocab=256, image=32, audio_frames=64),
     "bench": Size(layers=4, width=192, heads=6, kv_heads=2, seq_len=128, vocab=2048, image=64, audio_frames=256),
+    # a step of tens of milliseconds on a data-centre GPU (bench/gpu_check.py --zoo)
+    "gpu": Size(layers=8, width=1024, heads=16, kv_heads=4, seq_len=1024, vocab=32000, image=224, audio_frames=3000),
 }
 
 

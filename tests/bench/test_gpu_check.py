@@ -48,6 +48,15 @@ def test_the_cpu_dry_run_prints_every_row_and_checks_gradients(capsys):
     assert "the parked profile: yes" in out
 
 
+def test_a_zoo_architecture_is_checked_by_name_and_an_unknown_one_refused(capsys):
+    gpu_check = _gpu_check()
+    assert gpu_check.main(["--zoo", "no-such-model"]) == 2
+    assert "not in regen.zoo" in capsys.readouterr().out
+    from regen.zoo import SIZES
+
+    assert SIZES["gpu"].layers > SIZES["bench"].layers  # what --zoo builds on a GPU
+
+
 def test_the_gradient_check_catches_a_difference():
     import torch
 

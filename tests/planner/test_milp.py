@@ -290,6 +290,27 @@ def test_recompute_only_warm_starts_share_work_no_worse_than_without(small_trans
     assert any(ch.rebuilt_with is not None for ch in plans["recompute-only MILP"].values())
 
 
+def test_a_feasibility_start_that_timed_out_is_tried_again_with_the_time_left(monkeypatch):
+    """On a loaded machine the first try (a quarter of the time) can end without a plan; the objective's
+    search would then take far longer to its first plan, so the feasibility search gets the time left."""
+    from regen.planner import solve
+    from regen.planner.milp import search
+    from regen.planner.milp.feasibility import feasible_values
+
+    calls = []
+
+    def first_try_times_out(model, time_limit_s, lp=None):
+        calls.append(time_limit_s)
+        return None if len(calls) == 1 else feasible_values(model, time_limit_s, lp=lp)
+
+    monkeypatch.setattr(search, "feasible_values", first_try_times_out)
+    profile = transformer_profile(n_layers=3)
+    cap = int(profile.peak_bytes * 0.5)  # no greedy plan fits here (the test below)
+    plan = solve(profile, cap, "hybrid", time_limit_s=60, rel_gap=0.5)
+    assert len(calls) == 2 and calls[1] > 2 * calls[0]  # the second try had the time left, not a quarter of it
+    assert plan.simulated.peak_bytes <= cap
+
+
 def test_without_a_heuristic_plan_the_solver_starts_from_any_feasible_one():
     """Every greedy plan and the recompute-only MILP fail at this cap; HiGHS with the step-time objective
     found no plan in 10 s (16.7 s to its first). With the objective dropped it finds one in about a

@@ -18,7 +18,10 @@ from regen.planner.milp.highs import new_highs, require_highspy, solver_output_t
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import Model
 
-FEASIBILITY_TIME_FRACTION = 0.25  # of the time left, at most
+FEASIBILITY_TIME_FRACTION = 0.25  # of the time left, at most, for the first try
+# a second try when the first found none takes all the time left but this fraction of it (for the solve
+# from its plan and the final check)
+FEASIBILITY_RESERVE_FRACTION = 0.1
 
 
 def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, float] | None:

@@ -24,7 +24,7 @@ from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph
 from regen.planner.milp.blocks import (MIN_SOLVER_TIME_S, final_check_reserve_s, solve_by_blocks,
                                        time_for_full_solve)
-from regen.planner.milp.feasibility import FEASIBILITY_TIME_FRACTION, feasible_values
+from regen.planner.milp.feasibility import FEASIBILITY_RESERVE_FRACTION, FEASIBILITY_TIME_FRACTION, feasible_values
 from regen.planner.milp.highs import require_highspy, to_highs_lp
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import MilpOptions, Model
@@ -127,10 +127,7 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             if round_ == 0 and warm is not None and not large:
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if warm_values is None and start is None:  # no plan to start from: any feasible one first
-                warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()),
-                                              lp=first.lp if model is first.model else None)
-                say("feasibility start: " + ("a plan under the cap found" if warm_values is not None
-                                              else "none found"))
+                warm_values = _feasibility_start(model, first.lp if model is first.model else None, deadline, say)
             if round_ == 0 and warm is not None and large:
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
                                                              say, first.relaxation, first.lp)
@@ -160,6 +157,20 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)
     return None, False
+
+
+def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> dict[str, float] | None:
+    """Any plan under the cap (Note [ Feasibility first ]): with FEASIBILITY_TIME_FRACTION of the time left,
+    then, if none was found, with all of it but the final check's reserve: a plan that fits is worth more
+    than the objective's search, which finds a first plan far later (on a loaded machine, never)."""
+    warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()), lp=lp)
+    if warm_values is None:
+        left_s = (1 - FEASIBILITY_RESERVE_FRACTION) * (deadline - time.perf_counter())
+        if left_s > MIN_SOLVER_TIME_S:
+            say("feasibility start: none found yet; searching with the time left")
+            warm_values = feasible_values(model, left_s, lp=lp)
+    say("feasibility start: " + ("a plan under the cap found" if warm_values is not None else "none found"))
+    return warm_values
 
 
 def decidable_count(graph: PlanningGraph) -> int:
