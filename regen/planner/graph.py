@@ -39,12 +39,21 @@ from regen.planner.tracking_windows import WindowStarts
 # link needs long windows: at R = 0.9 a 3 MiB tensor of the built-in GPT takes ~25 ops to copy, and three
 # of them are made at once; with windows of at most 32 steps most swaps do not fit, and hybrid at 50% of
 # the peak adds 37 ms to the unplanned step, against 13 ms with windows of up to 128.
+
+# NOTE [ Copy window length on large graphs ]
+# Past WINDOW_STEP_BUDGET / MIN_WINDOW_STEPS_CAP candidates every window is capped at MIN_WINDOW_STEPS_CAP
+# steps, and windows of 4x a tensor's transfer time fill that cap: a larger model whose block search
+# covers fewer blocks in its time limit. There windows cover 2x the transfer time (bench/solver_scaling.py,
+# 3,002 candidates, 30 s: docs/benchmarks.md).
 MIN_WINDOW_STEPS = 2
 MAX_WINDOW_STEPS = 128
 MIN_WINDOW_STEPS_CAP = 32
 WINDOW_STEP_BUDGET = 12_000
 MAX_WINDOW_BREAKS = 6  # steps of a window where the copy's state (done / started) may change
-WINDOW_TRANSFER_FACTOR = 4.0  # a window covers this many times the tensor's own transfer time (others share it)
+# a window covers this many times the tensor's own transfer time (others share the link): on a graph past the
+# window budget, the smaller factor (Note [ Copy window length on large graphs ])
+WINDOW_TRANSFER_FACTOR = 4.0
+LARGE_GRAPH_TRANSFER_FACTOR = 2.0
 FALLBACK_BANDWIDTH_BYTES_PER_S = 10e9  # when a profile records no bandwidth
 
 
@@ -262,11 +271,11 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
                                                                if e.unpack_order is not None
                                                                and e.unpack_before_op is not None)])
     written_after_pack = _written_after_first_pack(profile)
-    max_steps = window_steps_cap(len(candidates))
+    max_steps, transfer_factor = window_steps_cap(len(candidates)), window_transfer_factor(len(candidates))
     for c in candidates:
         if c.trivial or c.bytes <= 0 or c.producer in parameter_copies or c.id in written_after_pack:
             continue
-        _set_windows(graph, c, max_steps)
+        _set_windows(graph, c, max_steps, transfer_factor)
     add_recipes(graph)
     add_rebuilt_with_options(graph)
     add_regions(graph)
@@ -316,12 +325,19 @@ def window_steps_cap(num_candidates: int) -> int:
     return max(MIN_WINDOW_STEPS_CAP, min(MAX_WINDOW_STEPS, WINDOW_STEP_BUDGET // max(1, num_candidates)))
 
 
-def _set_windows(graph: PlanningGraph, c: Candidate, max_steps: int) -> None:
-    """Bounded copy windows (at most `max_steps` each): steps after the pack (copy-out) and before b (copy-in)."""
+def window_transfer_factor(num_candidates: int) -> float:
+    """How many times its own transfer time a window covers on a graph of `num_candidates` candidates."""
+    within_budget = WINDOW_STEP_BUDGET // max(1, num_candidates) >= MIN_WINDOW_STEPS_CAP
+    return WINDOW_TRANSFER_FACTOR if within_budget else LARGE_GRAPH_TRANSFER_FACTOR
+
+
+def _set_windows(graph: PlanningGraph, c: Candidate, max_steps: int, transfer_factor: float) -> None:
+    """Bounded copy windows (at most `max_steps` each, covering `transfer_factor` x the tensor's transfer time
+    when they can): steps after the pack (copy-out) and before b (copy-in)."""
     b = c.first_backward
     times = graph.time_s
-    out_need = WINDOW_TRANSFER_FACTOR * copy_out_time_s(graph, c.bytes)
-    in_need = WINDOW_TRANSFER_FACTOR * copy_in_time_s(graph, c.bytes)
+    out_need = transfer_factor * copy_out_time_s(graph, c.bytes)
+    in_need = transfer_factor * copy_in_time_s(graph, c.bytes)
     # copy-out: o+1 .. at most b-2 (the copy-in needs a step after it)
     out_window, covered = [], 0.0
     s = c.issue_after + 1

@@ -1,8 +1,9 @@
 """The planning graph: lifetimes, copy windows and recompute recipes."""
 
 from regen.formats.profile import KIND_INPUT
-from regen.planner.graph import (MAX_WINDOW_STEPS, MIN_WINDOW_STEPS_CAP, WINDOW_TRANSFER_FACTOR, build_graph,
-                                  window_steps_cap)
+from regen.planner.graph import (LARGE_GRAPH_TRANSFER_FACTOR, MAX_WINDOW_STEPS, MIN_WINDOW_STEPS_CAP,
+                                  WINDOW_STEP_BUDGET, WINDOW_TRANSFER_FACTOR, build_graph, window_steps_cap,
+                                  window_transfer_factor)
 from regen.planner.residency import resident_whatever_action
 from regen.graphs.builder import FLOAT32_BYTES, ProfileBuilder
 from regen.graphs.synthetic import chain_profile
@@ -126,3 +127,12 @@ def test_window_steps_shrink_on_large_graphs_within_bounds():
     assert window_steps_cap(10) == MAX_WINDOW_STEPS
     assert window_steps_cap(3000) == MIN_WINDOW_STEPS_CAP
     assert MIN_WINDOW_STEPS_CAP <= window_steps_cap(200) < MAX_WINDOW_STEPS
+
+
+def test_windows_cover_less_transfer_time_past_the_window_budget():
+    """Within the budget windows cover WINDOW_TRANSFER_FACTOR x a tensor's transfer time; past it, where every
+    window is capped at MIN_WINDOW_STEPS_CAP steps, the smaller factor keeps the large model smaller."""
+    last_within = WINDOW_STEP_BUDGET // MIN_WINDOW_STEPS_CAP
+    assert window_transfer_factor(10) == window_transfer_factor(last_within) == WINDOW_TRANSFER_FACTOR
+    assert window_transfer_factor(last_within + 1) == window_transfer_factor(3000) == LARGE_GRAPH_TRANSFER_FACTOR
+    assert LARGE_GRAPH_TRANSFER_FACTOR < WINDOW_TRANSFER_FACTOR
