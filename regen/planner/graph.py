@@ -230,6 +230,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
     if d2h <= 0 or h2d <= 0:
         raise RegenError(f"copy bandwidth must be positive (got d2h {d2h}, h2d {h2d} bytes/s)")
     ops = profile.ops
+    num_forward = profile.num_forward_ops  # a count over the ops: read once
     times = op_times_s(profile)
     after = [int(op.memory_after_bytes) for op in ops]
     peak = [max(int(op.memory_peak_bytes), int(op.memory_after_bytes)) for op in ops]
@@ -239,7 +240,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
     for entry in profile.saved_entries:  # in pack order
         if entry.saved_tensor is not None:
             first_pack.setdefault(entry.saved_tensor, (entry.index, entry.pack_after_op))
-    forward_packs = sorted((e for e in profile.saved_entries if e.pack_after_op < profile.num_forward_ops),
+    forward_packs = sorted((e for e in profile.saved_entries if e.pack_after_op < num_forward),
                            key=lambda e: e.index)
     pack_position = {e.index: k for k, e in enumerate(forward_packs)}
 
@@ -250,7 +251,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
         e = s.last_backward_use
         f = max(s.last_forward_use, s.producer_op, -1 if s.held_until_op is None else s.held_until_op)
         if s.producer_op in parameter_copies:  # held by autocast's cache until the forward ends
-            f = max(f, profile.num_forward_ops - 1)
+            f = max(f, num_forward - 1)
         c = Candidate(index=i, saved=s, bytes=int(s.bytes), producer=s.producer_op, last_forward=f,
                       first_backward=b, last_backward=e,
                       issue_after=max(s.producer_op, first_pack.get(s.id, (-1, s.producer_op))[1]),
@@ -261,7 +262,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
                              if e.unpack_order is not None and e.unpack_before_op is not None})
     graph = PlanningGraph(profile=profile, op_graph=op_graph, candidates=candidates, time_s=times,
                           after_bytes=after, peak_bytes=peak, d2h_bytes_per_s=float(d2h),
-                          h2d_bytes_per_s=float(h2d), num_forward_ops=profile.num_forward_ops,
+                          h2d_bytes_per_s=float(h2d), num_forward_ops=num_forward,
                           copy_in_starts=copy_in_starts, costs=RuntimeCharges.of(profile, times),
                           host_memory_cap_bytes=host_memory_cap_bytes, start_plans=list(start_plans or []),
                           capture_bytes=op_capture_bytes(profile),
