@@ -186,28 +186,28 @@ class DynamicStep:
 
     # ---- lifetime ---------------------------------------------------------------------------------
     def _over_cap(self, in_use_bytes: int) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        self.stats.over_cap_steps += 1
-        warnings.warn(f"regen.apply (dynamic): {format_bytes(in_use_bytes)} in use passes the cap "
-                      f"{format_bytes(self.cap_bytes)} and nothing more can be dropped (parameters, gradients, "
-                      f"what the program holds and tensors that cannot be rebuilt stay); this step runs over the "
-                      f"cap, its results exact. Raise the cap or lower the batch size",
-                      OverCapWarning, stacklevel=2)
+        self._warn_over_cap(f"{format_bytes(in_use_bytes)} in use passes the cap {format_bytes(self.cap_bytes)} and "
+                            f"nothing more can be dropped (parameters, gradients, what the program holds and tensors "
+                            f"that cannot be rebuilt stay); this step runs over the cap, its results exact. Raise the "
+                            f"cap or lower the batch size")
 
     def measured_peak(self, peak_bytes: int) -> None:
         """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in
         backward, which the checks at packs and unpacks do not see): warn when it is over the cap + 5%."""
-        if self.warned or peak_bytes <= self.cap_bytes * (1 + MEASURED_TOLERANCE):
+        if peak_bytes > self.cap_bytes * (1 + MEASURED_TOLERANCE):
+            self._warn_over_cap(f"a step peaked at {format_bytes(peak_bytes)} of device memory (the allocator's "
+                                f"figure), {peak_bytes / self.cap_bytes - 1:.0%} over the cap "
+                                f"{format_bytes(self.cap_bytes)}: what the checks at packs and unpacks cannot see (an "
+                                f"op's own temporaries, backward's gradients) or could not drop; its results are "
+                                f"exact. Lower the cap or the batch size to stay under it")
+
+    def _warn_over_cap(self, message: str) -> None:
+        """One OverCapWarning a step, counted."""
+        if self.warned:
             return
         self.warned = True
         self.stats.over_cap_steps += 1
-        warnings.warn(f"regen.apply (dynamic): a step peaked at {format_bytes(peak_bytes)} of device memory (the "
-                      f"allocator's figure), {peak_bytes / self.cap_bytes - 1:.0%} over the cap "
-                      f"{format_bytes(self.cap_bytes)}: ops' own temporaries and backward's gradients passed what "
-                      f"the cap left; its results are exact. Lower the cap by that much to stay under it",
-                      OverCapWarning, stacklevel=2)
+        warnings.warn(f"regen.apply (dynamic): {message}", OverCapWarning, stacklevel=3)
 
     def handle_died(self, node: TensorNode) -> None:
         """Autograd freed a `Held` of this node."""
