@@ -1,31 +1,33 @@
 """The GPU check: bench/compare.py's link comparison over a real GPU's host link, and regen's CUDA path.
 
 On a CUDA machine, a GPT-2-sized workload is profiled and calibrated as `regen profile` does (the profile
-measures the pinned copy bandwidth per direction: the plans are solved for that real link, whose link ratio
-is printed, and the sum of the op times is printed next to the measured step), profiled again with `torch.cuda.set_per_process_memory_fraction`
-below the unplanned peak (PARKED_FRACTION of it: the unplanned warm-up step runs out of memory and the profiler
-retries parked, saved tensors held in host memory; its computed peak must be the first profile's within 1%),
-then trained TRAIN_STEPS steps each: no plan; per-block
+measures the pinned copy bandwidth per direction: the plans are solved for that real link, whose link ratio is
+printed, and the sum of the op times is printed next to the measured step), profiled again with
+`torch.cuda.set_per_process_memory_fraction` below the unplanned peak (PARKED_FRACTION of it: the unplanned
+warm-up step runs out of memory and the profiler retries parked, saved tensors held in host memory; its
+computed peak must be the first profile's within 1%), then trained TRAIN_STEPS steps each: no plan; per-block
 checkpointing (Hugging Face's); offload-all (every saved tensor of 1 MiB or more swapped through regen's
 runtime, as torchtune's activation offloading); regen's region plan of per-block checkpointing (each block's
 forward run again in backward by regen's runtime); regen's recompute-only, swap-only and hybrid plans at 50%
 of the unplanned peak and at checkpointing's measured peak; regen's dynamic mode (no plan: swapping over the
-measured link and dropping at run time) at 50%, or at the smallest cap a recompute plan reaches if larger. Each step runs as the profile ran it: the model
-output held through backward, and the peak (torch.cuda.max_memory_allocated, next to
-max_memory_reserved: fragmentation is what makes a GPU run out of memory) read right after backward,
-before the optimizer step (AdamW with lr=0, as the profiler's: real kernels and state, the weights never
-change). Each row is printed as soon as it is measured: the plan's cap and simulated peak, the measured
-step time next to the predicted one, the simulated stall, the copy-outs still unfinished when the
-forward ended (per step), and a gradient check against no plan (seeds reset, same weights): plans
-without recompute must give the unplanned gradients bit for bit where two unplanned runs agree bit for bit
-(the check that catches stream races), other plans must stay within twice the spread of two unplanned runs (a third sample of the
-same nondeterminism: attention's backward may use atomics). Solver time limits and a time budget keep
-the whole check under 5 minutes (plans not started within the budget are skipped, said so).
+measured link and dropping at run time) at 50%, or at the smallest cap a recompute plan reaches if larger.
+Each step runs as the profile ran it: the model output held through backward, and the peak
+(torch.cuda.max_memory_allocated, next to max_memory_reserved: fragmentation is what makes a GPU run out of
+memory) read right after backward, before the optimizer step (AdamW with lr=0, as the profiler's: real kernels
+and state, the weights never change). Each row is printed as soon as it is measured: the plan's cap and
+simulated peak, the measured step time next to the predicted one, the simulated stall, the copy-outs still
+unfinished when the forward ended (per step), and a gradient check against no plan (seeds reset, same
+weights): plans without recompute must give the unplanned gradients bit for bit where two unplanned runs agree
+bit for bit (the check that catches stream races), other plans must stay within twice the spread of two
+unplanned runs (a third sample of the same nondeterminism: attention's backward may use atomics). Solver time
+limits and a time budget keep the whole check under 5 minutes (plans not started within the budget are
+skipped, said so).
 
-Exits 0 with a message on a machine without CUDA; 1 if a plan's measured peak is over its cap + 5%, a
-gradient check fails, or the parked profile is not parked or not the unplanned one. Run it through bench/gpu_check.sh (docs/limitations.md: how to run it on a lent
-GPU). `--cpu-dry-run` runs the same code on CPU with a tiny model and the emulated link (no memory
-figures, no cap check; the parked profile is asked for, the memory fraction step skipped), so the script is tested without a GPU (tests/bench/test_gpu_check.py).
+Exits 0 with a message on a machine without CUDA; 1 if a plan's measured peak is over its cap + 5%, a gradient
+check fails, or the parked profile is not parked or not the unplanned one. Run it through bench/gpu_check.sh
+(docs/limitations.md: how to run it on a lent GPU). `--cpu-dry-run` runs the same code on CPU with a tiny
+model and the emulated link (no memory figures, no cap check; the parked profile is asked for, the memory
+fraction step skipped), so the script is tested without a GPU (tests/bench/test_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ class Config:
 
 
 # GPT-2 small's shape (12 layers, 768 wide, 12 heads, 50257 vocabulary) at a batch that fits comfortably
-GPU = Config(device=torch.device("cuda"), workload="hf-gpt2", batch_size=8, train_steps=10, warmup_steps=3, profile_repeats=3,
+GPU = Config(device=torch.device("cuda"), workload="hf-gpt2", batch_size=8, train_steps=10, warmup_steps=3,
+             profile_repeats=3,
              workload_args={"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq_len": 512,
                             "dropout": 0.1},
              solve_time_limit_s=12.0, budget_s=230.0, link_ratio=None)
-CPU_DRY_RUN = Config(device=torch.device("cpu"), workload="hf-gpt2", batch_size=2, train_steps=1, warmup_steps=1, profile_repeats=1,
+CPU_DRY_RUN = Config(device=torch.device("cpu"), workload="hf-gpt2", batch_size=2, train_steps=1, warmup_steps=1,
+                     profile_repeats=1,
                      workload_args={"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "seq_len": 16,
                                     "dropout": 0.1},
                      solve_time_limit_s=5.0, budget_s=float("inf"), link_ratio=0.5)

@@ -47,12 +47,13 @@ def trainable_parameters(model: nn.Module) -> int:
 
 
 class TrainableCount:
-    """`trainable_parameters(model)` for a call every step: the parameters are listed again only after a
-    module or parameter was registered somewhere (torch's global registration hooks, which a LoRA adapter
-    added or a layer replaced sets off); their requires_grad flags are read at each call, which costs a small
-    fraction of walking the module tree every step (Note [ A cached parameter list ]). A parameter deleted without a registration after it (`del module.weight`) is still counted until one: a
-    plan set may then pick the plan of the call as it was, and the step's saved tensors, which differ from it,
-    raise a PlanMismatchError. The owner removes `hooks` when it is done."""
+    """`trainable_parameters(model)` for a call every step: the parameters are listed again only after a module or
+    parameter was registered on one of the model's modules (torch's global registration hooks, which a LoRA
+    adapter added or a layer replaced sets off); their requires_grad flags are read at each call, which costs a small fraction of
+    walking the module tree every step (Note [ A cached parameter list ]). A parameter deleted without a
+    registration after it (`del module.weight`) is still counted until one: a plan set may then pick the plan
+    of the call as it was, and the step's saved tensors, which differ from it, raise a PlanMismatchError. The
+    owner removes `hooks` when it is done."""
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -54,7 +54,8 @@ from torch.utils._pytree import tree_flatten
 from regen.caches import CACHE_NOTICE, training_caches_off
 from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
-from regen.formats.profile import EXCLUDED_OTHER_DEVICE, PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory, op_fingerprint
+from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory,
+                                   op_fingerprint)
 from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
 from regen.ranks import rank_agreement
 from regen.profiler.capture import (

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, KIND_ACTIVATION, KIND_INPUT, PHASE_FORWARD, OpRecord, SavedEntry, SavedTensor,
-                                   TensorRecord)
+from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, KIND_ACTIVATION, KIND_INPUT, PHASE_FORWARD, OpRecord,
+                                   SavedEntry, SavedTensor, TensorRecord)
 
 
 @dataclass
