@@ -134,11 +134,11 @@ class StepRecorder:
     """Bookkeeping of one recorded step; see the module docstring."""
 
     def __init__(self, tracker: MemoryTracker, parameters: list[torch.Tensor], buffers: list[torch.Tensor],
-                 known_inputs: list[torch.Tensor], held: list[torch.Tensor] = (), park: ParkStore | None = None,
-                 device_type: str | None = None):
+                 known_inputs: list[torch.Tensor], device_type: str, held: list[torch.Tensor] = (),
+                 park: ParkStore | None = None):
         self.tracker = tracker
         self.park = park
-        self.device_type = device_type  # the step's device type: a tensor saved elsewhere is not planned (None: any)
+        self.device_type = device_type  # the step's device type: a tensor saved on another is never planned
         self.phase = PHASE_FORWARD
         self._ids = WeakTensorKeyDictionary()
         self.tensors: list[TensorRecord] = []
@@ -305,7 +305,7 @@ class StepRecorder:
             return None, x
         index = len(self.entries)
         tid, info = self.id_of_input(x)
-        on_step_device = self.device_type is None or x.device.type == self.device_type
+        on_step_device = x.device.type == self.device_type
         writer = None
         if info is not None and info.kind == KIND_ACTIVATION and info.key:
             writer = self.writer.get(info.key)

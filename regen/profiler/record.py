@@ -439,8 +439,8 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
     batch_tensors = [t for t in tree_flatten(workload.batch)[0] if isinstance(t, torch.Tensor)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     recorder = StepRecorder(tracker, parameters=list(model.parameters()), buffers=list(model.buffers()),
-                            known_inputs=batch_tensors, held=list(extra_inputs) + grads, park=store,
-                            device_type=device.type)
+                            known_inputs=batch_tensors, device_type=device.type, held=list(extra_inputs) + grads,
+                            park=store)
     modules = ModuleRecorder(model, recorder)
     recorder.current_module = modules.current
     with allocator_events if allocator_events is not None else nullcontext(), modules:

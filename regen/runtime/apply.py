@@ -79,7 +79,7 @@ from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
 from regen.runtime.learned import Learner
 from regen.ranks import rank_agreement
-from regen.runtime.peak_check import PeakCheck
+from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
 from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
 from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.stats import RuntimeStats
@@ -144,7 +144,7 @@ class RegenHandle:
             warnings.warn(_NO_LINK_WARNING, RuntimeWarning, stacklevel=3)
         # each checked step against its own plan's cap (the largest until one is checked)
         self.peak_check = PeakCheck(max((s.plan.memory_cap_bytes for s in states), default=cap_bytes),
-                                    _cuda_peak_reader(device))
+                                    cuda_peak_reader(device))
         # pinned for a model on CUDA; a model moved to the GPU later gets it again, pinned, at its first copy-out
         self.pool = HostPool(max((p.host_pool_bytes for p in swapping), default=0),
                              pin_memory=device is not None and device.type == "cuda")
@@ -377,13 +377,6 @@ def _emulated_link(states: list[PlanState], device: torch.device | None) -> tupl
                          "to be positive")
     plan = (swapping or [states[0].plan])[0]
     return plan.d2h_bytes_per_s, plan.h2d_bytes_per_s
-
-
-def _cuda_peak_reader(device: torch.device | None):
-    """What reads the allocator's peak for the safety net (peak_check.py): CUDA only."""
-    if device is None or device.type != "cuda":
-        return None
-    return lambda: torch.cuda.max_memory_allocated(device)
 
 
 def _close_engines(engines: dict) -> None:

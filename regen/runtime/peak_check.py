@@ -22,8 +22,18 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
+import torch
+
 PEAK_CHECK_EVERY_STEPS = 10
 PEAK_TOLERANCE = 0.05  # over the cap by more than this fraction: warn
+
+
+def cuda_peak_reader(device: torch.device | None) -> Callable[[], int] | None:
+    """What reads the allocator's peak so far (`torch.cuda.max_memory_allocated`): CUDA only, None elsewhere
+    (a CPU's allocator keeps no counter)."""
+    if device is None or device.type != "cuda":
+        return None
+    return lambda: torch.cuda.max_memory_allocated(device)
 
 
 class CapExceededWarning(RuntimeWarning):

@@ -34,9 +34,8 @@ from regen.runtime.recompute import capture_op
 from regen.runtime.saved_entries import Untracked
 from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
+from regen.runtime.peak_check import PEAK_TOLERANCE
 from regen.units import format_bytes
-
-MEASURED_TOLERANCE = 0.05  # a step's measured peak over the cap by more than this fraction: warned
 
 
 class OverCapWarning(UserWarning):
@@ -65,9 +64,10 @@ class DynamicStep:
     """One training step in dynamic mode; `pack` and `unpack` are its saved-tensor hooks."""
 
     def __init__(self, memory, cap_bytes: int, policy: str, stats, pause: Callable, released: Callable,
-                 swaps=None, device_type: str = "cpu"):
+                 swaps, device_type: str, peak_at_start_bytes: int | None):
         self.memory = memory
         self.device_type = device_type  # a tensor saved on another device (a host random seed) is only held
+        self.peak_at_start_bytes = peak_at_start_bytes  # the allocator's peak so far when it began (CUDA), or None
         self.cap_bytes = cap_bytes
         self.stats = stats
         self.pause = pause  # () -> a context manager during which the dispatch mode passes ops through
@@ -194,7 +194,7 @@ class DynamicStep:
     def measured_peak(self, peak_bytes: int) -> None:
         """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in
         backward, which the checks at packs and unpacks do not see): warn when it is over the cap + 5%."""
-        if peak_bytes > self.cap_bytes * (1 + MEASURED_TOLERANCE):
+        if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE):
             self._warn_over_cap(f"a step peaked at {format_bytes(peak_bytes)} of device memory (the allocator's "
                                 f"figure), {peak_bytes / self.cap_bytes - 1:.0%} over the cap "
                                 f"{format_bytes(self.cap_bytes)}: what the checks at packs and unpacks cannot see (an "

@@ -32,6 +32,7 @@ from regen.runtime.dynamic.cap_memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.dynamic_step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
 from regen.runtime.model_access import module_device
+from regen.runtime.peak_check import cuda_peak_reader
 
 
 @dataclass
@@ -105,9 +106,7 @@ class DynamicEngine:
         on_cuda = device is not None and device.type == "cuda"
         self.device_type = device.type if device is not None else "cpu"
         self.memory = DeviceMemory(device) if on_cuda else TrackedMemory()
-        # the allocator's peak so far (CUDA), or None where the allocator keeps none
-        self.read_peak = (lambda: torch.cuda.max_memory_allocated(device)) if on_cuda else None
-        self._peak_at_start: dict[int, int] = {}  # id(step) -> the allocator's peak when it started
+        self.read_peak = cuda_peak_reader(device)  # the allocator's peak so far, or None (CPU)
         self.mode = DynamicMode(count_backward=not on_cuda)
         self.mode_pushed = False
         self.stats = DynamicStats()
@@ -126,10 +125,8 @@ class DynamicEngine:
         stacks.pop_finished()  # this handle's and others' steps that pack no more
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
-                           self.swaps, self.device_type)
+                           self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         self.stats.steps += 1
-        if self.read_peak is not None:
-            self._peak_at_start[id(step)] = self.read_peak()
         self.current = step
         self.live_steps.append(step)
         self.mode.step = step
@@ -182,10 +179,9 @@ class DynamicEngine:
             self.swaps.close()
 
     def _released(self, step: DynamicStep) -> None:
-        before = self._peak_at_start.pop(id(step), None)
-        if before is not None and not step.aborted:
+        if step.peak_at_start_bytes is not None and not step.aborted:
             peak = self.read_peak()
-            if peak > before:  # a new maximum: this step's own peak
+            if peak > step.peak_at_start_bytes:  # a new maximum: this step's own peak
                 step.measured_peak(peak)
         if step in self.live_steps:
             self.live_steps.remove(step)
