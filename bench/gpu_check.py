@@ -189,8 +189,8 @@ def planned_row(label: str, w, optimizer, plan, profile, cfg: Config, reference:
 def _dynamic_cap(cap: int, planned: list[Row]) -> int:
     """`cap`, or the smallest cap a recompute plan reached when that is larger: below it dynamic mode has
     nothing left to drop either and runs over the cap by design."""
-    reached = [r.plan.memory_cap_bytes for r in planned if r.plan is not None and r.label.startswith("regen recompute")]
-    return max([cap] + reached[:1]) if reached else cap
+    reached = [r.plan.memory_cap_bytes for r in planned if r.plan is not None and r.plan.strategy == "recompute"]
+    return max([cap, *reached[:1]])
 
 
 def dynamic_row(cap: int, w, optimizer, cfg: Config, reference: dict, spread: float) -> Row:
