@@ -226,9 +226,9 @@ def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, 
     from regen.errors import InfeasibleCapError
     from regen.planner import solve
 
-    def solved(cap, strategy):
+    def solved(cap, strategy, start_plans=()):
         return solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=cfg.solve_time_limit_s,
-                     link_ratio=cfg.link_ratio)
+                     link_ratio=cfg.link_ratio, start_plans=start_plans)
 
     rows, smallest_done = [], set()
     for cap_name, cap in caps:
@@ -246,7 +246,8 @@ def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, 
                     continue
                 smallest_done.add(strategy)
                 label = f"regen {strategy} @ its smallest cap"
-                plan = solved(smallest, strategy)
+                start = (("least-peak plan", exc.plan_at_smallest),) if exc.plan_at_smallest is not None else ()
+                plan = solved(smallest, strategy, start)
             rows.append(planned_row(label, w, optimizer, plan, profile, cfg, reference, spread))
     return rows
 
