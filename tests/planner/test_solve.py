@@ -132,6 +132,34 @@ def test_the_smallest_cap_is_never_above_the_unplanned_peak(monkeypatch):
     assert search.least_peak_plan(graph, True, True, 1.0) == (graph.unplanned_peak_bytes, {})
 
 
+@pytest.mark.parametrize("where", ["solve_model", "Model"])
+def test_a_plan_the_simulator_passes_outranks_the_milps_infeasible_rows(monkeypatch, where):
+    """At the smallest cap an InfeasibleCapError names, the MILP's rows (stricter than the simulator somewhere)
+    may admit no plan: the least-peak plan it started from is the plan, never a second InfeasibleCapError.
+    Without a plan in hand the cap is still infeasible."""
+    from regen.planner.milp import search
+    from regen.planner.milp.memory_rows import CapInfeasible
+
+    profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
+    with pytest.raises(InfeasibleCapError) as exc:
+        solve(profile, int(profile.peak_bytes * 0.3), "swap", time_limit_s=20)
+    smallest, least = exc.value.smallest_feasible_cap_bytes, exc.value.plan_at_smallest
+
+    def infeasible(*_args, **_kwargs):
+        raise CapInfeasible()
+
+    monkeypatch.setattr(search, where, infeasible)
+    greedy = search.heuristics.greedy  # no plan in hand but the least-peak one (the search's own greedy stays)
+    monkeypatch.setattr(search.heuristics, "greedy",
+                        lambda *args, best_effort=False: greedy(*args, best_effort=True) if best_effort else None)
+    plan = solve(profile, smallest, "swap", time_limit_s=20, start_plans=[("least-peak plan", least)])
+    assert plan.simulated.peak_bytes <= smallest and search.MILP_ROWS_INFEASIBLE in " ".join(plan.notes)
+    actions = {i: c.action for i, c in choices_from_plan(build_graph(profile), plan).items() if c.action != "keep"}
+    assert actions == {i: c.action for i, c in least.items() if c.action != "keep"}
+    with pytest.raises(InfeasibleCapError):
+        solve(profile, smallest, "swap", time_limit_s=20)
+
+
 @pytest.mark.parametrize("text,expected", [("6GiB", 6 * 2**30), ("512MB", 512 * 10**6), ("1.5e9", 1_500_000_000),
                                            ("60%", 600), ("2 KiB", 2048), ("100b", 100)])
 def test_parse_memory_cap(text, expected):

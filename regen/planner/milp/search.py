@@ -44,6 +44,19 @@ SWAP_BLOCK_IMPROVE_MIN_CANDIDATES = 60  # with swaps, from this many (Note [ Blo
 # hybrid's recompute-only MILP warm start, up to this many decidable candidates (Note [ Recompute-only warm start ])
 RECOMPUTE_WARM_START_MAX_CANDIDATES = 2000
 
+# why the warm start stands in for the MILP's plan
+MILP_TIMED_OUT = "the MILP found no plan within the time limit"
+MILP_PLANS_OVER_CAP = "the MILP's plans did not pass the simulator"
+MILP_ROWS_INFEASIBLE = "the MILP's memory rows admit no plan at this cap, where the simulator passes one"
+
+# NOTE [ The simulator over the MILP's rows ]
+# The simulator is the one judge of a plan's peak (regen.planner.solve's final check). The MILP's memory
+# rows model it, with bounds that can be stricter than it somewhere (a capture's worst case, a transient
+# charged at its step), so at a cap just at a plan's simulated peak the MILP can be infeasible while that
+# plan passes: the smallest cap an InfeasibleCapError names, solved again from its least-peak plan, is one
+# (a Llama at size "gpu" under the swap strategy, on an H200). A cap is infeasible only when no plan in
+# hand passes the simulator under it; otherwise the best such plan (the warm start) is the plan.
+
 # NOTE [ Block search with swaps ]
 # With swaps the copy-channel rows make branch and bound stall far sooner, so the block search takes
 # over from fewer candidates. The built-in GPT's 88 candidates at R = 0.9 and a 50% cap: the full MILP
@@ -67,13 +80,18 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
     if lower > cap:
         raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
     options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute, rel_gap=rel_gap)
+    notes = [f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit"]
     try:
         first = _FirstModel.build(graph, cap, options, deadline, time_limit_s)
     except CapInfeasible:
-        raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
+        first = None
     warm = warm_start(graph, cap, allow_swap, allow_recompute, time_limit_s, say)
-    notes = [f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit"]
-    result, timed_out = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
+    if first is None:  # Note [ The simulator over the MILP's rows ]
+        if warm is None:
+            raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
+        result, fallback = None, MILP_ROWS_INFEASIBLE
+    else:
+        result, fallback = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
     if result is not None:
         report = SolverReport(name="highs", status=result.status, objective_s=result.objective_s,
                               bound_s=result.bound_s, gap=result.gap, solve_time_s=result.solve_time_s,
@@ -82,8 +100,7 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
                               predicted_peak_bytes=result.predicted_peak_bytes, notes=notes)
     if warm is None:
         raise AssertionError("internal error: no plan passed the simulator under the cap")
-    notes.append("the MILP found no plan within the time limit; the warm-start plan is used instead" if timed_out
-                 else "the MILP's plans did not pass the simulator; the warm-start plan is used instead")
+    notes.append(fallback + "; the warm-start plan is used instead")
     say(notes[-1])
     sim = simulate(graph, warm)
     report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
@@ -114,9 +131,9 @@ class _FirstModel:
 
 def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, Choice] | None,
                       deadline: float, time_limit_s: float, say: Say, notes: list[str],
-                      lower: int) -> tuple[MilpResult | None, bool]:
-    """The first MILP plan that passes the simulator, with repair rounds; (None, timed_out) when none
-    does (timed_out: the solver stopped without a plan, and the warm start stands in)."""
+                      lower: int) -> tuple[MilpResult | None, str]:
+    """The first MILP plan that passes the simulator, with repair rounds; (None, why) when none does and
+    the warm start stands in (why: one of the fallback reasons above)."""
     graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
     block_plan = None  # large graphs: the block search's plan, kept if the full MILP then finds none
@@ -134,29 +151,29 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
                 if result is not None and simulate(graph, result.choices).fits(cap):
                     block_plan = result
                     if not go_on or not time_for_full_solve(deadline, time_limit_s):
-                        return result, False
+                        return result, ""
                 elif not time_for_full_solve(deadline, time_limit_s):
-                    return None, True  # the warm start is the plan
+                    return None, MILP_TIMED_OUT
             remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
             result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=start, progress=say,
                                  warm_values=warm_values)
         except CapInfeasible:
-            if round_ == 0:
+            if round_ == 0 and warm is None:
                 raise_infeasible(graph, cap, options.allow_swap, options.allow_recompute, time_limit_s, say, lower)
-            return None, False
+            return None, MILP_ROWS_INFEASIBLE  # Note [ The simulator over the MILP's rows ]
         except SolverError:
             if block_plan is not None:
-                return block_plan, False
+                return block_plan, ""
             if warm is None:
                 raise
-            return None, True
+            return None, MILP_TIMED_OUT
         sim = simulate(graph, result.choices)
         if sim.fits(cap):
-            return result, False
+            return result, ""
         say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)
-    return None, False
+    return None, MILP_PLANS_OVER_CAP
 
 
 def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> dict[str, float] | None:
