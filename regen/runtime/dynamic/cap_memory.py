@@ -5,14 +5,18 @@
 * CPU, which has no allocator statistics: the memory at the step's start, counted as the bytes of the
   model's parameters, their gradients and its buffers (the batch and optimizer state are not seen), plus
   the bytes of every storage that an op of a step created (forward, backward and rebuilds; each storage
-  once, tracked with a weak reference) while it is alive. Temporaries inside a single op are not seen.
+  once) while it is alive. Temporaries inside a single op are not seen. The figure is a running total: a
+  storage's Python object lives exactly as long as the storage (PyTorch preserves it), so a finalizer on
+  it takes its bytes off when it dies, and reading the figure costs the same whatever the step holds.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.opinfo import storage_key
 
@@ -35,18 +39,25 @@ def model_storages(model: nn.Module) -> dict[int, int]:
 
 
 class TrackedMemory:
-    """CPU: live storages that the steps' ops created (weak references), plus a start figure."""
+    """CPU: the bytes of live storages that the steps' ops created, plus a start figure."""
 
     def __init__(self):
         self.start_bytes = 0
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
+        self._tracked_bytes = 0
+        self._lock = threading.RLock()  # a storage can die on another thread, or in a collection inside track
+        # storage key -> (its finalizer, bytes, the token the finalizer was given)
+        self._live: dict[int, tuple[weakref.finalize, int, object]] = {}
 
     def begin_step(self, model: nn.Module) -> None:
         """A step starts: its start figure is the model's memory (storages tracked already, such as
         gradients made by an earlier backward, are counted there once)."""
         storages = model_storages(model)
-        for key in storages:
-            self._live.pop(key, None)
+        with self._lock:
+            for key in storages:
+                entry = self._live.pop(key, None)
+                if entry is not None:
+                    entry[0].detach()
+                    self._tracked_bytes -= entry[1]
         self.start_bytes = sum(storages.values())
 
     def track(self, t: torch.Tensor) -> None:
@@ -54,24 +65,25 @@ class TrackedMemory:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = storage.data_ptr()
-        if nbytes == 0 or key == 0:
+        if nbytes == 0 or key == 0 or key in self._live:
             return
-        entry = self._live.get(key)
-        if entry is not None and not entry[0].expired():
-            return
-        self._live[key] = (StorageWeakRef(storage), nbytes)
+        token = object()
+        finalizer = weakref.finalize(storage, self._died, key, token)
+        finalizer.atexit = False
+        with self._lock:
+            self._live[key] = (finalizer, nbytes, token)
+            self._tracked_bytes += nbytes
+
+    def _died(self, key: int, token: object) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None or entry[2] is not token:  # a later storage at the same address is tracked now
+                return
+            del self._live[key]
+            self._tracked_bytes -= entry[1]
 
     def in_use_bytes(self) -> int:
-        total = 0
-        dead = []
-        for key, (ref, nbytes) in self._live.items():
-            if ref.expired():
-                dead.append(key)
-            else:
-                total += nbytes
-        for key in dead:
-            del self._live[key]
-        return self.start_bytes + total
+        return self.start_bytes + self._tracked_bytes
 
 
 class DeviceMemory:
