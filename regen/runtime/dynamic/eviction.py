@@ -10,11 +10,12 @@ another frees nothing: the program or autograd still holds it), and never one pi
 progress. When nothing is left to drop, the step goes on over the cap and its handle warns once.
 
 `materialize(node)` returns a tensor over the node's storage with its value: resident (held, or still
-held by the program), copied back from the host (swaps.py), or rebuilt by replaying its recipe (`recompute.replay_recipe`) whose inputs are
-materialized first, recursively (room for the node's own output is made after them). A rebuilt node that autograd still awaits stays held (and may be
-evicted again); an intermediate rebuilt only as an input is let go as soon as the op reading it ran (it
-is rebuilt again if another recipe of the same rebuild reads it), so a chain of dropped inputs is
-rebuilt with about two of its tensors resident at a time.
+held by the program), copied back from the host (swaps.py), or rebuilt by replaying its recipe
+(`recompute.replay_recipe`) whose inputs are materialized first, recursively (room for the node's own
+output is made after them). A rebuilt node that autograd still awaits stays held (and may be evicted
+again); an intermediate rebuilt only as an input is let go once the last recipe of this rebuild that reads
+it ran (`_readers`), so a chain of dropped inputs is rebuilt with about two of its tensors resident at a
+time, and a node that several of them read (a residual stream) once, not once per path to it.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ class Residency:
     def materialize(self, node: TensorNode) -> torch.Tensor:
         """A tensor over `node`'s storage with its forward value, rebuilt if it was dropped."""
         pins: set = set()
-        temps: list[TensorNode] = []
+        temps: set[TensorNode] = set()
         try:
-            tensor = self._materialize(node, pins, temps, 0)
+            tensor = self._materialize(node, pins, temps, self._readers(node), 0)
             self.make_room(0, pins)
             return tensor
         finally:
@@ -133,7 +134,25 @@ class Residency:
                 if t.live == 0:
                     self.drop(t)
 
-    def _materialize(self, node: TensorNode, pins: set, temps: list, depth: int) -> torch.Tensor:
+    def _readers(self, node: TensorNode) -> dict[tuple[int, int], int]:
+        """node key -> how many recipes of `node`'s rebuild read it. A node read by several stays pinned
+        until the last of them ran, so a dropped node that many rebuilt ones read (a residual stream, read by
+        a block's norm and by its add) is rebuilt once per rebuild, not once per path to it (exponential in
+        the depth of such diamonds)."""
+        readers: dict[tuple[int, int], int] = {}
+        todo, seen = [node], {node.key}
+        while todo:
+            n = todo.pop()
+            if n.resident() is not None or n.host is not None:  # returned as it is: nothing upstream read
+                continue
+            for key in n.inputs:
+                readers[key] = readers.get(key, 0) + 1
+                if key not in seen:
+                    seen.add(key)
+                    todo.append(self.nodes[key])
+        return readers
+
+    def _materialize(self, node: TensorNode, pins: set, temps: set, readers: dict, depth: int) -> torch.Tensor:
         node.last_access = self.clock
         tensor = node.resident()
         if tensor is not None:
@@ -152,19 +171,22 @@ class Residency:
                              f"it cannot be rebuilt (its op wrote in place a tensor the step did not make)")
         pins.add(node.key)
         # the inputs first, then room for this node's output: the inputs' rebuilds would use room made before them
-        inputs = {key: self._materialize(self.nodes[key], pins, temps, depth + 1) for key in node.inputs}
+        inputs = {key: self._materialize(self.nodes[key], pins, temps, readers, depth + 1) for key in node.inputs}
         self.make_room(node.nbytes, pins)
         result, _ = replay_recipe(node.key, list(node.chain), self.captures, inputs.__getitem__, node.shape,
                                   node.dtype)
         self.memory.track(result)
         self.hold(node, result)
-        for key in node.inputs:  # read: intermediates rebuilt only for this go at once (rebuilt again if needed)
+        for key in node.inputs:  # read: an intermediate is let go once the last recipe reading it ran
+            readers[key] = left = readers.get(key, 1) - 1
+            if left > 0:
+                continue
             pins.discard(key)
             m = self.nodes[key]
             if m.live == 0 and m in temps:
                 self.drop(m)
         if depth:
             self.stats.input_rebuilds += 1  # rebuilt to rebuild another
-        temps.append(node)
+        temps.add(node)
         self.stats.rebuilds += 1
         return result
