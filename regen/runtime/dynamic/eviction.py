@@ -27,7 +27,7 @@ import torch
 from regen.errors import RegenError
 from regen.runtime.dynamic.cap_memory import only_held_by_us
 from regen.runtime.dynamic.nodes import TensorNode
-from regen.runtime.dynamic.policy import score
+from regen.runtime.dynamic.policy import lowest
 from regen.runtime.dynamic.swaps import AHEAD_FRACTION
 from regen.runtime.recompute import replay_recipe
 
@@ -104,15 +104,10 @@ class Residency:
             used -= victim.nbytes
 
     def _victim(self, pins) -> TensorNode | None:
-        best, best_score = None, None
-        for node in self.held.values():
-            if not node.evictable or node.key in pins or not self._frees_when_dropped(node):
-                continue
-            swap_cost_s = None if node.host is None else self.swaps.swap_cost_s(node.nbytes)
-            s = score(self.policy, node, self.nodes, self.clock, swap_cost_s)
-            if best_score is None or s < best_score:
-                best, best_score = node, s
-        return best
+        candidates = [(node, None if node.host is None else self.swaps.swap_cost_s(node.nbytes))
+                      for node in self.held.values()
+                      if node.evictable and node.key not in pins and self._frees_when_dropped(node)]
+        return lowest(self.policy, candidates, self.nodes, self.clock)
 
     @staticmethod
     def _frees_when_dropped(node: TensorNode) -> bool:

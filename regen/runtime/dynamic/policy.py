@@ -13,7 +13,9 @@ ops, then unpacks) since the node was last read, and costs are the forward op ti
 A node whose bytes are on the host (dynamic swaps, swaps.py) costs the time to copy it back instead of
 its recipe's, with nothing upstream.
 
-The graph walks stop after `WALK_LIMIT` nodes, so a score costs a bounded time on any graph.
+The graph walks stop after `WALK_LIMIT` nodes, so a score costs a bounded time on any graph, and the
+victim search (`lowest`) walks only the candidates whose DTR score, a lower bound of their graph score, is
+below the best graph score found so far.
 """
 
 from __future__ import annotations
@@ -36,6 +38,29 @@ def score(policy: str, node: TensorNode, nodes: dict, clock: int, swap_cost_s: f
         upstream_s = dropped_upstream_cost_s(node, nodes) if swap_cost_s is None else 0.0
         own_s = (1 + dropped_dependents(node, nodes)) * (own_s + upstream_s)
     return own_s / (max(1, node.nbytes) * staleness)
+
+
+def dtr_score(node: TensorNode, clock: int, swap_cost_s: float | None = None) -> float:
+    """DTR's plain score (`score("dtr", ...)`): never above the graph score, and needs none of its walks."""
+    return score("dtr", node, {}, clock, swap_cost_s)
+
+
+def lowest(policy: str, candidates: list[tuple[TensorNode, float | None]], nodes: dict,
+           clock: int) -> TensorNode | None:
+    """The candidate (node, swap cost or None) with the lowest score, the first of equal ones. The graph
+    score is walked only for candidates whose DTR score (a lower bound of it) is below the best found."""
+    bounds = sorted(((dtr_score(node, clock, cost), i) for i, (node, cost) in enumerate(candidates)))
+    if policy != "graph":
+        return candidates[bounds[0][1]][0] if bounds else None
+    best, best_i = None, None
+    for bound, i in bounds:
+        if best is not None and bound > best:
+            break
+        node, cost = candidates[i]
+        s = score(policy, node, nodes, clock, cost)
+        if best is None or s < best or (s == best and i < best_i):
+            best, best_i = s, i
+    return None if best_i is None else candidates[best_i][0]
 
 
 def dropped_upstream_cost_s(node: TensorNode, nodes: dict) -> float:
