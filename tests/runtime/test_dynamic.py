@@ -175,6 +175,45 @@ def test_a_rebuild_through_diamonds_rebuilds_each_tensor_once():
     assert 0 < handle.stats.rebuilds <= 4 * depth + 1  # each recipe once (80,000 when dropped after one read)
 
 
+class _WideHead(nn.Module):
+    """A narrow chain of sins, then a wider head (a language model's logits: its largest storage, made last)."""
+
+    def __init__(self, depth: int, width: int, wide: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.head = nn.Parameter(torch.randn(width, wide) / width ** 0.5)
+        self.depth = depth
+
+    def forward(self, x):
+        y = x @ self.w
+        for _ in range(self.depth):
+            y = torch.sin(y)
+        return torch.sin(y @ self.head).sum()
+
+
+def test_backward_past_the_widest_op_keeps_only_the_headroom_it_needs():
+    """Note [ Headroom in backward ]: once backward is past the head, a check keeps free what the chain's ops
+    need, not twice the head's output: the chain is rebuilt about once (10 rebuilds, against 18 when every
+    check of the chain's backward kept the head's headroom)."""
+    torch.manual_seed(0)
+    depth, width, rows = 8, 64, 512
+    model = _WideHead(depth, width, 16 * width)
+    x = torch.randn(rows, width)
+    model(x).backward()
+    reference = model.w.grad.clone(), model.head.grad.clone()
+    model.zero_grad(set_to_none=True)
+    start = sum(model_storages(model).values())
+    unplanned = measure_memory(lambda: model(x).backward())
+    model.zero_grad(set_to_none=True)
+    cap = start + int(0.9 * unplanned.peak_increase_bytes)
+    with regen.apply(model, memory_cap=cap) as handle:
+        measured = measure_memory(lambda: model(x).backward())
+    assert torch.equal(model.w.grad, reference[0]) and torch.equal(model.head.grad, reference[1])
+    assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
+    assert handle.stats.evictions > 0 and handle.stats.over_cap_steps == 0
+    assert handle.stats.rebuilds <= depth + 2
+
+
 class _WritesABuffer(nn.Module):
     """Writes activations into its own buffer in place, twice, reading it after each write (a cache): the
     buffer's first value is gone after the second write and was never the step's to rebuild, so it and

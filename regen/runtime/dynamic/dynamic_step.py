@@ -38,6 +38,16 @@ from regen.runtime.peak_check import PEAK_TOLERANCE
 from regen.units import format_bytes
 
 
+# NOTE [ Headroom in backward ]
+# Each check keeps a headroom free for what the runtime does not see coming (eviction.py): in forward, twice
+# the largest storage an op made so far. Backward runs the forward ops' gradients in reverse, so at the unpack
+# of op i's output the ops still to come are those of ops up to about i, and the headroom goes back to what it
+# was after op i in forward. Kept at its largest all through backward, a language model's logits (by far its
+# largest storage, made last) would hold twice their size free in every layer's backward: every check then
+# evicts all it can and the next unpack rebuilds it again (GPT-2's vocabulary of 50,257: thousands of rebuilds
+# a step at any cap).
+
+
 class OverCapWarning(UserWarning):
     """A dynamic step's memory passed its cap with nothing left to evict (the result stays exact)."""
 
@@ -76,6 +86,7 @@ class DynamicStep:
         self.captures: dict = {}
         self.writer: dict[int, Writer] = {}
         self.count = 0  # forward ops
+        self.headroom_upto: list[int] = []  # forward op -> the headroom its forward had after it ran
         self.in_backward = False
         self.closed = False  # a later step started
         self.aborted = False
@@ -122,6 +133,7 @@ class DynamicStep:
                 self.writer[key] = Writer.of(i, slot, t)
                 self.memory.track(t)
                 self.residency.headroom_bytes = max(self.residency.headroom_bytes, HEADROOM_PER_OUTPUT * node.nbytes)
+        self.headroom_upto.append(self.residency.headroom_bytes)
         return out
 
     def backward_op(self, func, args, kwargs):
@@ -167,6 +179,9 @@ class DynamicStep:
             raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
         self.in_backward = True
         self.residency.clock += 1
+        op = obj.node.key[0]
+        if op < len(self.headroom_upto):  # Note [ Headroom in backward ]
+            self.residency.headroom_bytes = self.headroom_upto[op]
         with self.pause():
             base = self.residency.materialize(obj.node)
             self.residency.prefetch(obj.node)

@@ -3,7 +3,8 @@
 `Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild): while
 the memory in use (cap_memory.py) plus `need_bytes` plus a headroom (twice the largest storage an op of the
 step made so far: checks run after an op allocated, so room is kept for the next one's output and a
-temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see) passes the cap,
+temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see; in backward, what
+it was after the forward op being unpacked: dynamic_step.py, Note [ Headroom in backward ]) passes the cap,
 the held node with the lowest score (policy.py) is dropped (let go as swapped out when its bytes are on
 the host: swaps.py). Only nodes whose storage nothing but the runtime holds are candidates (dropping
 another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
