@@ -5,18 +5,14 @@
 * CPU, which has no allocator statistics: the memory at the step's start, counted as the bytes of the
   model's parameters, their gradients and its buffers (the batch and optimizer state are not seen), plus
   the bytes of every storage that an op of a step created (forward, backward and rebuilds; each storage
-  once) while it is alive. Temporaries inside a single op are not seen. The figure is a running total: a
-  storage's Python object lives exactly as long as the storage (PyTorch preserves it), so a finalizer on
-  it takes its bytes off when it dies, and reading the figure costs the same whatever the step holds.
+  once, tracked with a weak reference) while it is alive. Temporaries inside a single op are not seen.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.opinfo import storage_key
 
@@ -39,25 +35,30 @@ def model_storages(model: nn.Module) -> dict[int, int]:
 
 
 class TrackedMemory:
-    """CPU: the bytes of live storages that the steps' ops created, plus a start figure."""
+    """CPU: the bytes of live storages that the steps' ops created (weak references), plus a start figure.
+
+    `in_use_bytes()` is a running total that counts a storage from its `track` until a purge finds it dead:
+    never below the memory in use, so a check that passes with it passes exactly. A purge walks every
+    tracked storage; it runs when the total is over the caller's `exact_above_bytes` (the figure then
+    decides an eviction, and must be exact) and otherwise once every PURGE_EVERY_CALLS reads, so a read
+    costs about the same however many storages the step holds."""
+
+    PURGE_EVERY_CALLS = 64
 
     def __init__(self):
         self.start_bytes = 0
         self._tracked_bytes = 0
-        self._lock = threading.RLock()  # a storage can die on another thread, or in a collection inside track
-        # storage key -> (its finalizer, bytes, the token the finalizer was given)
-        self._live: dict[int, tuple[weakref.finalize, int, object]] = {}
+        self._reads_since_purge = 0
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
 
     def begin_step(self, model: nn.Module) -> None:
         """A step starts: its start figure is the model's memory (storages tracked already, such as
         gradients made by an earlier backward, are counted there once)."""
         storages = model_storages(model)
-        with self._lock:
-            for key in storages:
-                entry = self._live.pop(key, None)
-                if entry is not None:
-                    entry[0].detach()
-                    self._tracked_bytes -= entry[1]
+        for key in storages:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._tracked_bytes -= entry[1]
         self.start_bytes = sum(storages.values())
 
     def track(self, t: torch.Tensor) -> None:
@@ -65,25 +66,29 @@ class TrackedMemory:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = storage.data_ptr()
-        if nbytes == 0 or key == 0 or key in self._live:
+        if nbytes == 0 or key == 0:
             return
-        token = object()
-        finalizer = weakref.finalize(storage, self._died, key, token)
-        finalizer.atexit = False
-        with self._lock:
-            self._live[key] = (finalizer, nbytes, token)
-            self._tracked_bytes += nbytes
-
-    def _died(self, key: int, token: object) -> None:
-        with self._lock:
-            entry = self._live.get(key)
-            if entry is None or entry[2] is not token:  # a later storage at the same address is tracked now
+        entry = self._live.get(key)
+        if entry is not None:
+            if not entry[0].expired():
                 return
-            del self._live[key]
-            self._tracked_bytes -= entry[1]
+            self._tracked_bytes -= entry[1]  # a dead storage at the same address
+        self._live[key] = (StorageWeakRef(storage), nbytes)
+        self._tracked_bytes += nbytes
 
-    def in_use_bytes(self) -> int:
+    def in_use_bytes(self, exact_above_bytes: int | None = None) -> int:
+        """The memory in use, or a figure above it; exact when that figure is over `exact_above_bytes`."""
+        self._reads_since_purge += 1
+        over = exact_above_bytes is not None and self.start_bytes + self._tracked_bytes > exact_above_bytes
+        if over or self._reads_since_purge >= self.PURGE_EVERY_CALLS:
+            self._purge()
         return self.start_bytes + self._tracked_bytes
+
+    def _purge(self) -> None:
+        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
+        for key in dead:
+            self._tracked_bytes -= self._live.pop(key)[1]
+        self._reads_since_purge = 0
 
 
 class DeviceMemory:
@@ -99,5 +104,5 @@ class DeviceMemory:
     def track(self, t: torch.Tensor) -> None:
         pass
 
-    def in_use_bytes(self) -> int:
+    def in_use_bytes(self, exact_above_bytes: int | None = None) -> int:
         return torch.cuda.memory_allocated(self.device)

@@ -87,7 +87,7 @@ class Residency:
     def make_room(self, need_bytes: int, pins=frozenset(), copy_out_ahead: bool = False) -> None:
         """Evict until `need_bytes` more fit under the cap; with `copy_out_ahead` (forward ops), first start
         host copies of held nodes once memory is tight (swaps.py)."""
-        used = self.memory.in_use_bytes()
+        used = self.memory.in_use_bytes(exact_above_bytes=self.cap_bytes - need_bytes - self.headroom_bytes)
         if used > self.stats.peak_in_use_bytes:
             self.stats.peak_in_use_bytes = used
         if copy_out_ahead and self.swaps is not None and used >= AHEAD_FRACTION * self.cap_bytes:
