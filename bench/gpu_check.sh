@@ -8,8 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            2> /dev/null; then
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    else  # made for the GPU machine's Python 3.12 on x86-64 (bench/gpu_wheels.sh); this Python has its own
+        echo "gpu_check: the wheels in .whl/ do not install for this Python; going on with its own packages"
+    fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -14,10 +14,9 @@ import dataclasses
 
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanCharges, PlanFigures,
                                 PlanLink, RecipeOp, RegionDecision, TrackingStart)
-from regen.formats.plan_rules import host_range_bytes
 from regen.planner.costs import reported_step_time_s
 from regen.planner.graph import PlanningGraph
-from regen.planner.residency import host_range_end
+from regen.planner.residency import host_pool_bytes
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, recipe_tracked_ops
 
@@ -35,7 +34,6 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
     plan_region = {r.index: k for k, r in enumerate(graph.regions[i] for i in sorted(
         {ch.region for ch in result.choices.values() if ch.region is not None}))}
     recipe_ops: dict[int, RecipeOp] = {}
-    host_intervals = []  # (copy-out issued after, host range given back at, its bytes) of every swapped tensor
     for c in graph.candidates:
         s = c.saved
         ch = result.choices.get(c.index, Choice())
@@ -47,7 +45,6 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
             d.swap_in_at_unpack = _unpack_position(unpacks, ch.swap_in_step, first_unpack)
             d.release_before_op = sim.release_steps[c.index]
             d.release_at_pack, d.release_at_unpack = graph.release_position(c, d.release_before_op)
-            host_intervals.append((c.issue_after, host_range_end(c), host_range_bytes(c.bytes)))
         elif ch.action == ACTION_RECOMPUTE and ch.region is not None:
             d.region = plan_region[ch.region]
             d.recompute_before_op = graph.regions[ch.region].replay_step
@@ -72,7 +69,7 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
                               step_time_s=reported_step_time_s(graph, result.predicted_step_time_s)),
         simulated=PlanFigures(peak_bytes=int(sim.peak_bytes), step_time_s=reported_step_time_s(graph, sim.step_time_s)),
         solver=result.report, d2h_bytes_per_s=graph.d2h_bytes_per_s, h2d_bytes_per_s=graph.h2d_bytes_per_s,
-        host_pool_bytes=_peak_concurrent(host_intervals), num_forward_ops=graph.num_forward_ops,
+        host_pool_bytes=host_pool_bytes(graph.candidates, result.choices), num_forward_ops=graph.num_forward_ops,
         num_forward_packs=sum(1 for e in profile.saved_entries
                               if e.pack_after_op is not None and e.pack_after_op < graph.num_forward_ops),
         memory_at_start_bytes=int(profile.memory_at_start_bytes),
@@ -134,14 +131,3 @@ def _unpack_position(unpacks: list[tuple[int, int]], before_op: int, first_unpac
     return best if best is not None else first_unpack
 
 
-def _peak_concurrent(intervals: list[tuple[int, int, int]]) -> int:
-    events = []
-    for lo, hi, nbytes in intervals:
-        events.append((lo, nbytes))
-        events.append((hi + 1, -nbytes))
-    events.sort(key=lambda e: (e[0], e[1]))
-    run = best = 0
-    for _, delta in events:
-        run += delta
-        best = max(best, run)
-    return best

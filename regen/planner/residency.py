@@ -23,6 +23,7 @@ from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.formats.plan_rules import host_range_bytes
 from regen.formats.profile import KIND_BUFFER, PHASE_FORWARD, Profile
 from regen.opinfo import writes_an_argument
 
@@ -228,4 +229,21 @@ def host_range_end(c) -> int:
     peak is the same whether a range ends at the first backward use or the last; the plan says what the
     runtime does."""
     return c.last_backward if c.last_backward is not None else c.first_backward
+
+
+def host_pool_bytes(candidates: Sequence, choices: dict) -> int:
+    """The host pool a plan needs: the most bytes its swapped candidates' host ranges hold at once (each
+    from its copy-out's issue to `host_range_end`, rounded as the runtime's pool hands ranges out)."""
+    events = []
+    for i, ch in choices.items():
+        if ch.action == ACTION_SWAP:
+            c = candidates[i]
+            events.append((c.issue_after, host_range_bytes(c.bytes)))
+            events.append((host_range_end(c) + 1, -host_range_bytes(c.bytes)))
+    events.sort(key=lambda e: (e[0], e[1]))
+    run = best = 0
+    for _, delta in events:
+        run += delta
+        best = max(best, run)
+    return best
 

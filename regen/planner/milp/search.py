@@ -31,7 +31,7 @@ from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
 from regen.planner.milp.relaxation import Relaxation
 from regen.planner.milp.solution import MilpResult, solve_model
-from regen.planner.residency import lower_bound_peak
+from regen.planner.residency import host_pool_bytes, lower_bound_peak
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, simulate
 from regen.units import format_bytes, format_duration
@@ -55,7 +55,9 @@ MILP_ROWS_INFEASIBLE = "the MILP's memory rows admit no plan at this cap, where 
 # charged at its step), so at a cap just at a plan's simulated peak the MILP can be infeasible while that
 # plan passes: the smallest cap an InfeasibleCapError names, solved again from its least-peak plan, is one
 # (a Llama at size "gpu" under the swap strategy, on an H200). A cap is infeasible only when no plan in
-# hand passes the simulator under it; otherwise the best such plan (the warm start) is the plan.
+# hand passes the final check under it (the simulator's peak, and the host pool within its cap: the greedy
+# plans do not see the host pool, so warm_start leaves out those over it); otherwise the best such plan
+# (the warm start) is the plan.
 
 # NOTE [ Block search with swaps ]
 # With swaps the copy-channel rows make branch and bound stall far sooner, so the block search takes
@@ -204,8 +206,8 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
                say: Say) -> dict[int, Choice] | None:
     """The greedy plan, per-block checkpointing (when the profile has regions), or for hybrid the
     recompute-only greedy's or (up to RECOMPUTE_WARM_START_MAX_CANDIDATES) the recompute-only MILP's
-    plan, whichever is the fastest under the cap, so the search starts from a plan at least as good as
-    each of them."""
+    plan, whichever is the fastest under the cap (with its host pool within the host memory cap), so the
+    search starts from a plan at least as good as each of them."""
     candidates = list(graph.start_plans)  # plans the caller had (the least-peak plan of this graph)
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_recompute)
     if greedy is not None:
@@ -219,7 +221,10 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
     if allow_swap and allow_recompute and decidable_count(graph) <= RECOMPUTE_WARM_START_MAX_CANDIDATES:
         candidates += recompute_only_milp_plans(graph, cap, WARM_START_TIME_FRACTION * time_limit_s)
     best = None
+    host_cap = graph.host_memory_cap_bytes
     for name, choices in candidates:
+        if host_cap is not None and host_pool_bytes(graph.candidates, choices) > host_cap:
+            continue  # the final check would refuse it (the greedy plans do not see the host pool)
         sim = simulate(graph, choices)
         if sim.fits(cap) and (best is None or sim.step_time_s < best[0]):
             best = (sim.step_time_s, name, choices)
