@@ -246,8 +246,7 @@ def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, 
                     continue
                 smallest_done.add(strategy)
                 label = f"regen {strategy} @ its smallest cap"
-                start = (("least-peak plan", exc.plan_at_smallest),) if exc.plan_at_smallest is not None else ()
-                plan = solved(smallest, strategy, start)
+                plan = solved(smallest, strategy, exc.start_plans)
             rows.append(planned_row(label, w, optimizer, plan, profile, cfg, reference, spread))
     return rows
 

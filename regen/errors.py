@@ -35,6 +35,12 @@ class InfeasibleCapError(RegenError):
         self.smallest_feasible_cap_bytes = smallest_feasible_cap_bytes
         self.plan_at_smallest = plan_at_smallest  # the planner's choices at that cap, when it has them
 
+    @property
+    def start_plans(self) -> tuple:
+        """The plan at the smallest cap as `solve(..., start_plans=...)` takes it, to solve again at that cap
+        (where the MILP alone may find no plan in its time), or () when there is none."""
+        return (("least-peak plan", self.plan_at_smallest),) if self.plan_at_smallest is not None else ()
+
 
 class SolverError(RegenError):
     """The solver stopped without any feasible plan (time limit with no incumbent, solver missing)."""

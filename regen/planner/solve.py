@@ -109,6 +109,5 @@ def solve_within_reach(profile: Profile, memory_cap_bytes: int, options: SolveOp
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
-        start = (("least-peak plan", exc.plan_at_smallest),) if exc.plan_at_smallest is not None else ()
-        return solve(profile, exc.smallest_feasible_cap_bytes, dataclasses.replace(options, start_plans=start),
-                     progress=progress)
+        again = dataclasses.replace(options, start_plans=exc.start_plans)
+        return solve(profile, exc.smallest_feasible_cap_bytes, again, progress=progress)

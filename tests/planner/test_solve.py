@@ -152,7 +152,7 @@ def test_a_plan_the_simulator_passes_outranks_the_milps_infeasible_rows(monkeypa
     greedy = search.heuristics.greedy  # no plan in hand but the least-peak one (the search's own greedy stays)
     monkeypatch.setattr(search.heuristics, "greedy",
                         lambda *args, best_effort=False: greedy(*args, best_effort=True) if best_effort else None)
-    plan = solve(profile, smallest, "swap", time_limit_s=20, start_plans=[("least-peak plan", least)])
+    plan = solve(profile, smallest, "swap", time_limit_s=20, start_plans=exc.value.start_plans)
     assert plan.simulated.peak_bytes <= smallest and search.MILP_ROWS_INFEASIBLE in " ".join(plan.notes)
     actions = {i: c.action for i, c in choices_from_plan(build_graph(profile), plan).items() if c.action != "keep"}
     assert actions == {i: c.action for i, c in least.items() if c.action != "keep"}
