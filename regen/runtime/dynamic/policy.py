@@ -49,9 +49,12 @@ def lowest(policy: str, candidates: list[tuple[TensorNode, float | None]], nodes
            clock: int) -> TensorNode | None:
     """The candidate (node, swap cost or None) with the lowest score, the first of equal ones. The graph
     score is walked only for candidates whose DTR score (a lower bound of it) is below the best found."""
-    bounds = sorted(((dtr_score(node, clock, cost), i) for i, (node, cost) in enumerate(candidates)))
+    if not candidates:
+        return None
+    bounds = [(dtr_score(node, clock, cost), i) for i, (node, cost) in enumerate(candidates)]
     if policy != "graph":
-        return candidates[bounds[0][1]][0] if bounds else None
+        return candidates[min(bounds)[1]][0]
+    bounds.sort()
     best, best_i = None, None
     for bound, i in bounds:
         if best is not None and bound > best:
@@ -60,7 +63,7 @@ def lowest(policy: str, candidates: list[tuple[TensorNode, float | None]], nodes
         s = score(policy, node, nodes, clock, cost)
         if best is None or s < best or (s == best and i < best_i):
             best, best_i = s, i
-    return None if best_i is None else candidates[best_i][0]
+    return candidates[best_i][0]
 
 
 def dropped_upstream_cost_s(node: TensorNode, nodes: dict) -> float:
