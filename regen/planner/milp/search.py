@@ -133,9 +133,9 @@ class _FirstModel:
 
 def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, Choice] | None,
                       deadline: float, time_limit_s: float, say: Say, notes: list[str],
-                      lower: int) -> tuple[MilpResult | None, str]:
-    """The first MILP plan that passes the simulator, with repair rounds; (None, why) when none does and
-    the warm start stands in (why: one of the fallback reasons above)."""
+                      lower: int) -> tuple[MilpResult | None, str | None]:
+    """The first MILP plan that passes the simulator, with repair rounds, and None; (None, why) when none
+    does and the warm start stands in (why: one of the fallback reasons above)."""
     graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
     block_plan = None  # large graphs: the block search's plan, kept if the full MILP then finds none
@@ -153,7 +153,7 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
                 if result is not None and simulate(graph, result.choices).fits(cap):
                     block_plan = result
                     if not go_on or not time_for_full_solve(deadline, time_limit_s):
-                        return result, ""
+                        return result, None
                 elif not time_for_full_solve(deadline, time_limit_s):
                     return None, MILP_TIMED_OUT
             remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
@@ -165,13 +165,13 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             return None, MILP_ROWS_INFEASIBLE  # Note [ The simulator over the MILP's rows ]
         except SolverError:
             if block_plan is not None:
-                return block_plan, ""
+                return block_plan, None
             if warm is None:
                 raise
             return None, MILP_TIMED_OUT
         sim = simulate(graph, result.choices)
         if sim.fits(cap):
-            return result, ""
+            return result, None
         say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)

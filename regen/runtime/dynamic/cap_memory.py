@@ -105,4 +105,5 @@ class DeviceMemory:
         pass
 
     def in_use_bytes(self, exact_above_bytes: int | None = None) -> int:
+        """Always exact (TrackedMemory's signature)."""
         return torch.cuda.memory_allocated(self.device)
