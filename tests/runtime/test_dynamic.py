@@ -380,3 +380,52 @@ def test_what_backward_makes_counts_against_the_cap():
     assert_same(reference, got[0])
     assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
     assert handle.stats.evictions > 0
+
+
+def _peaks(*readings):
+    """A stand-in for CUDA's peak reader (engine.read_peak): read at each step's start and at its release."""
+    it = iter(readings)
+    return lambda: next(it)
+
+
+def test_a_step_measured_over_the_cap_teaches_the_steps_after_it_a_reserve():
+    """Note [ The learned reserve ]: the allocator measured step 1 `over` bytes over the cap (a transient no
+    check saw); step 2 keeps that much more free at every check, so it evicts and peaks lower, exactly."""
+    torch.manual_seed(0)
+    depth, width = 8, 128
+    model = _sin_chain(depth, width)
+    x = torch.randn(width, width)
+    reference = _grads(model, x)
+    tensor_bytes = width * width * 4
+    cap = sum(model_storages(model).values()) + (depth + 4) * tensor_bytes  # the whole chain fits
+    with regen.apply(model, memory_cap=cap):
+        unlearned = measure_memory(lambda: model(x).backward())
+    model.zero_grad(set_to_none=True)
+    over = 3 * tensor_bytes
+    with regen.apply(model, memory_cap=cap) as handle:
+        handle.engine.read_peak = _peaks(0, cap + over, cap + over, cap + over)
+        with pytest.warns(OverCapWarning, match="allocator"):
+            model(x).backward()
+        assert _same_grads(model, reference) and handle.stats.evictions == 0
+        assert handle.stats.reserve_bytes == over
+        model.zero_grad(set_to_none=True)
+        learned = measure_memory(lambda: model(x).backward())  # no new maximum: no second warning
+    assert _same_grads(model, reference)
+    assert handle.stats.evictions > 0 and handle.stats.over_cap_steps == 1
+    assert learned.peak_increase_bytes <= unlearned.peak_increase_bytes - 2 * tensor_bytes
+
+
+@pytest.mark.parametrize("cap_bytes, overshoot_bytes, reserve_bytes", [
+    (1024, 1 << 20, 0),  # a check ran out of victims: the cap is below dynamic mode's reach, nothing learned
+    (1 << 30, 1 << 30, 1 << 29),  # never more than half the cap
+])
+def test_the_learned_reserve_grows_only_where_it_can_help(cap_bytes, overshoot_bytes, reserve_bytes):
+    torch.manual_seed(0)
+    model = _sin_chain(8, 64)
+    x = torch.randn(64, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverCapWarning)
+        with regen.apply(model, memory_cap=cap_bytes) as handle:
+            handle.engine.read_peak = _peaks(0, cap_bytes + overshoot_bytes)
+            model(x).backward()
+    assert handle.stats.reserve_bytes == reserve_bytes

@@ -15,7 +15,8 @@ owns no module hook, so one handle's hooks decide every step and the two sets ne
 On CUDA the allocator's peak (`torch.cuda.max_memory_allocated`, never reset: the loop's own figures stay
 its own) is read when a step starts and when it is let go; a step that set a new maximum over its cap +
 5% warns with that figure (`DynamicStep.measured_peak`), as the checks at packs and unpacks cannot see an
-op's temporaries or backward's gradients there.
+op's temporaries or backward's gradients there; the steps after it keep a reserve free (Note [ The learned
+reserve ]).
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ from regen.runtime.model_access import module_device
 from regen.runtime.peak_check import cuda_peak_reader
 
 
+# NOTE [ The learned reserve ]
+# The checks at packs and unpacks count what the step made so far (on CUDA, the allocator's figure) plus a
+# headroom for the next op (eviction.py). What they cannot see (an op's own temporaries, the gradients
+# backward makes between two unpacks, a loss whose backward holds several logits-sized tensors at once) shows
+# only in the allocator's peak, read when a step is let go. So each step's overshoot (its measured peak over
+# the cap) is added to a reserve that every check of the steps after it keeps free, too:
+#   1. it grows by the whole overshoot of a step, and only of a step whose checks always found something to
+#      drop (when a check ran out of victims, a larger reserve frees nothing more: the cap is below what
+#      dynamic mode reaches, and growing it would make every later check evict all it can);
+#   2. it never shrinks (a step under the cap says the reserve worked, not that it is too large) and never
+#      passes MAX_RESERVE_FRACTION of the cap;
+#   3. the first step over the cap still warns (its figure is the allocator's); the ones after it stay under.
+
+
+MAX_RESERVE_FRACTION = 0.5
+
+
 @dataclass
 class DynamicStats:
     """What a dynamic engine did so far (cumulative over steps)."""
@@ -52,6 +70,7 @@ class DynamicStats:
     synchronous_copy_ins: int = 0  # of which issued at the unpack that needed them (none ahead)
     link_wait_s: float = 0.0  # time the step waited on the link (an emulated link's copy threads)
     link_copy_cpu_s: float = 0.0  # an emulated link's copy threads' CPU time (emulation only)
+    reserve_bytes: int = 0  # kept free at every check, learned from measured peaks (Note [ The learned reserve ])
 
 
 class DynamicMode(TorchDispatchMode):
@@ -127,6 +146,7 @@ class DynamicEngine:
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
+        step.residency.reserve_bytes = self.stats.reserve_bytes
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
@@ -174,6 +194,13 @@ class DynamicEngine:
         stacks.pop_finished()  # what this removal uncovered (another handle's, or this one's let go)
         self._close_link()
 
+    def _learn_reserve(self, overshoot_bytes: int, ran_out: bool) -> None:
+        """Note [ The learned reserve ]."""
+        if overshoot_bytes <= 0 or ran_out:
+            return
+        grown = self.stats.reserve_bytes + overshoot_bytes
+        self.stats.reserve_bytes = min(grown, int(MAX_RESERVE_FRACTION * self.cap_bytes))
+
     def _close_link(self) -> None:
         """The link's copy threads stop once the handle is removed and no step can copy any more."""
         if self.removed and not self.live_steps and self.swaps is not None:
@@ -184,6 +211,7 @@ class DynamicEngine:
             peak = self.read_peak()
             if peak > step.peak_at_start_bytes:  # a new maximum: this step's own peak
                 step.measured_peak(peak)
+                self._learn_reserve(peak - self.cap_bytes, step.residency.ran_out)
         if step in self.live_steps:
             self.live_steps.remove(step)
         self._close_link()

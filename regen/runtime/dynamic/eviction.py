@@ -5,6 +5,8 @@ the memory in use (cap_memory.py) plus `need_bytes` plus a headroom (twice the l
 step made so far: checks run after an op allocated, so room is kept for the next one's output and a
 temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see; in backward, what
 it was after the forward op being unpacked: dynamic_step.py, Note [ Headroom in backward ]) passes the cap,
+plus a reserve learned from the steps before (CUDA: how far the allocator measured a step over its cap, the
+transients no check saw; engine.py) passes the cap,
 the held node with the lowest score (policy.py) is dropped (let go as swapped out when its bytes are on
 the host: swaps.py). Only nodes whose storage nothing but the runtime holds are candidates (dropping
 another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
@@ -55,6 +57,8 @@ class Residency:
         # kept free at every check: HEADROOM_PER_OUTPUT x the largest storage an op of the step made so far, an
         # estimate of the next op's allocations (a check runs at a pack, after the op allocated, or before a rebuild)
         self.headroom_bytes = 0
+        self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
+        self.ran_out = False  # a check found nothing left to drop before headroom and reserve were free
 
     def hold(self, node: TensorNode, tensor: torch.Tensor) -> None:
         node.tensor = tensor
@@ -80,21 +84,23 @@ class Residency:
             return
         waiting = [n for n in self.nodes.values() if n.live > 0 and n.host is not None and n.resident() is None]
         waiting.sort(key=lambda n: (n.key < unpacked.key, n.key), reverse=True)
-        room = self.cap_bytes - self.memory.in_use_bytes() - self.headroom_bytes
+        room = self.cap_bytes - self.memory.in_use_bytes() - self.headroom_bytes - self.reserve_bytes
         self.swaps.prefetch(waiting, room, self.memory.track)
 
     # ---- eviction ---------------------------------------------------------------------------------
     def make_room(self, need_bytes: int, pins=frozenset(), copy_out_ahead: bool = False) -> None:
         """Evict until `need_bytes` more fit under the cap; with `copy_out_ahead` (forward ops), first start
         host copies of held nodes once memory is tight (swaps.py)."""
-        used = self.memory.in_use_bytes(exact_above_bytes=self.cap_bytes - need_bytes - self.headroom_bytes)
+        kept_free = self.headroom_bytes + self.reserve_bytes
+        used = self.memory.in_use_bytes(exact_above_bytes=self.cap_bytes - need_bytes - kept_free)
         if used > self.stats.peak_in_use_bytes:
             self.stats.peak_in_use_bytes = used
         if copy_out_ahead and self.swaps is not None and used >= AHEAD_FRACTION * self.cap_bytes:
             self.swaps.copy_out_ahead(self.held.values())
-        while used + need_bytes + self.headroom_bytes > self.cap_bytes:
+        while used + need_bytes + kept_free > self.cap_bytes:
             victim = self._victim(pins)
             if victim is None:
+                self.ran_out = True
                 if used + need_bytes > self.cap_bytes:
                     self.over_cap(used + need_bytes)
                 return
