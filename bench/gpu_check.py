@@ -225,7 +225,7 @@ def _checkpoint_blocks_plan(profile):
 def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, t_start: float,
                reference: dict, spread: float) -> list[Row]:
     """regen's plans at each (name, cap); a strategy that cannot reach a cap runs once at its smallest."""
-    from regen.errors import InfeasibleCapError
+    from regen.errors import InfeasibleCapError, SolverError
     from regen.planner import solve
 
     def solved(cap, strategy, start_plans=()):
@@ -241,6 +241,9 @@ def regen_rows(profile, caps: list[tuple[str, int]], w, optimizer, cfg: Config, 
                 continue
             try:
                 plan = solved(cap, strategy)
+            except SolverError as exc:  # no plan within the time limit: said, and the check goes on
+                print(f"  {label}: no plan: {exc}", flush=True)
+                continue
             except InfeasibleCapError as exc:
                 smallest = exc.smallest_feasible_cap_bytes
                 print(f"  {label}: out of reach; smallest cap {(smallest or 0) / GIB:.3f} GiB", flush=True)

@@ -14,6 +14,7 @@ everything of interest was allocated inside it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from dataclasses import dataclass
@@ -84,17 +85,29 @@ def _timeline_totals(step: Callable[[], object]) -> list[int]:
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
-            step()
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+    with _profilers_warnings_ignored():
+        prof.__enter__()
+    try:
+        step()  # its own warnings reach the caller
+    finally:
+        with _profilers_warnings_ignored():
+            prof.__exit__(None, None, None)
+    with _profilers_warnings_ignored():
         try:
             timeline = MemoryProfileTimeline(prof._memory_profile())
             _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
             return [int(sum(row)) for row in sizes] or [0]
         except AssertionError:  # its data-flow analysis refuses some steps (storages swapped under a tensor)
             return _allocator_totals(prof)
+
+
+@contextlib.contextmanager
+def _profilers_warnings_ignored():
+    """The profiler's own warnings (memory allocated before it started, and the like) are not the step's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _allocator_totals(prof) -> list[int]:

@@ -6,7 +6,8 @@ included, until backward begins. Its dispatch mode (handle.py) hands it every co
 * forward: the op is captured (`recompute.capture_op`: arguments the step produced become `Ref`s, written
   buffers `Scratch` copies, random ops keep their RNG state), timed with `time.perf_counter`, and each
   storage it wrote gets a node (nodes.py) in the step's writer map;
-* backward (CPU only): the op's outputs are counted as memory in use (cap_memory.py).
+* backward: the op's outputs are counted as memory in use on CPU (cap_memory.py), and each op gets room for
+  what it made in the step before (Note [ Room for the next op ]); a forward op too.
 
 Pack: a tensor whose storage an op of the step wrote is held by its node and autograd gets a `Held`
 handle; then the step makes room under the cap (eviction.py), which may drop held nodes. Anything else
@@ -26,6 +27,7 @@ import torch
 
 from regen.errors import RegenError
 from regen.opinfo import is_inplace, is_random, op_outputs, storage_key, tensor_outputs, written_outputs
+from regen.runtime.dynamic.cap_memory import new_storage_bytes
 from regen.runtime.dynamic.nodes import TensorNode, new_node
 from regen.runtime.dynamic.eviction import Residency
 from regen.runtime.dynamic.eviction import HEADROOM_PER_OUTPUT
@@ -46,6 +48,17 @@ from regen.units import format_bytes
 # largest storage, made last) would hold twice their size free in every layer's backward: every check then
 # evicts all it can and the next unpack rebuilds it again (GPT-2's vocabulary of 50,257: thousands of rebuilds
 # a step at any cap).
+
+
+# NOTE [ Room for the next op ]
+# A forward op's check runs before the op allocates its outputs, and the headroom (twice the largest storage
+# made so far) cannot see a storage larger than any before it: a language model's logits, made by one matmul
+# after the last block, several times any block's tensor. Training repeats its forward, so each step records,
+# per forward op, the op and the bytes of the storages it made; the next step's check before op i makes room
+# for what op i made last time, when op i is the same op (a step of another shape gets the last step's
+# figure, a fair guess: it only sets how much is dropped ahead). Backward alike, op by op: a gradient as large
+# as the logits comes right at its start. Where a reading of the memory costs (CUDA: the allocator's
+# statistics), a backward op gets a check only when it made more the step before than the headroom keeps.
 
 
 class OverCapWarning(UserWarning):
@@ -87,6 +100,10 @@ class DynamicStep:
         self.writer: dict[int, Writer] = {}
         self.count = 0  # forward ops
         self.headroom_upto: list[int] = []  # forward op -> the headroom its forward had after it ran
+        # forward op, backward op -> (op, bytes of the storages it made) (Note [ Room for the next op ])
+        self.made_forward: list[tuple] = []
+        self.made_backward: list[tuple] = []
+        self.foreseen: tuple[list, list] | None = None  # the step before's (made_forward, made_backward)
         self.in_backward = False
         self.closed = False  # a later step started
         self.aborted = False
@@ -105,7 +122,7 @@ class DynamicStep:
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
-        self.residency.make_room(0, copy_out_ahead=True)  # before the op allocates its outputs
+        self.residency.make_room(self._foreseen_bytes(0, i, func), copy_out_ahead=True)  # before the op allocates
         nodes = self.nodes
         for key in cap.refs:
             node = nodes.get(key)
@@ -116,6 +133,7 @@ class DynamicStep:
         op_time_s = time.perf_counter() - start
         outs = op_outputs(func, args, kwargs, out)
         written = written_outputs(func, args, kwargs, outs)
+        made_bytes = 0
         if written:
             inplace = is_inplace(func)
             returned = len(tensor_outputs(out))
@@ -133,17 +151,34 @@ class DynamicStep:
                 self.writer[key] = Writer.of(i, slot, t)
                 self.memory.track(t)
                 self.residency.headroom_bytes = max(self.residency.headroom_bytes, HEADROOM_PER_OUTPUT * node.nbytes)
+                if not inplace:
+                    made_bytes += node.nbytes
         self.headroom_upto.append(self.residency.headroom_bytes)
+        self.made_forward.append((func, made_bytes))
         return out
+
+    def _foreseen_bytes(self, phase: int, i: int, func) -> int:
+        """What op `i` of forward (`phase` 0) or backward (1) made in the step before, when it was the same
+        op (Note [ Room for the next op ])."""
+        if self.foreseen is None:
+            return 0
+        seen = self.foreseen[phase]
+        if i >= len(seen) or seen[i][0] is not func:
+            return 0
+        return seen[i][1]
 
     def backward_op(self, func, args, kwargs):
         self.in_backward = True
-        if not self.released:
-            self.residency.make_room(0)  # before the op allocates its outputs
+        need = self._foreseen_bytes(1, len(self.made_backward), func)
+        if not self.released and (self.memory.cheap_reads or need > self.residency.headroom_bytes):
+            self.residency.make_room(need)  # before the op allocates its outputs
         out = func(*args, **kwargs)
+        made_bytes = 0
         for t in tensor_outputs(out):
             if t is not None:
                 self.memory.track(t)
+                made_bytes += new_storage_bytes(t, args)
+        self.made_backward.append((func, made_bytes))
         return out
 
     # ---- saved-tensor hooks -----------------------------------------------------------------------

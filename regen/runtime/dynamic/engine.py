@@ -43,8 +43,9 @@ from regen.runtime.peak_check import cuda_peak_reader
 # only in the allocator's peak, read when a step is let go. So each step's overshoot (its measured peak over
 # the cap) is added to a reserve that every check of the steps after it keeps free, too:
 #   1. it grows by the whole overshoot of a step, and only of a step whose checks always found something to
-#      drop (when a check ran out of victims, a larger reserve frees nothing more: the cap is below what
-#      dynamic mode reaches, and growing it would make every later check evict all it can);
+#      drop before the reserve was free (the headroom aside: it is a guess, the reserve a measurement); when
+#      a check ran out of victims, a larger reserve frees nothing more: the cap is below what dynamic mode
+#      reaches, and growing it would make every later check evict all it can;
 #   2. it never shrinks (a step under the cap says the reserve worked, not that it is too large) and never
 #      passes MAX_RESERVE_FRACTION of the cap;
 #   3. the first step over the cap still warns (its figure is the allocator's); the ones after it stay under.
@@ -76,11 +77,10 @@ class DynamicStats:
 class DynamicMode(TorchDispatchMode):
     """Hands every counted op to the current step: `forward_op` until backward begins, then `backward_op`."""
 
-    def __init__(self, count_backward: bool):
+    def __init__(self):
         super().__init__()
         self.step: DynamicStep | None = None
         self.paused = 0
-        self.count_backward = count_backward  # CPU: backward's outputs are memory in use
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -89,10 +89,7 @@ class DynamicMode(TorchDispatchMode):
         if step is None or self.paused or step.released or not is_counted(func):
             return func(*args, **kwargs)
         if step.in_backward or torch._C._current_graph_task_id() != -1:
-            if self.count_backward:
-                return step.backward_op(func, args, kwargs)
-            step.in_backward = True
-            return func(*args, **kwargs)
+            return step.backward_op(func, args, kwargs)
         if step.closed:  # the model's next call began (a planned step): its ops are not this step's
             return func(*args, **kwargs)
         return step.forward_op(func, args, kwargs)
@@ -127,13 +124,14 @@ class DynamicEngine:
         self.device_type = device.type if device is not None else "cpu"
         self.memory = DeviceMemory(device) if on_cuda else TrackedMemory()
         self.read_peak = cuda_peak_reader(device)  # the allocator's peak so far, or None (CPU)
-        self.mode = DynamicMode(count_backward=not on_cuda)
+        self.mode = DynamicMode()
         self.mode_pushed = False
         self.stats = DynamicStats()
         self.swaps = new_swaps(device, link_bytes_per_s, emulate_link, self.stats)
         self.removed = False
         self.current: DynamicStep | None = None
         self.live_steps: list[DynamicStep] = []
+        self.foreseen: tuple[list, list] | None = None  # the last dynamic step's made_forward, made_backward
 
     @property
     def hooks_installed(self) -> bool:
@@ -141,12 +139,15 @@ class DynamicEngine:
 
     def start_step(self) -> DynamicStep:
         """A training forward begins as a dynamic step."""
+        if self.current is not None:
+            self.foreseen = (self.current.made_forward, self.current.made_backward)  # Note [ Room for the next op ]
         self.close_current()
         stacks.pop_finished()  # this handle's and others' steps that pack no more
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         step.residency.reserve_bytes = self.stats.reserve_bytes
+        step.foreseen = self.foreseen
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)

@@ -58,7 +58,7 @@ class Residency:
         # estimate of the next op's allocations (a check runs at a pack, after the op allocated, or before a rebuild)
         self.headroom_bytes = 0
         self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
-        self.ran_out = False  # a check found nothing left to drop before headroom and reserve were free
+        self.ran_out = False  # a check found nothing left to drop before the reserve was free
 
     def hold(self, node: TensorNode, tensor: torch.Tensor) -> None:
         node.tensor = tensor
@@ -100,7 +100,8 @@ class Residency:
         while used + need_bytes + kept_free > self.cap_bytes:
             victim = self._victim(pins)
             if victim is None:
-                self.ran_out = True
+                # the headroom is a guess; the reserve was measured: could it not be kept (Note [ The learned reserve ])
+                self.ran_out = self.ran_out or used + need_bytes + self.reserve_bytes > self.cap_bytes
                 if used + need_bytes > self.cap_bytes:
                     self.over_cap(used + need_bytes)
                 return
