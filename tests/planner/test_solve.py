@@ -132,6 +132,24 @@ def test_the_smallest_cap_is_never_above_the_unplanned_peak(monkeypatch):
     assert search.least_peak_plan(graph, True, True, 1.0) == (graph.unplanned_peak_bytes, {})
 
 
+def test_the_smallest_cap_never_names_a_plan_past_the_host_memory_cap(monkeypatch):
+    """The greedy fallback of the least-peak search does not see the host pool: with a host memory cap its
+    everything-swapped plan passes, it is no answer (the final check would refuse a solve at that cap)."""
+    from regen.planner.graph import build_graph
+    from regen.planner.milp import search
+    from regen.planner.residency import host_pool_bytes
+
+    profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
+    monkeypatch.setattr(search, "min_peak_plan", lambda *_args: None)
+    unlimited = build_graph(profile)
+    smallest, greedy = search.least_peak_plan(unlimited, True, False, 1.0)
+    pool = host_pool_bytes(unlimited.candidates, greedy)
+    assert smallest < unlimited.unplanned_peak_bytes and pool > 0  # the greedy's swaps are the answer
+    limited = build_graph(profile, host_memory_cap_bytes=pool - 1)
+    smallest, plan = search.least_peak_plan(limited, True, False, 1.0)
+    assert host_pool_bytes(limited.candidates, plan) < pool
+
+
 @pytest.mark.parametrize("where", ["solve_model", "Model"])
 def test_a_plan_the_simulator_passes_outranks_the_milps_infeasible_rows(monkeypatch, where):
     """At the smallest cap an InfeasibleCapError names, the MILP's rows (stricter than the simulator somewhere)

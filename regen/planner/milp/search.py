@@ -221,9 +221,8 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
     if allow_swap and allow_recompute and decidable_count(graph) <= RECOMPUTE_WARM_START_MAX_CANDIDATES:
         candidates += recompute_only_milp_plans(graph, cap, WARM_START_TIME_FRACTION * time_limit_s)
     best = None
-    host_cap = graph.host_memory_cap_bytes
     for name, choices in candidates:
-        if host_cap is not None and host_pool_bytes(graph.candidates, choices) > host_cap:
+        if not within_host_cap(graph, choices):
             continue  # the final check would refuse it (the greedy plans do not see the host pool)
         sim = simulate(graph, choices)
         if sim.fits(cap) and (best is None or sim.step_time_s < best[0]):
@@ -231,6 +230,12 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
     say("warm start: " + (f"{best[1]} plan, {format_duration(best[0], graph.time_unit)}" if best
                           else "none found under the cap"))
     return best[2] if best else None
+
+
+def within_host_cap(graph: PlanningGraph, choices: dict[int, Choice]) -> bool:
+    """The plan's host pool fits the graph's host memory cap (the final check refuses a plan past it)."""
+    host_cap = graph.host_memory_cap_bytes
+    return host_cap is None or host_pool_bytes(graph.candidates, choices) <= host_cap
 
 
 def recompute_only_milp_plans(graph: PlanningGraph, cap: int, time_limit_s: float) -> list[tuple[str, dict]]:
@@ -318,8 +323,10 @@ def least_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: boo
     choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)  # all it can drop
     sim = simulate(graph, choices)
     # keeping everything reaches the unplanned peak: a smallest cap above it is no answer (a greedy plan that
-    # swaps everything can peak higher, its copy-ins' buffers on top of what it could not free in time)
+    # swaps everything can peak higher, its copy-ins' buffers on top of what it could not free in time); the
+    # greedy does not see the host pool, and a plan past the host memory cap is no answer either
+    greedy_ok = sim.valid and within_host_cap(graph, choices)
     found = [(c, p) for c, p in ((least[2], least[0]) if least else (None, None),
-                                 (sim.peak_bytes, choices) if sim.valid else (None, None),
+                                 (sim.peak_bytes, choices) if greedy_ok else (None, None),
                                  (graph.unplanned_peak_bytes, {})) if c is not None]
     return min(found, key=lambda f: f[0])
