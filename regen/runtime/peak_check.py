@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from regen.allocator import peak_bytes_reader
+
 PEAK_CHECK_EVERY_STEPS = 10
 PEAK_TOLERANCE = 0.05  # over the cap by more than this fraction: warn
 
@@ -33,7 +35,7 @@ def cuda_peak_reader(device: torch.device | None) -> Callable[[], int] | None:
     (a CPU's allocator keeps no counter)."""
     if device is None or device.type != "cuda":
         return None
-    return lambda: torch.cuda.max_memory_allocated(device)
+    return peak_bytes_reader(device)
 
 
 class CapExceededWarning(RuntimeWarning):

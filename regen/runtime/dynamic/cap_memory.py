@@ -1,8 +1,8 @@
 """The memory in use that dynamic mode checks its cap against.
 
 * CUDA: the allocator's "allocated bytes, current", everything PyTorch allocated on the device (the cap
-  counts what a plan's cap counts: docs/concepts.md "What the cap counts"), read as `allocated_bytes_reader`
-  says: a dynamic step reads it at every check, over a thousand times a step.
+  counts what a plan's cap counts: docs/concepts.md "What the cap counts"), read as regen/allocator.py
+  reads it: a dynamic step reads it at every check, over a thousand times a step.
 * CPU, which has no allocator statistics: the memory at the step's start, counted as the bytes of the
   model's parameters, their gradients and its buffers (the batch and optimizer state are not seen), plus
   the bytes of every storage that an op of a step created (forward, backward and rebuilds; each storage
@@ -11,12 +11,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from regen.allocator import allocated_bytes_reader
 from regen.opinfo import storage_key
 
 _storage_use_count = torch._C._storage_Use_Count
@@ -104,29 +103,10 @@ class TrackedMemory:
         self._reads_since_purge = 0
 
 
-def allocated_bytes_reader(device: torch.device) -> Callable[[], int]:
-    """What reads the bytes allocated on a CUDA `device` now. `torch.cuda.memory_allocated` flattens and
-    sorts every statistic of the allocator at each call (133 us on an H200, 16% of a GPT-2 step when read at
-    each of a dynamic step's checks); the nested statistics it flattens cost 19 us: read those when this
-    torch has them, else the public call."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    nested = getattr(torch._C, "_cuda_memoryStats", None)
-
-    def fast() -> int:
-        return nested(index)["allocated_bytes"]["all"]["current"]
-
-    try:
-        if fast() == torch.cuda.memory_allocated(index):
-            return fast
-    except (KeyError, TypeError, RuntimeError):
-        pass
-    return lambda: torch.cuda.memory_allocated(index)
-
-
 class DeviceMemory:
     """CUDA: the allocator's figure."""
 
-    cheap_reads = False  # a reading costs about 19 us (allocated_bytes_reader)
+    cheap_reads = False  # a reading costs about 19 us (regen/allocator.py)
 
     def __init__(self, device: torch.device):
         self.device = device
