@@ -1,4 +1,8 @@
-"""Dynamic mode next to a plan on the built-in GPT trained with sequence lengths drawn per step.
+"""Dynamic mode next to a plan on a language model trained with sequence lengths drawn per step.
+
+The model is the built-in GPT (`--model gpt`, the default) or a causal LM of the architecture zoo at bench
+size, its config defaults as shipped (`--model llama`, `--model mixtral`: a mixture of experts, whose routing
+changes what runs with every batch, so no plan covers its steps exactly).
 
 Issue 14's variants, each over the same seeded batches (lengths uniform in [--min-len, --max-len], the
 dropout seed fixed per step):
@@ -31,7 +35,7 @@ loaded machine are only comparable side by side, within one run.
 With `--min-len` equal to `--max-len` every step has the plan's shape: `pad-plan` is then the MILP plan
 itself, next to dynamic mode's overhead at the same cap.
 
-    .venv/bin/python bench/dynamic.py [--steps 4] [--max-len 256] [--min-len 32] [--device cpu]
+    .venv/bin/python bench/dynamic.py [--model gpt] [--steps 4] [--max-len 256] [--min-len 32] [--device cpu]
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ from regen.measure import measure_memory
 from regen.models import gpt
 from regen.runtime.dynamic.cap_memory import model_storages
 from regen.workloads import Workload
+from regen.zoo import FAMILIES, ZOO
+
+CAUSAL_LMS = [f.__name__ for f in FAMILIES["decoder"] + FAMILIES["mixture of experts"]]
 
 IGNORE = -100
 
@@ -67,10 +74,28 @@ def padded(idx, targets, max_len):
     return F.pad(idx, (0, pad)), F.pad(targets, (0, pad), value=IGNORE)
 
 
+def logits_of(output):
+    """The logits a model returned: the built-in GPT's tensor, or a Hugging Face output's `.logits`."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+def build_model(name: str, batch_size: int, max_len: int):
+    """(model, vocabulary size, description): the built-in GPT, or a causal LM of regen.zoo at bench size."""
+    if name == "gpt":
+        vocab = 512
+        model, _, _ = gpt(batch_size=batch_size, vocab_size=vocab, context=max_len)
+        return model, vocab, "GPT (d_model 128, 2 layers)"
+    model, _ = ZOO[name](batch_size=batch_size, size="bench")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and limit < max_len:
+        raise SystemExit(f"bench/dynamic.py: --max-len {max_len} is past {name}'s {limit} positions")
+    return model, model.config.vocab_size, f"{type(model).__name__} (regen.zoo {name}, size bench, defaults as shipped)"
+
+
 def one_step(model, idx, targets, seed):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    logits = model(idx)
+    logits = logits_of(model(idx))
     F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -84,7 +109,8 @@ def solve_padded_plan(model, batch_size, max_len, vocab, fraction, device, cap_b
     idx = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
     targets = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
 
-    def loss_fn(logits, batch):
+    def loss_fn(output, batch):
+        logits = logits_of(output)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
 
     w = Workload(name="gpt-padded", model=model, batch=(idx,), loss_fn=loss_fn)
@@ -143,6 +169,8 @@ class _Nothing:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt", choices=["gpt", *CAUSAL_LMS],
+                    help="the built-in GPT, or a causal LM of regen.zoo at bench size (defaults as shipped)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=256)
@@ -155,12 +183,10 @@ def main():
     buckets = sorted(args.buckets or [args.max_len * k // 4 for k in range(1, 5)])
     if buckets[-1] < args.max_len:
         ap.error("--buckets: the largest bucket must hold --max-len")
-    vocab = 512
-    model, _, _ = gpt(batch_size=args.batch_size, vocab_size=vocab, context=args.max_len)
+    model, vocab, description = build_model(args.model, args.batch_size, args.max_len)
     model.to(args.device)
     data = batches(args.steps, args.batch_size, vocab, args.min_len, args.max_len)
-    print(f"GPT (d_model 128, 2 layers), batch {args.batch_size}, lengths {[d[0].size(1) for d in data]}, "
-          f"device {args.device}")
+    print(f"{description}, batch {args.batch_size}, lengths {[d[0].size(1) for d in data]}, device {args.device}")
     plan, increase = solve_padded_plan(model, args.batch_size, args.max_len, vocab, args.cap_fraction, args.device)
     model.zero_grad(set_to_none=True)
     dyn_cap = sum(model_storages(model).values()) + int(args.cap_fraction * increase)
