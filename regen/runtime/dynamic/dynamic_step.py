@@ -54,8 +54,9 @@ from regen.units import format_bytes
 # A forward op's check runs before the op allocates its outputs, and the headroom (twice the largest storage
 # made so far) cannot see a storage larger than any before it: a language model's logits, made by one matmul
 # after the last block, several times any block's tensor. Training repeats its forward, so each step records,
-# per forward op, the op and the bytes of the storages it made; the next step's check before op i makes room
-# for what op i made last time, when op i is the same op (a step of another shape gets the last step's
+# per forward op, the op and the bytes of the storages it made; the next step's check before op i keeps room
+# for what op i made last time (when op i is the same op) and a temporary as large as the largest storage so
+# far: for an op no larger than that, the headroom as it is (a step of another shape gets the last step's
 # figure, a fair guess: it only sets how much is dropped ahead). Backward alike, op by op: a gradient as large
 # as the logits comes right at its start. Where a reading of the memory costs (CUDA: the allocator's
 # statistics), a backward op gets a check only when it made more the step before than the headroom keeps.
@@ -122,7 +123,7 @@ class DynamicStep:
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
-        self.residency.make_room(self._foreseen_bytes(0, i, func), copy_out_ahead=True)  # before the op allocates
+        self.residency.make_room(self._beyond_headroom_bytes(0, i, func), copy_out_ahead=True)  # before it allocates
         nodes = self.nodes
         for key in cap.refs:
             node = nodes.get(key)
@@ -157,6 +158,12 @@ class DynamicStep:
         self.made_forward.append((func, made_bytes))
         return out
 
+    def _beyond_headroom_bytes(self, phase: int, i: int, func) -> int:
+        """How much more than the headroom op `i` needs free: what it made the step before, past the largest
+        storage the headroom keeps room for (Note [ Room for the next op ])."""
+        largest = self.residency.headroom_bytes // HEADROOM_PER_OUTPUT
+        return max(0, self._foreseen_bytes(phase, i, func) - largest)
+
     def _foreseen_bytes(self, phase: int, i: int, func) -> int:
         """What op `i` of forward (`phase` 0) or backward (1) made in the step before, when it was the same
         op (Note [ Room for the next op ])."""
@@ -169,8 +176,8 @@ class DynamicStep:
 
     def backward_op(self, func, args, kwargs):
         self.in_backward = True
-        need = self._foreseen_bytes(1, len(self.made_backward), func)
-        if not self.released and (self.memory.cheap_reads or need > self.residency.headroom_bytes):
+        need = self._beyond_headroom_bytes(1, len(self.made_backward), func)
+        if not self.released and (self.memory.cheap_reads or need > 0):
             self.residency.make_room(need)  # before the op allocates its outputs
         out = func(*args, **kwargs)
         made_bytes = 0
