@@ -12,9 +12,9 @@ included, until backward begins. Its dispatch mode (handle.py) hands it every co
 Pack: a tensor whose storage an op of the step wrote is held by its node and autograd gets a `Held`
 handle; then the step makes room under the cap (eviction.py), which may drop held nodes. Anything else
 (parameters, the batch, tensors packed in backward) is kept as is. Unpack: the node is materialized
-(rebuilt if dropped, recursively; copied back if swapped out: swaps.py) and the entry viewed over it. A node is let go when autograd frees its
-last handle; the step is released (nodes, captures) once backward began and no handle is left, once a
-later step started and no handle is left, or at once when aborted.
+(rebuilt if dropped, recursively; copied back if swapped out: swaps.py) and the entry viewed over it. A
+node is let go when autograd frees its last handle; the step is released (nodes, captures) once backward
+began and no handle is left, once a later step started and no handle is left, or at once when aborted.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ owns no module hook, so one handle's hooks decide every step and the two sets ne
 * `close_current()`: the next step (of either kind) begins: the current step's saved-tensor hooks are
   popped and it is let go once autograd holds none of its handles;
 * `pop_mode()`: a planned step begins: the mode is popped when it is on top of the stack (it stays
-  pushed across consecutive dynamic steps, so on CPU their backward is counted as memory in use);
+  pushed across consecutive dynamic steps, so their backward ops are seen: counted as memory in use on CPU);
 * `remove(abort)`: the handle is removed.
 
 On CUDA the allocator's peak (`torch.cuda.max_memory_allocated`, never reset: the loop's own figures stay
