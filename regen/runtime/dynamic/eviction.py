@@ -1,16 +1,15 @@
 """What a dynamic step holds, eviction under the cap, and rebuilding dropped nodes (DTR's recursion).
 
-`Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild): while
-the memory in use (cap_memory.py) plus `need_bytes` plus a headroom (twice the largest storage an op of the
-step made so far: checks run after an op allocated, so room is kept for the next one's output and a
-temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see; in backward, what
-it was after the forward op being unpacked: dynamic_step.py, Note [ Headroom in backward ]) passes the cap,
+`Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild and forward
+op): while the memory in use (cap_memory.py) plus `need_bytes`, plus a headroom (twice the largest storage
+an op of the step made so far: checks run after an op allocated, so room is kept for the next one's output
+and a temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see; in
+backward, what it was after the forward op being unpacked: dynamic_step.py, Note [ Headroom in backward ]),
 plus a reserve learned from the steps before (CUDA: how far the allocator measured a step over its cap, the
-transients no check saw; engine.py) passes the cap,
-the held node with the lowest score (policy.py) is dropped (let go as swapped out when its bytes are on
-the host: swaps.py). Only nodes whose storage nothing but the runtime holds are candidates (dropping
-another frees nothing: the program or autograd still holds it), and never one pinned by the rebuild in
-progress. When dropping every candidate would not get the step under the cap, a check drops less or
+transients no check saw; engine.py) passes the cap, the held node with the lowest score (policy.py) is
+dropped (let go as swapped out when its bytes are on the host: swaps.py). Only nodes whose storage nothing
+but the runtime holds are candidates (dropping another frees nothing: the program or autograd still holds
+it), and never one pinned by the rebuild in progress. When dropping every candidate would not get the step under the cap, a check drops less or
 nothing (Note [ Targets of a check ]), the step goes on over the cap and its handle warns once.
 
 `materialize(node)` returns a tensor over the node's storage with its value: resident (held, or still
@@ -109,7 +108,8 @@ class Residency:
             self.swaps.copy_out_ahead(self.held.values())
         if used + need_bytes + kept_free <= self.cap_bytes:
             return
-        floor = used - sum(node.nbytes for node, _ in self._candidates(pins))  # all dropped
+        candidates = self._candidates(pins)  # dropping one changes no other's eligibility, only scores
+        floor = used - sum(node.nbytes for node, _ in candidates)  # all dropped
         target = self.cap_bytes - need_bytes - kept_free
         if floor > target:  # the headroom cannot be kept: the cap and the measured reserve alone
             target = self.cap_bytes - need_bytes - self.reserve_bytes
@@ -118,10 +118,9 @@ class Residency:
                 if used + need_bytes > self.cap_bytes:
                     self.over_cap(used + need_bytes)
                 return
-        while used > target:
-            victim = self._victim(pins)
-            if victim is None:  # the floor's candidates are all gone (a count off by a purge): as above
-                return
+        while used > target and candidates:  # `used` is exact here (over the figure it was read above)
+            victim = lowest(self.policy, candidates, self.nodes, self.clock)
+            candidates = [c for c in candidates if c[0] is not victim]
             if victim.host is not None:
                 self.swaps.evict(victim)
             self.drop(victim)
@@ -133,9 +132,6 @@ class Residency:
         return [(node, None if node.host is None else self.swaps.swap_cost_s(node.nbytes))
                 for node in self.held.values()
                 if node.evictable and node.key not in pins and self._frees_when_dropped(node)]
-
-    def _victim(self, pins) -> TensorNode | None:
-        return lowest(self.policy, self._candidates(pins), self.nodes, self.clock)
 
     @staticmethod
     def _frees_when_dropped(node: TensorNode) -> bool:
