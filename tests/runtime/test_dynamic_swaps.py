@@ -53,9 +53,9 @@ def test_swapping_dynamic_mode_is_exact_and_under_cap(name, link_gb_s):
     assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
     stats = handle.stats
     assert stats.copy_outs > 0 and stats.swap_evictions > 0 and stats.copy_ins > 0
-    # regen's own reading of memory in use stays within the cap; rarely, under load, copy-ins in flight
-    # leave nothing to drop at some op and the step passes the cap by about 1%, with an OverCapWarning
-    # (seen once in 13 runs of hf-gpt2 at 5 GB/s: 7,463,948 B against 7,391,686)
+    # regen's own reading of memory in use stays within the cap + 5%; rarely, under load, copy-ins in flight
+    # leave nothing to drop at some op and the step passes the cap by about 1% (seen once in 13 runs of hf-gpt2
+    # at 5 GB/s: 7,463,948 B against 7,391,686), under the tolerance past which it warns
     assert stats.peak_in_use_bytes <= (1 + CAP_TOLERANCE) * cap
     # and never silently
     assert (stats.over_cap_steps > 0) == any(issubclass(c.category, OverCapWarning) for c in caught)

@@ -243,6 +243,11 @@ class DynamicStep:
 
     # ---- lifetime ---------------------------------------------------------------------------------
     def _over_cap(self, in_use_bytes: int) -> None:
+        """A check found nothing more to drop with `in_use_bytes` (in use, plus what the op about to run needs)
+        over the cap: warned past the cap + PEAK_TOLERANCE, as a measured peak is (the op's need is a forecast
+        from the step before)."""
+        if in_use_bytes <= self.cap_bytes * (1 + PEAK_TOLERANCE):
+            return
         self._warn_over_cap(f"{format_bytes(in_use_bytes)} in use passes the cap {format_bytes(self.cap_bytes)} and "
                             f"nothing more can be dropped (parameters, gradients, what the program holds and tensors "
                             f"that cannot be rebuilt stay); this step runs over the cap, its results exact. Raise the "
