@@ -20,6 +20,10 @@ produced its storage (`producer_op`) and the output slot, with shape and dtype a
   inputs are parameters, the batch, outputs of its own earlier ops, or the candidates listed in
   `recipe_inputs`, which the plan guarantees are resident at that point.
 
+* `producer_name`, `producer_module`, `producer_rank` (optional) name the producer op independently of
+  op indices (its name, innermost module, and rank among that module's forward ops of its `op_family`), so
+  that a compiled graph, whose ops are numbered its own way, can place the decision (regen.runtime.compiled).
+
 * `recompute` with `region: R` (optional): the tensor is rebuilt by re-running the forward of the
   module call `Plan.regions[R]` once, before backward op `recompute_before_op` (the region's
   `replay_before_op`), with no recipe of its own; the replay rebuilds every tensor of the region at
@@ -58,6 +62,14 @@ ACTION_RECOMPUTE = "recompute"
 ACTIONS = (ACTION_KEEP, ACTION_SWAP, ACTION_RECOMPUTE)
 
 
+def op_family(name: str) -> str:
+    """An op's name without its overload or in-place mark ("aten.add_.Tensor" -> "aten.add"): what a
+    compiled graph, which writes in-place ops out of place, still calls it."""
+    parts = name.split(".")
+    base = ".".join(parts[:2]) if len(parts) >= 3 else name
+    return base[:-1] if base.endswith("_") and not base.endswith("__") else base
+
+
 @dataclass
 class Decision:
     saved_tensor: int  # SavedTensor.id in the profile
@@ -83,6 +95,12 @@ class Decision:
     rebuilt_with: int | None = None
     # recompute: rebuilt by replaying the module call Plan.regions[region] (no recipe of its own)
     region: int | None = None
+    # the producer op as a compiled graph can find it (regen.runtime.compiled): its name, the innermost
+    # module it ran in (path from the root; None outside the model) and how many forward ops of its family
+    # (op_family) ran in that module before it (its rank). None in plans solved before they were written.
+    producer_name: str | None = None
+    producer_module: str | None = None
+    producer_rank: int | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from regen.formats.plan import (ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, PlanCharges, PlanFigures,
-                                PlanLink, RecipeOp, RegionDecision, TrackingStart)
+                                PlanLink, RecipeOp, RegionDecision, TrackingStart, op_family)
 from regen.planner.costs import reported_step_time_s
 from regen.planner.graph import PlanningGraph
 from regen.planner.residency import host_pool_bytes
@@ -34,11 +34,14 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
     plan_region = {r.index: k for k, r in enumerate(graph.regions[i] for i in sorted(
         {ch.region for ch in result.choices.values() if ch.region is not None}))}
     recipe_ops: dict[int, RecipeOp] = {}
+    ranks = _op_ranks(profile.ops[:graph.num_forward_ops])
     for c in graph.candidates:
         s = c.saved
         ch = result.choices.get(c.index, Choice())
+        producer = profile.ops[s.producer_op]
         d = Decision(saved_tensor=s.id, producer_op=s.producer_op, output_slot=s.output_slot, shape=list(s.shape),
-                     dtype=s.dtype, bytes=c.bytes, action=ch.action)
+                     dtype=s.dtype, bytes=c.bytes, action=ch.action, producer_name=producer.name,
+                     producer_module=producer.module, producer_rank=ranks[s.producer_op])
         if ch.action == ACTION_SWAP:
             d.swap_out_after_op = c.issue_after
             d.swap_in_before_op = ch.swap_in_step
@@ -86,6 +89,17 @@ def build_plan(graph: PlanningGraph, result: StrategyResult, cap: int, strategy:
 def _tracking_starts(graph: PlanningGraph, choices: dict[int, Choice]) -> list[TrackingStart]:
     """The module calls that open the tracking windows of the chosen recipes (regen.planner.tracking_windows)."""
     return graph.window_starts.opening(recipe_tracked_ops(graph, choices))
+
+
+def _op_ranks(forward_ops) -> dict[int, int]:
+    """For each forward op, how many forward ops of its family ran before it in its innermost module."""
+    seen: dict[tuple[str | None, str], int] = {}
+    ranks = {}
+    for op in forward_ops:
+        key = (op.module, op_family(op.name))
+        ranks[op.index] = seen.get(key, 0)
+        seen[key] = ranks[op.index] + 1
+    return ranks
 
 
 def _region_decisions(graph: PlanningGraph, choices: dict[int, Choice]) -> list[RegionDecision]:

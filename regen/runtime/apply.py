@@ -74,6 +74,7 @@ from regen.call_signature import TrainableCount
 from regen.caches import announced_caches_off
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan
+from regen.runtime.compiled import CompiledPlanHandle, compiled_module
 from regen.runtime.dynamic.engine import DynamicStats
 from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
@@ -423,6 +424,8 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
             raise RegenError("regen.apply: learn=True's dynamic steps recompute only; emulate_link and link_gb_s "
                              "are for dynamic mode alone and for plans that swap")
         return RegenHandle(model, None, cap_bytes=cap_bytes(memory_cap), policy=policy or "graph", learner=learner)
+    if compiled_module(model) is not None:
+        return _compiled_plan_handle(model, plan, on_mismatch, emulate_link, memory_cap, policy, learner, link_gb_s)
     if link_gb_s is not None:
         raise RegenError("regen.apply: link_gb_s is for dynamic mode (no plan); a plan swaps at its own bandwidth")
     if memory_cap is not None:
@@ -433,3 +436,22 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
                          f"fits, run in dynamic mode: on_mismatch='dynamic', not {on_mismatch!r}")
     return RegenHandle(model, plan, on_mismatch=on_mismatch, emulate_link=emulate_link, policy=policy or "graph",
                        learner=learner)
+
+
+def _compiled_plan_handle(model, plan, on_mismatch, emulate_link, memory_cap, policy, learner, link_gb_s):
+    """One plan on a torch.compile'd model (compiled.py); what only the eager runtime does is refused."""
+    others = {"memory_cap": memory_cap, "policy": policy, "learn": learner, "link_gb_s": link_gb_s}
+    given = [name for name, value in others.items() if value is not None]
+    if emulate_link:
+        given.append("emulate_link")
+    if on_mismatch != "dynamic":
+        given.append("on_mismatch")
+    if given:
+        raise RegenError(f"regen.apply: {', '.join(given)} is for an eager model; a compiled model runs one plan, "
+                         f"recompute only, carried out by the compiler")
+    many = isinstance(plan, (list, tuple)) and len(plan) > 1
+    states = [] if many else plan_states(plan)
+    if many or len(states) > 1:
+        raise RegenError("regen.apply: a compiled model runs one plan; a plan set (one plan per call) needs the "
+                         "eager runtime: apply it to the module without torch.compile")
+    return CompiledPlanHandle(model, states[0].plan)

@@ -169,7 +169,7 @@ def test_bad_arguments_are_clear_errors():
         regen.apply(w.model, plan, on_mismatch="ignore")
     with pytest.raises(RegenError, match="Plan"):
         regen.apply(w.model, {"decisions": []})
-    with pytest.raises(RegenError, match="torch.compile'd; regen plans eager execution"):
+    with pytest.raises(RegenError, match="solve it again"):  # a handmade plan names no ops for a compiled graph
         regen.apply(torch.compile(w.model), plan)  # compiled lazily: nothing is compiled here
     broken = PLANS["recompute"](trace)
     d = next(d for d in broken.decisions if d.action == "recompute")

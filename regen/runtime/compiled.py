@@ -1,0 +1,288 @@
+"""A plan on a torch.compile'd model: the plan's decisions become recompute policies on the compiled graph.
+
+`regen.apply(torch.compile(model), plan)` (or a model compiled in place with `model.compile()`) runs no
+hook per op: the compiler carries the plan out in the code it generates.
+
+Note [ Plans under torch.compile ]
+1. What places a decision. A compiled training step is one joint forward-and-backward graph per compiled
+   piece of the model (one per graph break); the partitioner splits it into forward and backward and
+   decides which forward values backward reads saved and which it computes again, honouring a node's
+   `recompute` tag (torch.utils.checkpoint's CheckpointPolicy) over its own heuristics. regen adds a pass
+   over each joint graph (Inductor's `joint_custom_pre_pass`) that tags the nodes of each decision's
+   producer op: MUST_SAVE on the outputs a keep decision names, MUST_RECOMPUTE on every node of an op
+   whose output the plan recomputes. Nodes of ops whose outputs no decision names (eager autograd never
+   saved them) stay the partitioner's to decide.
+2. Finding the producer. A joint graph numbers its ops its own way, so a decision names its producer by
+   (innermost module, op family, rank among that module's forward ops of the family) (formats.plan); the
+   joint graph's forward nodes carry the module they ran in (`nn_module_stack`), the op they were
+   decomposed from (`original_aten`) and which call of it they belong to (`seq_nr`). A decision whose op
+   is found with another output shape or dtype is not placed.
+3. Recompute only. A swap decision is carried out as a recompute (the compiler's offloading pass is not
+   driven by plans yet), said once when the handle is made.
+4. Nothing unplaced is silent. Decisions on ops outside the model (a loss the loop computes) cannot be
+   placed: said when the handle is made. After the first compiled forward, the recompute decisions no
+   joint graph held (ops the compiler traced differently, the step's shapes not the plan's) are left to
+   the partitioner; a `CompiledPlanWarning` gives their count and bytes. `handle.placement` holds the
+   figures.
+5. Recompiling. Code torch.compile made before `regen.apply` has no tags, so making and removing the
+   handle reset torch.compile's caches (`torch.compiler.reset()`, every compiled function of the
+   process): the next step compiles again, with the pass or without it.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.checkpoint import CheckpointPolicy
+
+from regen.caches import announced_caches_off
+from regen.errors import RegenError
+from regen.formats.plan import ACTION_KEEP, Decision, Plan, op_family
+
+
+class CompiledPlanWarning(UserWarning):
+    """Some of a plan's decisions could not be placed in a compiled model's graphs."""
+
+
+def compiled_module(model: nn.Module) -> nn.Module | None:
+    """The eager module behind a torch.compile'd `model` (`torch.compile(m)` or `m.compile()`), None when
+    `model` is not compiled."""
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return model._orig_mod
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return model
+    return None
+
+
+@dataclass
+class Placement:
+    """What the joint-graph pass placed of a plan's decisions so far (Note [ Plans under torch.compile ] 4)."""
+
+    placed: set[int] = field(default_factory=set)  # SavedTensor ids tagged in some joint graph
+    graphs: int = 0  # joint graphs the pass has seen
+
+    def unplaced(self, decisions: list[Decision]) -> list[Decision]:
+        return [d for d in decisions if d.saved_tensor not in self.placed]
+
+
+_LOCAL_PREFIX = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*(?:\.__self__)?\.?")
+_INDEX = re.compile(r"\[\s*'?([\w]+)'?\s*\]")
+
+
+def module_path(stack_path: str) -> str:
+    """The path from the model's root of a joint-graph node's module ("L['self'].layers[0].attn" -> "layers.0.attn")."""
+    path = _INDEX.sub(r".\1", _LOCAL_PREFIX.sub("", stack_path))
+    parts = [p for p in path.split(".") if p and p != "_orig_mod"]
+    return ".".join(parts)
+
+
+def _node_module(node: torch.fx.Node) -> str:
+    """The module a joint-graph node ran in; "" (the root) for a node of the compiled forward itself."""
+    stack = node.meta.get("nn_module_stack")
+    return module_path(list(stack.values())[-1][0]) if stack else ""
+
+
+def _groups(graph: torch.fx.Graph) -> list[tuple[str, str, list[torch.fx.Node]]]:
+    """The joint graph's forward op calls in order: (module path, op family, their nodes)."""
+    by_call: dict[int, tuple[str, str, list[torch.fx.Node]]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+            continue
+        seq, original = node.meta.get("seq_nr"), node.meta.get("original_aten")
+        if seq is None or original is None:
+            continue
+        if seq not in by_call:
+            by_call[seq] = (_node_module(node), op_family(str(original)), [])
+        by_call[seq][2].append(node)
+    return list(by_call.values())
+
+
+def _outputs_like(nodes: list[torch.fx.Node], d: Decision) -> list[torch.fx.Node]:
+    """The nodes whose value has the decision's shape and dtype."""
+    found = []
+    for node in nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or str(val.dtype) != d.dtype:
+            continue
+        try:
+            if [int(x) for x in val.shape] == list(d.shape):
+                found.append(node)
+        except (TypeError, RuntimeError):  # a symbolic size: not this plan's shape
+            continue
+    return found
+
+
+class PlanGraphPass(CustomGraphPass):
+    """The joint-graph pass of Note [ Plans under torch.compile ] 1-2 (chained after a pass already set)."""
+
+    def __init__(self, plan: Plan, placement: Placement, known_modules: set[str], before=None):
+        self.by_producer: dict[tuple[str, str, int], list[Decision]] = {}
+        for d in plan.decisions:
+            if d.producer_module is not None:
+                self.by_producer.setdefault((d.producer_module, op_family(d.producer_name), d.producer_rank),
+                                            []).append(d)
+        self.placement = placement
+        self.known_modules = known_modules
+        self.before = before
+
+    def uuid(self):
+        """None: Inductor's caches pass this graph by, so the pass runs at every compile and what it placed
+        is known (a cached graph would skip it)."""
+        return None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.before is not None:
+            self.before(graph)
+        self.placement.graphs += 1
+        ranks: dict[tuple[str, str], int] = {}
+        for path, family, nodes in _groups(graph):
+            if path not in self.known_modules:
+                continue
+            rank = ranks.get((path, family), 0)
+            ranks[(path, family)] = rank + 1
+            decisions = self.by_producer.get((path, family, rank), [])
+            found = {d.saved_tensor: _outputs_like(nodes, d) for d in decisions}
+            for d in decisions:  # recomputes first: a kept output of the same op is then saved all the same
+                if d.action != ACTION_KEEP and found[d.saved_tensor]:
+                    for node in nodes:
+                        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            for d in decisions:
+                if d.action == ACTION_KEEP:
+                    for node in found[d.saved_tensor]:
+                        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            self.placement.placed.update(d.saved_tensor for d in decisions if found[d.saved_tensor])
+        _recompute_the_rest(graph, self.known_modules)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """The node's op returns an alias of an input (a view: its output shares that input's storage)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _recompute_the_rest(graph: torch.fx.Graph, known_modules: set[str]) -> None:
+    """Every other forward node of the model's modules may be recomputed (PREFER_RECOMPUTE), as eager
+    autograd keeps nothing but what it saves: a compiled graph would otherwise save, say, a copy of a kept
+    tensor made for the next op, or a view of a recomputed one, past the plan's cap. Random ops stay the
+    partitioner's (it saves their outputs: recomputing them needs the RNG state replayed)."""
+    for node in graph.nodes:
+        if (node.op != "call_function" or node.meta.get("recompute") is not None
+                or node.meta.get("partitioner_tag") == "is_backward" or _is_random(node)
+                or node.target is operator.getitem):  # an output of a multi-output op goes with the op
+            continue
+        if _node_module(node) in known_modules:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class CompiledPlanHandle:
+    """What `regen.apply` returns for a compiled model and a plan: a context manager, or call `.remove()`."""
+
+    def __init__(self, model: nn.Module, plan: Plan):
+        root = compiled_module(model)
+        if any(d.producer_name is None for d in plan.decisions):
+            raise RegenError("regen.apply: this plan does not name its decisions' ops the way a compiled graph "
+                             "can find them (solved by an older regen); solve it again")
+        self._check_modules(root, plan)
+        self.model = model
+        self.plan = plan
+        self.placement = Placement()
+        self._reported = False
+        self._removed = False
+        self.caches = announced_caches_off(root)
+        self._say_what_is_not_placed(plan)
+        config = torch._inductor.config
+        self._previous_pass = config.joint_custom_pre_pass
+        known = {name for name, _ in root.named_modules()}
+        config.joint_custom_pre_pass = PlanGraphPass(plan, self.placement, known, before=self._previous_pass)
+        torch.compiler.reset()
+        self._hook = self._report_after_first_forward(model)
+
+    @staticmethod
+    def _check_modules(root: nn.Module, plan: Plan) -> None:
+        """A plan for another model names modules this one lacks: one clear error."""
+        names = {name for name, _ in root.named_modules()}
+        missing = sorted({d.producer_module for d in plan.decisions if d.producer_module is not None} - names)
+        if missing:
+            raise RegenError(f"regen.apply: the plan names modules this model does not have ({', '.join(missing[:3])}"
+                             f"{', ...' if len(missing) > 3 else ''}): a plan for another model?")
+
+    @staticmethod
+    def _say_what_is_not_placed(plan: Plan) -> None:
+        swaps = [d for d in plan.decisions if d.action == "swap"]
+        if swaps:
+            warnings.warn(f"regen.apply: under torch.compile a plan recomputes what it would swap ({len(swaps)} "
+                          f"tensors, {_mib(sum(d.bytes for d in swaps))}): compiled plans recompute only",
+                          CompiledPlanWarning, stacklevel=4)
+        outside = [d for d in plan.decisions if d.producer_module is None and d.action != ACTION_KEEP]
+        if outside:
+            warnings.warn(f"regen.apply: {len(outside)} of the plan's decisions to drop a tensor "
+                          f"({_mib(sum(d.bytes for d in outside))}) are on ops outside the model (a loss computed "
+                          f"in the loop); a compiled model keeps them, so its steps can pass the plan's cap by "
+                          f"as much: compute the loss in the model's forward, or compile without a plan",
+                          CompiledPlanWarning, stacklevel=4)
+
+    def _report_after_first_forward(self, model: nn.Module):
+        """A forward hook on the compiled wrapper (it runs outside the compiled code), or for a model compiled
+        in place, a wrapper around its compiled call."""
+        if compiled_module(model) is not model:
+            return model.register_forward_hook(lambda *_: self._report())
+        compiled_call = model._compiled_call_impl
+
+        def call_then_report(*args, **kwargs):
+            out = compiled_call(*args, **kwargs)
+            self._report()
+            return out
+
+        model._compiled_call_impl = call_then_report
+        return compiled_call
+
+    def _report(self) -> None:
+        if self._reported or not self.placement.graphs:
+            return
+        self._reported = True
+        unplaced = [d for d in self.placement.unplaced(self.plan.decisions)
+                    if d.producer_module is not None and d.action != ACTION_KEEP]
+        if unplaced:
+            warnings.warn(f"regen.apply: {len(unplaced)} of the plan's decisions to drop a tensor "
+                          f"({_mib(sum(d.bytes for d in unplaced))}) were not found in the compiled graphs (the "
+                          f"compiler traced those ops differently, or this step's shapes are not the plan's): the "
+                          f"compiler decides on them, and the step's peak can differ from the plan's", CompiledPlanWarning, stacklevel=3)
+
+    # ---- public ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "CompiledPlanHandle":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.remove()
+
+    def remove(self, abort: bool = False) -> None:
+        """Take the pass out and reset torch.compile's caches: the next step compiles without the plan."""
+        if self._removed:
+            return
+        self._removed = True
+        if isinstance(self._hook, torch.utils.hooks.RemovableHandle):
+            self._hook.remove()
+        else:
+            self.model._compiled_call_impl = self._hook
+        torch._inductor.config.joint_custom_pre_pass = self._previous_pass
+        torch.compiler.reset()
+        self.caches.restore()
+
+    @property
+    def hooks_installed(self) -> bool:
+        return not self._removed

@@ -1,0 +1,151 @@
+"""A plan on a torch.compile'd model (regen.runtime.compiled): the compiler carries the plan's decisions out.
+
+One zoo decoder at its defaults (Llama, bench size: activations, not weights, make its peak), profiled eagerly
+and solved for recompute at half its peak increase, then trained compiled (Inductor on CPU) with and without
+the plan: the same losses and module buffers bit for bit, gradients within what Inductor's recompute kernels
+round differently (a recomputed op runs in a backward kernel fused with other ops), the plan placed in the
+compiled graph, and the planned step's allocator-measured peak below the unplanned compiled step's and within
+the plan's cap + 5%. The refusals need no compile.
+"""
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import regen  # noqa: E402
+from regen.errors import RegenError  # noqa: E402
+from regen.formats.plan import load_plan, save_plan  # noqa: E402
+from regen.measure import measure_memory  # noqa: E402
+from regen.runtime.compiled import CompiledPlanWarning  # noqa: E402
+from regen.workloads import build_workload, training_step  # noqa: E402
+
+WORKLOAD = "regen.zoo:llama"
+ARGS = {"size": "bench"}
+BATCH = 4
+STEPS = 2
+CAP_TOLERANCE = 0.05
+
+
+def _build():
+    return build_workload(WORKLOAD, batch_size=BATCH, args=ARGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_and_plan():
+    from regen.planner.solve import solve_within_reach
+    from regen.profiler import profile_workload
+
+    profile = profile_workload(_build(), device="cpu", repeats=1, warmup_steps=1, progress=None)
+    half = profile.memory_at_start_bytes + (profile.peak_bytes - profile.memory_at_start_bytes) // 2
+    return profile, solve_within_reach(profile, half, "recompute", time_limit_s=10, rel_gap=0.2)
+
+
+def _train_compiled(plan):
+    """STEPS steps of a fresh compiled model: (losses, last gradients, buffers, last step's peak increase,
+    the handle)."""
+    w = _build()
+    w.model = torch.compile(w.model)
+    handle = regen.apply(w.model, plan) if plan is not None else None
+    losses = []
+    try:
+        for k in range(STEPS):
+            w.model.zero_grad(set_to_none=True)
+            if k == STEPS - 1:
+                measured = measure_memory(lambda: losses.append(training_step(w).detach()), collect_garbage=True)
+            else:
+                losses.append(training_step(w).detach())
+        grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
+        buffers = {n: b.clone() for n, b in w.model.named_buffers()}
+    finally:
+        if handle is not None:
+            handle.remove()
+    return losses, grads, buffers, measured.peak_increase_bytes, handle
+
+
+def test_a_compiled_model_trains_under_its_plan_within_the_cap():
+    profile, plan = _profile_and_plan()
+    assert plan.action_counts()["recompute"] > 0
+    losses, grads, buffers, unplanned_peak, _ = _train_compiled(None)
+    p_losses, p_grads, p_buffers, planned_peak, handle = _train_compiled(plan)
+    assert all(torch.equal(a, b) for a, b in zip(losses, p_losses)), (losses, p_losses)
+    assert buffers.keys() == p_buffers.keys() and all(torch.equal(buffers[k], p_buffers[k]) for k in buffers)
+    assert grads.keys() == p_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(p_grads[k], grads[k], rtol=1e-5, atol=1e-7, msg=f"gradient of {k}")
+    placed = handle.placement.placed
+    assert len(placed) >= 0.8 * len(plan.decisions), f"{len(placed)} of {len(plan.decisions)} decisions placed"
+    assert planned_peak < unplanned_peak
+    measured = profile.memory_at_start_bytes + planned_peak
+    assert measured <= plan.memory_cap_bytes * (1 + CAP_TOLERANCE), (measured, plan.memory_cap_bytes)
+    assert torch._inductor.config.joint_custom_pre_pass is None  # the handle took its pass out
+
+
+def test_plan_files_name_each_decisions_op_for_a_compiled_graph(tmp_path):
+    profile, plan = _profile_and_plan()
+    path = tmp_path / "p.plan.yaml"
+    save_plan(plan, path)
+    loaded = load_plan(path)
+    for d, e in zip(plan.decisions, loaded.decisions):
+        op = profile.ops[d.producer_op]
+        assert (e.producer_name, e.producer_module) == (op.name, op.module)
+        assert e.producer_rank == d.producer_rank
+    ranks = {(d.producer_module, d.producer_name, d.producer_rank) for d in plan.decisions}
+    producers = {d.producer_op for d in plan.decisions}
+    assert len(ranks) == len(producers)  # the rank tells apart every producer op
+
+
+def _compiled_model():
+    w = _build()
+    return torch.compile(w.model)
+
+
+def test_a_plan_without_op_names_is_refused_on_a_compiled_model():
+    _, plan = _profile_and_plan()
+    old = copy.copy(plan)
+    old.decisions = [dataclasses.replace(d, producer_name=None, producer_module=None, producer_rank=None)
+                     for d in plan.decisions]
+    with pytest.raises(RegenError, match="solve it again"):
+        regen.apply(_compiled_model(), old)
+
+
+def test_a_plan_for_another_model_is_refused_on_a_compiled_model():
+    _, plan = _profile_and_plan()
+    other = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(RegenError, match="another model"):
+        regen.apply(other, plan)
+
+
+@pytest.mark.parametrize("kwargs", [{"memory_cap": "1GiB"}, {"emulate_link": True}, {"on_mismatch": "raise"}])
+def test_what_only_the_eager_runtime_does_is_refused_on_a_compiled_model(kwargs):
+    _, plan = _profile_and_plan()
+    with pytest.raises(RegenError, match="compiled model runs one plan"):
+        regen.apply(_compiled_model(), plan, **kwargs)
+
+
+def test_a_plan_set_is_refused_on_a_compiled_model():
+    _, plan = _profile_and_plan()
+    with pytest.raises(RegenError, match="plan set"):
+        regen.apply(_compiled_model(), [plan, plan])
+
+
+def test_dynamic_mode_is_refused_on_a_compiled_model():
+    with pytest.raises(RegenError, match="torch.compile"):
+        regen.apply(_compiled_model(), memory_cap="1GiB")
+
+
+def test_a_swap_is_said_to_be_recomputed_under_compile():
+    from regen.planner import solve
+
+    profile, _ = _profile_and_plan()
+    cap = profile.memory_at_start_bytes + (profile.peak_bytes - profile.memory_at_start_bytes) * 9 // 10
+    swapping = solve(profile, memory_cap_bytes=cap, strategy="swap", time_limit_s=10, rel_gap=0.2,
+                     bandwidth_gb_s=profile.device.d2h_bytes_per_s / 1e9)
+    assert swapping.action_counts()["swap"] > 0
+    with pytest.warns(CompiledPlanWarning, match="recomputes what it would swap"):
+        regen.apply(_compiled_model(), swapping).remove()
