@@ -10,8 +10,10 @@ Note [ Plans under torch.compile ]
    `recompute` tag (torch.utils.checkpoint's CheckpointPolicy) over its own heuristics. regen adds a pass
    over each joint graph (Inductor's `joint_custom_pre_pass`) that tags the nodes of each decision's
    producer op: MUST_SAVE on the outputs a keep decision names, MUST_RECOMPUTE on every node of an op
-   whose output the plan recomputes. Nodes of ops whose outputs no decision names (eager autograd never
-   saved them) stay the partitioner's to decide.
+   whose output the plan recomputes, PREFER_RECOMPUTE on the model's other non-random ops (eager autograd
+   keeps nothing else, and a compiled graph would otherwise save copies and views past the cap). The pass
+   is Inductor's only while the model's own call runs (and compiles): other models compiled meanwhile
+   never see it.
 2. Finding the producer. A joint graph numbers its ops its own way, so a decision names its producer by
    (innermost module, op family, rank among that module's forward ops of the family) (formats.plan); the
    joint graph's forward nodes carry the module they ran in (`nn_module_stack`), the op they were
@@ -122,6 +124,7 @@ class PlanGraphPass(CustomGraphPass):
     """The joint-graph pass of Note [ Plans under torch.compile ] 1-2 (chained after a pass already set)."""
 
     def __init__(self, plan: Plan, placement: Placement, known_modules: set[str], before=None):
+        """`before`: the pass Inductor had when the model's call began, run first."""
         self.by_producer: dict[tuple[str, str, int], list[Decision]] = {}
         for d in plan.decisions:
             if d.producer_module is not None:
@@ -205,12 +208,11 @@ class CompiledPlanHandle:
         self._removed = False
         self.caches = announced_caches_off(root)
         self._say_what_is_not_placed(plan)
-        config = torch._inductor.config
-        self._previous_pass = config.joint_custom_pre_pass
         known = {name for name, _ in root.named_modules()}
-        config.joint_custom_pre_pass = PlanGraphPass(plan, self.placement, known, before=self._previous_pass)
+        self._pass = PlanGraphPass(plan, self.placement, known)
+        self._outer_pass: list = []  # the pass set when a call began (restored when it ends)
         torch.compiler.reset()
-        self._hook = self._report_after_first_forward(model)
+        self._hooks = self._pass_during_calls(model)
 
     @staticmethod
     def _check_modules(root: nn.Module, plan: Plan) -> None:
@@ -236,20 +238,35 @@ class CompiledPlanHandle:
                           f"as much: compute the loss in the model's forward, or compile without a plan",
                           CompiledPlanWarning, stacklevel=4)
 
-    def _report_after_first_forward(self, model: nn.Module):
-        """A forward hook on the compiled wrapper (it runs outside the compiled code), or for a model compiled
-        in place, a wrapper around its compiled call."""
+    def _pass_during_calls(self, model: nn.Module) -> list:
+        """The pass is Inductor's only while this model runs (and compiles): hooks on the compiled wrapper
+        (they run outside the compiled code), or for a model compiled in place, a wrapper around its compiled
+        call. Other models compiled meanwhile never see it."""
         if compiled_module(model) is not model:
-            return model.register_forward_hook(lambda *_: self._report())
+            return [model.register_forward_pre_hook(lambda *_: self._begin_call()),
+                    model.register_forward_hook(lambda *_: self._end_call(), always_call=True)]
         compiled_call = model._compiled_call_impl
 
-        def call_then_report(*args, **kwargs):
-            out = compiled_call(*args, **kwargs)
-            self._report()
-            return out
+        def call_under_the_plan(*args, **kwargs):
+            self._begin_call()
+            try:
+                return compiled_call(*args, **kwargs)
+            finally:
+                self._end_call()
 
-        model._compiled_call_impl = call_then_report
-        return compiled_call
+        model._compiled_call_impl = call_under_the_plan
+        return [compiled_call]
+
+    def _begin_call(self) -> None:
+        config = torch._inductor.config
+        self._outer_pass.append(config.joint_custom_pre_pass)
+        self._pass.before = config.joint_custom_pre_pass
+        config.joint_custom_pre_pass = self._pass
+
+    def _end_call(self) -> None:
+        if self._outer_pass:
+            torch._inductor.config.joint_custom_pre_pass = self._outer_pass.pop()
+        self._report()
 
     def _report(self) -> None:
         if self._reported or not self.placement.graphs:
@@ -275,11 +292,11 @@ class CompiledPlanHandle:
         if self._removed:
             return
         self._removed = True
-        if isinstance(self._hook, torch.utils.hooks.RemovableHandle):
-            self._hook.remove()
-        else:
-            self.model._compiled_call_impl = self._hook
-        torch._inductor.config.joint_custom_pre_pass = self._previous_pass
+        for hook in self._hooks:
+            if isinstance(hook, torch.utils.hooks.RemovableHandle):
+                hook.remove()
+            else:
+                self.model._compiled_call_impl = hook
         torch.compiler.reset()
         self.caches.restore()
 

@@ -149,3 +149,12 @@ def test_a_swap_is_said_to_be_recomputed_under_compile():
     assert swapping.action_counts()["swap"] > 0
     with pytest.warns(CompiledPlanWarning, match="recomputes what it would swap"):
         regen.apply(_compiled_model(), swapping).remove()
+
+
+def test_another_compiled_model_compiles_without_the_plan():
+    _, plan = _profile_and_plan()
+    with regen.apply(_compiled_model(), plan) as handle:
+        other = _build()
+        other.model = torch.compile(other.model)
+        training_step(other)  # the same architecture, compiled while the handle is in place
+        assert handle.placement.graphs == 0 and not handle.placement.placed
