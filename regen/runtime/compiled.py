@@ -28,7 +28,9 @@ Note [ Plans under torch.compile ]
    figures.
 5. Recompiling. Code torch.compile made before `regen.apply` has no tags, so making and removing the
    handle reset torch.compile's caches (`torch.compiler.reset()`, every compiled function of the
-   process): the next step compiles again, with the pass or without it.
+   process): the next step compiles again, with the pass or without it. torch.compile shares compiled code
+   among instances of a module class, so the handle gives the model a forward of its own, which the
+   compiled code is guarded on: another instance never runs this plan's code, nor this model another's.
 """
 
 from __future__ import annotations
@@ -73,15 +75,19 @@ class Placement:
         return [d for d in decisions if d.saved_tensor not in self.placed]
 
 
-_LOCAL_PREFIX = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*(?:\.__self__)?\.?")
+_LOCAL_PREFIX = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
 _INDEX = re.compile(r"\[\s*'?([\w]+)'?\s*\]")
+# how torch.compile reaches the model from the frame it traces (through a wrapper's closure, a bound method,
+# an OptimizedModule): the module path is what follows the last of these
+_REACHING = ("__self__", "__closure__", "cell_contents", "_orig_mod", "__func__")
 
 
 def module_path(stack_path: str) -> str:
-    """The path from the model's root of a joint-graph node's module ("L['self'].layers[0].attn" -> "layers.0.attn")."""
-    path = _INDEX.sub(r".\1", _LOCAL_PREFIX.sub("", stack_path))
-    parts = [p for p in path.split(".") if p and p != "_orig_mod"]
-    return ".".join(parts)
+    """The path from the model's root of a joint-graph node's module: "L['self'].layers[0].attn" and
+    "L['self'].forward.__closure__[0].cell_contents.__self__.layers[0].attn" are both "layers.0.attn"."""
+    parts = [p for p in _INDEX.sub(r".\1", _LOCAL_PREFIX.sub("", stack_path)).split(".") if p]
+    last = max((i for i, p in enumerate(parts) if p in _REACHING), default=-1)
+    return ".".join(parts[last + 1:])
 
 
 def _node_module(node: torch.fx.Node) -> str:
@@ -188,6 +194,21 @@ def _is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
+def _forward_of_its_own(root: nn.Module):
+    """The model's forward, as a function torch.compile guards on: compiled code is shared by every instance
+    of a module class (their parameters are the graph's inputs), so without it another instance could run
+    this plan's code, or this model another's."""
+    forward = root.forward
+    token = id(forward)
+
+    def planned_forward(*args, **kwargs):
+        if token == 0:  # never true: read so that torch.compile guards on this handle's token
+            raise AssertionError("unreachable")
+        return forward(*args, **kwargs)
+
+    return planned_forward
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -213,6 +234,9 @@ class CompiledPlanHandle:
         self._outer_pass: list = []  # the pass set when a call began (restored when it ends)
         torch.compiler.reset()
         self._hooks = self._pass_during_calls(model)
+        self._root = root
+        self._own_forward = root.__dict__.get("forward")
+        root.forward = _forward_of_its_own(root)
 
     @staticmethod
     def _check_modules(root: nn.Module, plan: Plan) -> None:
@@ -292,6 +316,10 @@ class CompiledPlanHandle:
         if self._removed:
             return
         self._removed = True
+        if self._own_forward is None:
+            del self._root.forward
+        else:
+            self._root.forward = self._own_forward
         for hook in self._hooks:
             if isinstance(hook, torch.utils.hooks.RemovableHandle):
                 hook.remove()

@@ -1,0 +1,147 @@
+"""Compiled training under a memory budget: regen's plan on a torch.compile'd model against torch.compile's own
+`activation_memory_budget`, at the peak the budget measures.
+
+Rows, each a fresh copy of one workload (default: the zoo's Llama at bench size, defaults as shipped),
+compiled with Inductor:
+
+* `compiled`: no plan, no budget (the reference for gradients and time);
+* `budget B`: compiled with `torch._functorch.config.activation_memory_budget = B` (a knapsack over
+  recompute, run at the partition), for each B of --budgets;
+* `regen @ budget B's peak`: a recompute plan solved (from one eager profile) at the peak the `budget B` row
+  measured, applied with `regen.apply(compiled, plan)` (regen.runtime.compiled).
+
+Peaks are the allocator's (regen.measure: torch.profiler's timeline on CPU, `max_memory_allocated` on CUDA),
+as increases over the step's start; step times are medians of --steps rounds in which every row runs one
+step in turn (interleaved). Gradients are compared with the `compiled` row's (largest absolute difference:
+compiled recomputation rounds differently from the forward it repeats). Time on a quiet machine only.
+
+    .venv/bin/python bench/compiled.py [--model regen.zoo:llama] [--size bench] [--batch 4] [--budgets 0.5 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch._functorch.config
+
+import regen
+from regen.measure import measure_memory
+from regen.workloads import build_workload, training_step
+
+
+@dataclass
+class Row:
+    name: str
+    workload: object
+    context: object = contextlib.nullcontext  # entered around each of its steps
+    cap_increase_bytes: int | None = None
+    peak_increase_bytes: int = 0
+    times_s: list[float] = field(default_factory=list)
+    grads: dict = field(default_factory=dict)
+
+
+def _build(args):
+    w = build_workload(args.model, batch_size=args.batch, args={"size": args.size} if args.size else None)
+    w.model.forward = _forward_of_its_own(w.model)
+    w.model = torch.compile(w.model)
+    return w
+
+
+def _forward_of_its_own(model):
+    """torch.compile shares compiled code among instances of a class (their parameters are inputs): a forward
+    function it guards on gives each row its own code, compiled under its own budget."""
+    forward = model.forward
+    token = id(forward)
+
+    def row_forward(*args, **kwargs):
+        if token == 0:  # read so that torch.compile guards on it
+            raise AssertionError("unreachable")
+        return forward(*args, **kwargs)
+
+    return row_forward
+
+
+def _step(row: Row) -> float:
+    row.workload.model.zero_grad(set_to_none=True)
+    with row.context():
+        t0 = time.perf_counter()
+        training_step(row.workload)
+        return time.perf_counter() - t0
+
+
+def _measure(row: Row, device: str) -> None:
+    _step(row)  # compiles (again, after a handle's reset)
+    row.workload.model.zero_grad(set_to_none=True)
+    with row.context():
+        m = measure_memory(lambda: training_step(row.workload), device=device, collect_garbage=True)
+    row.peak_increase_bytes = m.peak_increase_bytes
+    row.grads = {n: p.grad.clone() for n, p in row.workload.model.named_parameters() if p.grad is not None}
+
+
+def _budget(b: float):
+    return lambda: torch._functorch.config.patch(activation_memory_budget=b)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="regen.zoo:llama")
+    parser.add_argument("--size", default="bench", help="the zoo's size argument ('' for a workload without one)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--solve-time-limit", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    if any(not 0 < b <= 1 for b in args.budgets):
+        parser.error("--budgets are fractions in (0, 1]")
+    from regen.planner.solve import solve_within_reach
+    from regen.profiler import profile_workload
+
+    device = "cpu"
+    eager = build_workload(args.model, batch_size=args.batch, args={"size": args.size} if args.size else None)
+    print(f"profiling {args.model} (size {args.size or '-'}, batch {args.batch}) eagerly ...", flush=True)
+    profile = profile_workload(eager, device=device, repeats=3, warmup_steps=1, progress=None)
+    start = profile.memory_at_start_bytes
+    rows = [Row("compiled", _build(args))] + [Row(f"budget {b}", _build(args), _budget(b)) for b in args.budgets]
+    for row in rows:
+        _measure(row, device)
+    handles = []
+    for b, budget_row in zip(args.budgets, rows[1:]):
+        cap = start + budget_row.peak_increase_bytes
+        plan = solve_within_reach(profile, cap, "recompute", time_limit_s=args.solve_time_limit)
+        row = Row(f"regen @ budget {b}'s peak", _build(args), cap_increase_bytes=plan.memory_cap_bytes - start)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the cache notice; what cannot be placed is printed below
+            handles.append(regen.apply(row.workload.model, plan))
+        rows.append(row)
+    for row in rows:  # every row compiles again after the handles' resets; peaks measured then
+        _measure(row, device)
+    for _ in range(args.steps):
+        for row in rows:
+            row.times_s.append(_step(row))
+    reference = rows[0]
+    base_s = statistics.median(reference.times_s)
+    print(f"\ntorch {torch.__version__}, {args.steps} interleaved rounds, peaks as increases over the step's start")
+    print(f"{'row':32s} {'cap MiB':>8s} {'peak MiB':>9s} {'step ms':>8s} {'x compiled':>10s} {'max |grad diff|':>16s}")
+    for row in rows:
+        diff = max((row.grads[k] - reference.grads[k]).abs().max().item() for k in reference.grads)
+        cap = f"{row.cap_increase_bytes / 2**20:8.2f}" if row.cap_increase_bytes is not None else f"{'-':>8s}"
+        median_s = statistics.median(row.times_s)
+        print(f"{row.name:32s} {cap} {row.peak_increase_bytes / 2**20:9.2f} {median_s * 1e3:8.1f} "
+              f"{median_s / base_s:10.2f} {diff:16.1e}")
+    for h in handles:
+        unplaced = [d for d in h.placement.unplaced(h.plan.decisions) if d.action != "keep"]
+        print(f"  plan at {h.plan.memory_cap_bytes - start} B: {len(h.placement.placed)} of {len(h.plan.decisions)} "
+              f"decisions placed; {len(unplaced)} drops not placed ({sum(d.bytes for d in unplaced) / 2**20:.2f} MiB)")
+        h.remove()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
