@@ -16,6 +16,7 @@ step in turn (interleaved). Gradients are compared with the `compiled` row's (la
 compiled recomputation rounds differently from the forward it repeats). Time on a quiet machine only.
 
     .venv/bin/python bench/compiled.py [--model regen.zoo:llama] [--size bench] [--batch 4] [--budgets 0.5 0.3]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch._functorch.config
 
 import regen
 from regen.measure import measure_memory
-from regen.workloads import build_workload, training_step
+from regen.workloads import build_workload, move_batch, training_step
 
 
 @dataclass
@@ -48,9 +49,16 @@ class Row:
 
 
 def _build(args):
-    w = build_workload(args.model, batch_size=args.batch, args={"size": args.size} if args.size else None)
+    w = _eager(args)
     w.model.forward = _forward_of_its_own(w.model)
     w.model = torch.compile(w.model)
+    return w
+
+
+def _eager(args):
+    w = build_workload(args.model, batch_size=args.batch, args={"size": args.size} if args.size else None)
+    w.model.to(args.device)
+    w.batch = move_batch(w.batch, args.device)
     return w
 
 
@@ -71,9 +79,16 @@ def _forward_of_its_own(model):
 def _step(row: Row) -> float:
     row.workload.model.zero_grad(set_to_none=True)
     with row.context():
+        _synchronize()
         t0 = time.perf_counter()
         training_step(row.workload)
+        _synchronize()
         return time.perf_counter() - t0
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _measure(row: Row, device: str) -> None:
@@ -97,14 +112,17 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--solve-time-limit", type=float, default=30.0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     if any(not 0 < b <= 1 for b in args.budgets):
         parser.error("--budgets are fractions in (0, 1]")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     from regen.planner.solve import solve_within_reach
     from regen.profiler import profile_workload
 
-    device = "cpu"
-    eager = build_workload(args.model, batch_size=args.batch, args={"size": args.size} if args.size else None)
+    device = args.device
+    eager = _eager(args)
     print(f"profiling {args.model} (size {args.size or '-'}, batch {args.batch}) eagerly ...", flush=True)
     profile = profile_workload(eager, device=device, repeats=3, warmup_steps=1, progress=None)
     start = profile.memory_at_start_bytes
@@ -139,6 +157,9 @@ def main(argv=None) -> int:
         unplaced = [d for d in h.placement.unplaced(h.plan.decisions) if d.action != "keep"]
         print(f"  plan at {h.plan.memory_cap_bytes - start} B: {len(h.placement.placed)} of {len(h.plan.decisions)} "
               f"decisions placed; {len(unplaced)} drops not placed ({sum(d.bytes for d in unplaced) / 2**20:.2f} MiB)")
+        for d in sorted(unplaced, key=lambda d: -d.bytes)[:8]:
+            print(f"    not placed: {d.action} {d.producer_name} in {d.producer_module!r} (rank {d.producer_rank}), "
+                  f"{d.shape} {d.dtype}, {d.bytes / 2**20:.1f} MiB")
         h.remove()
     return 0
 
