@@ -10,8 +10,9 @@ Note [ Plans under torch.compile ]
    `recompute` tag (torch.utils.checkpoint's CheckpointPolicy) over its own heuristics. regen adds a pass
    over each joint graph (Inductor's `joint_custom_pre_pass`) that tags the nodes of each decision's
    producer op: MUST_SAVE on the outputs a keep decision names, MUST_RECOMPUTE on every node of an op
-   whose output the plan recomputes, PREFER_RECOMPUTE on the model's other non-random ops (eager autograd
-   keeps nothing else, and a compiled graph would otherwise save copies and views past the cap). The pass
+   whose output the plan recomputes, PREFER_RECOMPUTE on the model's other ops, random ones included
+   (eager autograd keeps nothing else, and a compiled graph would otherwise save copies and views past
+   the cap; a recomputed random op replays its RNG state). The pass
    is Inductor's only while the model's own call runs (and compiles): other models compiled meanwhile
    never see it.
 2. Finding the producer. A joint graph numbers its ops its own way, so a decision names its producer by
@@ -169,29 +170,18 @@ class PlanGraphPass(CustomGraphPass):
         _recompute_the_rest(graph, self.known_modules)
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    """The node's op returns an alias of an input (a view: its output shares that input's storage)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
-
-
 def _recompute_the_rest(graph: torch.fx.Graph, known_modules: set[str]) -> None:
     """Every other forward node of the model's modules may be recomputed (PREFER_RECOMPUTE), as eager
     autograd keeps nothing but what it saves: a compiled graph would otherwise save, say, a copy of a kept
-    tensor made for the next op, or a view of a recomputed one, past the plan's cap. Random ops stay the
-    partitioner's (it saves their outputs: recomputing them needs the RNG state replayed)."""
+    tensor made for the next op, or a view of a recomputed one, past the plan's cap. Random ops too: the
+    partitioner then replays their RNG state (its functionalize_rng_ops), as regen's eager recipes do."""
     for node in graph.nodes:
         if (node.op != "call_function" or node.meta.get("recompute") is not None
-                or node.meta.get("partitioner_tag") == "is_backward" or _is_random(node)
+                or node.meta.get("partitioner_tag") == "is_backward"
                 or node.target is operator.getitem):  # an output of a multi-output op goes with the op
             continue
         if _node_module(node) in known_modules:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _forward_of_its_own(root: nn.Module):
