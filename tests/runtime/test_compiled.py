@@ -167,3 +167,15 @@ def test_another_compiled_model_compiles_without_the_plan():
         other.model = torch.compile(other.model)
         training_step(other)  # the same architecture, compiled while the handle is in place
         assert handle.placement.graphs == 0 and not handle.placement.placed
+
+
+def test_a_model_compiled_in_place_takes_the_plan_and_gets_its_own_back():
+    _, plan = _profile_and_plan()
+    w = _build()
+    w.model.compile()
+    compiled_call = w.model._compiled_call_impl
+    with regen.apply(w.model, plan) as handle:
+        training_step(w)
+        assert len(handle.placement.placed) >= 0.6 * len(plan.decisions)
+    assert w.model._compiled_call_impl is compiled_call and "forward" not in w.model.__dict__
+    assert torch._inductor.config.joint_custom_pre_pass is None
