@@ -26,6 +26,8 @@ What a step does with the forward's ops and saved tensors:
 Beyond a single plan:
 * dynamic/: dynamic mode, `regen.apply(model, memory_cap=...)` without a plan: saved tensors dropped at
   run time under the cap and rebuilt from recipes recorded as forward ran (DTR-style);
+* compiled.py: a plan on a torch.compile'd model, carried out by the compiler (a pass over its joint
+  graphs that tags what to save and what to recompute; no hooks per op);
 * fallback.py: a plan handle's calls that no plan fits, run in dynamic mode (`on_mismatch="dynamic"`);
 * learned.py: plans learned for such calls (`learn=True`): what a step is observed for, the learned plans;
 * self_timing.py: the runtime timing its own work per event (dispatch, capture, replay, a swap's calls),
