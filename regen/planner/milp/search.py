@@ -72,8 +72,8 @@ MILP_ROWS_INFEASIBLE = "the MILP's memory rows admit no plan at this cap, where 
 # Below it, hybrid is never to end worse than recompute alone, so the recompute-only solves get up to half
 # the time limit (they stop sooner at their gap): a 12-layer GPT-2 (273 candidates) takes 2-3 s to solve
 # recompute-only; with a fifth of a 12 s limit (1.2 s a solve) hybrid ended 1.3-2.0% slower than the
-# recompute plan at 18-22% caps (on an H200, at checkpointing's peak near recompute's smallest cap, 1.8x:
-# no recompute-only plan fitted in its share); with half it ended 0.7-7% faster at 12 s, and at 6 s from 1.4%
+# recompute plan at 18-22% caps (on an H200, GPT-2 at checkpointing's peak, near recompute's smallest cap:
+# hybrid's plan was predicted 1.8x the recompute plan's step); with half it ended 0.7-7% faster at 12 s, and at 6 s from 1.4%
 # slower to 0.6% faster.
 
 Say = Callable[[str], None]
