@@ -27,7 +27,10 @@ Note [ Plans under torch.compile ]
    joint graph held (ops the compiler traced differently, the step's shapes not the plan's) are left to
    the partitioner; a `CompiledPlanWarning` gives their count and bytes. `handle.placement` holds the
    figures.
-5. Recompiling. Code torch.compile made before `regen.apply` has no tags, so making and removing the
+5. On CUDA the allocator's peak over every tenth step (forward to the end of its backward, read as
+   regen.runtime.peak_check reads a planned step's) is compared with the cap: one CapExceededWarning past
+   cap + 5%. A CPU's allocator keeps no counter: there nothing checks a compiled step's peak.
+6. Recompiling. Code torch.compile made before `regen.apply` has no tags, so making and removing the
    handle reset torch.compile's caches (`torch.compiler.reset()`, every compiled function of the
    process): the next step compiles again, with the pass or without it. torch.compile shares compiled code
    among instances of a module class, so the handle gives the model a forward of its own, which the
@@ -49,6 +52,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from regen.caches import announced_caches_off
 from regen.errors import RegenError
 from regen.formats.plan import ACTION_KEEP, Decision, Plan, op_family
+from regen.runtime.model_access import module_device
+from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
 
 
 class CompiledPlanWarning(UserWarning):
@@ -184,6 +189,19 @@ def _recompute_the_rest(graph: torch.fx.Graph, known_modules: set[str]) -> None:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
+    """The first tensor of a model's output (a tensor, or one inside dicts, lists and tuples) that
+    requires grad: its gradient starts the step's backward."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for item in items:
+        found = _first_tensor_requiring_grad(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _forward_of_its_own(root: nn.Module):
     """The model's forward, as a function torch.compile guards on: compiled code is shared by every instance
     of a module class (their parameters are the graph's inputs), so without it another instance could run
@@ -218,6 +236,9 @@ class CompiledPlanHandle:
         self._reported = False
         self._removed = False
         self.caches = announced_caches_off(root)
+        # on CUDA, the allocator's peak over a checked step (forward to the end of its backward) against the cap
+        self.peak_check = PeakCheck(plan.memory_cap_bytes, cuda_peak_reader(module_device(root)))
+        self._steps = 0
         self._say_what_is_not_placed(plan)
         known = {name for name, _ in root.named_modules()}
         self._pass = PlanGraphPass(plan, self.placement, known)
@@ -258,15 +279,17 @@ class CompiledPlanHandle:
         call. Other models compiled meanwhile never see it."""
         if compiled_module(model) is not model:
             return [model.register_forward_pre_hook(lambda *_: self._begin_call()),
-                    model.register_forward_hook(lambda *_: self._end_call(), always_call=True)]
+                    model.register_forward_hook(lambda _module, _args, out: self._end_call(out), always_call=True)]
         compiled_call = model._compiled_call_impl
 
         def call_under_the_plan(*args, **kwargs):
             self._begin_call()
+            out = None
             try:
-                return compiled_call(*args, **kwargs)
+                out = compiled_call(*args, **kwargs)
+                return out
             finally:
-                self._end_call()
+                self._end_call(out)
 
         model._compiled_call_impl = call_under_the_plan
         return [compiled_call]
@@ -276,11 +299,22 @@ class CompiledPlanHandle:
         self._outer_pass.append(config.joint_custom_pre_pass)
         self._pass.before = config.joint_custom_pre_pass
         config.joint_custom_pre_pass = self._pass
+        self._checked = None
+        if len(self._outer_pass) == 1 and torch.is_grad_enabled():  # a training step begins
+            self._steps += 1
+            step = object()
+            if self.peak_check.step_started(step, self._steps) and self.peak_check.read_peak is not None:
+                self._checked = step
 
-    def _end_call(self) -> None:
+    def _end_call(self, output) -> None:
         if self._outer_pass:
             torch._inductor.config.joint_custom_pre_pass = self._outer_pass.pop()
         self._report()
+        step, self._checked = self._checked, None
+        tensor = _first_tensor_requiring_grad(output) if step is not None else None
+        if tensor is not None:  # read the peak again when the step's backward ends
+            tensor.register_hook(lambda _grad: torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.peak_check.step_released(step, followed_plan=True)))
 
     def _report(self) -> None:
         if self._reported or not self.placement.graphs:

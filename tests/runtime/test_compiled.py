@@ -179,3 +179,16 @@ def test_a_model_compiled_in_place_takes_the_plan_and_gets_its_own_back():
         assert len(handle.placement.placed) >= 0.6 * len(plan.decisions)
     assert w.model._compiled_call_impl is compiled_call and "forward" not in w.model.__dict__
     assert torch._inductor.config.joint_custom_pre_pass is None
+
+
+def test_a_compiled_step_over_the_cap_is_warned_with_the_allocators_figure():
+    from regen.runtime.peak_check import CapExceededWarning
+
+    _, plan = _profile_and_plan()
+    w = _build()
+    w.model = torch.compile(w.model)
+    readings = iter([0, 2 * plan.memory_cap_bytes])  # a stand-in for the CUDA allocator: at the step's start, end
+    with regen.apply(w.model, plan) as handle:
+        handle.peak_check.read_peak = lambda: next(readings)
+        with pytest.warns(CapExceededWarning, match="100% over"):
+            training_step(w)
