@@ -13,7 +13,9 @@ compiled with Inductor:
 Peaks are the allocator's (regen.measure: torch.profiler's timeline on CPU, `max_memory_allocated` on CUDA),
 as increases over the step's start; step times are medians of --steps rounds in which every row runs one
 step in turn (interleaved). Gradients are compared with the `compiled` row's (largest absolute difference:
-compiled recomputation rounds differently from the forward it repeats). Time on a quiet machine only.
+compiled recomputation rounds differently from the forward it repeats). Beside each plan, its predicted step
+time, which the eager profile gives (the unplanned eager step is printed too): the difference from the compiled
+step is what a compiled profile would have to predict. Time on a quiet machine only.
 
     .venv/bin/python bench/compiled.py [--model regen.zoo:llama] [--size bench] [--batch 4] [--budgets 0.5 0.3]
         [--device cuda]
@@ -43,6 +45,7 @@ class Row:
     workload: object
     context: object = contextlib.nullcontext  # entered around each of its steps
     cap_increase_bytes: int | None = None
+    eager_prediction_s: float | None = None  # the plan's predicted step time (from the eager profile)
     peak_increase_bytes: int = 0
     times_s: list[float] = field(default_factory=list)
     grads: dict = field(default_factory=dict)
@@ -133,7 +136,8 @@ def main(argv=None) -> int:
     for b, budget_row in zip(args.budgets, rows[1:]):
         cap = start + budget_row.peak_increase_bytes
         plan = solve_within_reach(profile, cap, "recompute", time_limit_s=args.solve_time_limit)
-        row = Row(f"regen @ budget {b}'s peak", _build(args), cap_increase_bytes=plan.memory_cap_bytes - start)
+        row = Row(f"regen @ budget {b}'s peak", _build(args), cap_increase_bytes=plan.memory_cap_bytes - start,
+                  eager_prediction_s=plan.simulated.step_time_s)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the cache notice; what cannot be placed is printed below
             handles.append(regen.apply(row.workload.model, plan))
@@ -146,13 +150,17 @@ def main(argv=None) -> int:
     reference = rows[0]
     base_s = statistics.median(reference.times_s)
     print(f"\ntorch {torch.__version__}, {args.steps} interleaved rounds, peaks as increases over the step's start")
-    print(f"{'row':32s} {'cap MiB':>8s} {'peak MiB':>9s} {'step ms':>8s} {'x compiled':>10s} {'max |grad diff|':>16s}")
+    print(f"{'row':32s} {'cap MiB':>8s} {'peak MiB':>9s} {'step ms':>8s} {'x compiled':>10s} {'max |grad diff|':>16s} "
+          f"{'eager pred ms':>13s}")
     for row in rows:
         diff = max((row.grads[k] - reference.grads[k]).abs().max().item() for k in reference.grads)
         cap = f"{row.cap_increase_bytes / 2**20:8.2f}" if row.cap_increase_bytes is not None else f"{'-':>8s}"
         median_s = statistics.median(row.times_s)
+        pred = f"{row.eager_prediction_s * 1e3:13.1f}" if row.eager_prediction_s is not None else f"{'-':>13s}"
         print(f"{row.name:32s} {cap} {row.peak_increase_bytes / 2**20:9.2f} {median_s * 1e3:8.1f} "
-              f"{median_s / base_s:10.2f} {diff:16.1e}")
+              f"{median_s / base_s:10.2f} {diff:16.1e} {pred}")
+    print(f"eager: the unplanned step as profiled took {profile.step_time_s * 1e3:.1f} ms; a plan's prediction is for "
+          f"eager execution (regen's runtime), not for the compiled step")
     for h in handles:
         unplaced = [d for d in h.placement.unplaced(h.plan.decisions) if d.action != "keep"]
         print(f"  plan at {h.plan.memory_cap_bytes - start} B: {len(h.placement.placed)} of {len(h.plan.decisions)} "
