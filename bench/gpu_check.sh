@@ -4,6 +4,7 @@
 # to run it on a lent GPU"): its plain python3 with its own torch, no venv, nothing installed; the wheels that
 # bench/gpu_wheels.sh downloaded into .whl/ (pulp, highspy) are installed into /tmp/site when present, and the
 # repo root goes on PYTHONPATH. Without CUDA it says so and exits 0 (--cpu-dry-run runs its code on CPU).
+# `--compiled` runs bench/compiled.py instead: a compiled recompute plan beside activation_memory_budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -17,4 +18,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = "--compiled" ]; then  # compiled plans beside torch.compile's budget (bench/compiled.py), Llama at size gpu
+    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu_check --compiled: no CUDA device here; nothing to check"
+        exit 0
+    fi
+    exec timeout 300 "$PY" bench/compiled.py --device cuda --size gpu --budgets 0.5 --steps 10
+fi
 exec timeout 300 "$PY" bench/gpu_check.py "$@"
