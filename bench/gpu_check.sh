@@ -19,7 +19,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = "--compiled" ]; then  # compiled plans beside torch.compile's budget (bench/compiled.py), Llama at size gpu
-    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
         echo "gpu_check --compiled: no CUDA device here; nothing to check"
         exit 0
     fi
