@@ -239,6 +239,7 @@ class CompiledPlanHandle:
         # on CUDA, the allocator's peak over a checked step (forward to the end of its backward) against the cap
         self.peak_check = PeakCheck(plan.memory_cap_bytes, cuda_peak_reader(module_device(root)))
         self._steps = 0
+        self._checked: object | None = None  # the step whose peak is being checked
         self._say_what_is_not_placed(plan)
         known = {name for name, _ in root.named_modules()}
         self._pass = PlanGraphPass(plan, self.placement, known)
@@ -326,7 +327,8 @@ class CompiledPlanHandle:
             warnings.warn(f"regen.apply: {len(unplaced)} of the plan's decisions to drop a tensor "
                           f"({_mib(sum(d.bytes for d in unplaced))}) were not found in the compiled graphs (the "
                           f"compiler traced those ops differently, or this step's shapes are not the plan's): the "
-                          f"compiler decides on them, and the step's peak can differ from the plan's", CompiledPlanWarning, stacklevel=3)
+                          f"compiler decides on them, and the step's peak can differ from the plan's",
+                          CompiledPlanWarning, stacklevel=3)
 
     # ---- public ---------------------------------------------------------------------------------------
     def __enter__(self) -> "CompiledPlanHandle":
