@@ -412,6 +412,9 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
 
     `learner` (regen.learning, from `regen.apply(..., learn=True)`) learns a plan for each call signature
     no plan fits (learned.py); without a plan, the steps run in dynamic mode under `memory_cap` until then.
+
+    A torch.compile'd model (`torch.compile(model)`, or `model.compile()`) takes one plan, carried out by the
+    compiler as recompute policies on its graph (compiled.py); the other arguments are for eager models.
     """
     if policy is not None:
         check_policy(policy)
