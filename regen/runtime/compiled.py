@@ -96,13 +96,18 @@ def module_path(stack_path: str) -> str:
     return ".".join(parts[last + 1:])
 
 
-def _node_module(node: torch.fx.Node) -> str:
-    """The module a joint-graph node ran in; "" (the root) for a node of the compiled forward itself."""
-    stack = node.meta.get("nn_module_stack")
-    return module_path(list(stack.values())[-1][0]) if stack else ""
+def _node_module(node: torch.fx.Node, known_modules: set[str]) -> str:
+    """The innermost of the model's modules a joint-graph node ran in ("" for the root, and for a node of the
+    compiled forward itself). The stack can hold entries that are none of the model's modules (a function a
+    library wraps as a module, such as a hub kernel's rotary embedding): they are passed over."""
+    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        module = module_path(path)
+        if module in known_modules:
+            return module
+    return ""
 
 
-def _groups(graph: torch.fx.Graph) -> list[tuple[str, str, list[torch.fx.Node]]]:
+def _groups(graph: torch.fx.Graph, known_modules: set[str]) -> list[tuple[str, str, list[torch.fx.Node]]]:
     """The joint graph's forward op calls in order: (module path, op family, their nodes)."""
     by_call: dict[int, tuple[str, str, list[torch.fx.Node]]] = {}
     for node in graph.nodes:
@@ -112,7 +117,7 @@ def _groups(graph: torch.fx.Graph) -> list[tuple[str, str, list[torch.fx.Node]]]
         if seq is None or original is None:
             continue
         if seq not in by_call:
-            by_call[seq] = (_node_module(node), op_family(str(original)), [])
+            by_call[seq] = (_node_module(node, known_modules), op_family(str(original)), [])
         by_call[seq][2].append(node)
     return list(by_call.values())
 
@@ -156,9 +161,7 @@ class PlanGraphPass(CustomGraphPass):
             self.before(graph)
         self.placement.graphs += 1
         ranks: dict[tuple[str, str], int] = {}
-        for path, family, nodes in _groups(graph):
-            if path not in self.known_modules:
-                continue
+        for path, family, nodes in _groups(graph, self.known_modules):
             rank = ranks.get((path, family), 0)
             ranks[(path, family)] = rank + 1
             decisions = self.by_producer.get((path, family, rank), [])
@@ -172,20 +175,18 @@ class PlanGraphPass(CustomGraphPass):
                     for node in found[d.saved_tensor]:
                         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             self.placement.placed.update(d.saved_tensor for d in decisions if found[d.saved_tensor])
-        _recompute_the_rest(graph, self.known_modules)
+        _recompute_the_rest(graph)
 
 
-def _recompute_the_rest(graph: torch.fx.Graph, known_modules: set[str]) -> None:
-    """Every other forward node of the model's modules may be recomputed (PREFER_RECOMPUTE), as eager
-    autograd keeps nothing but what it saves: a compiled graph would otherwise save, say, a copy of a kept
-    tensor made for the next op, or a view of a recomputed one, past the plan's cap. Random ops too: the
-    partitioner then replays their RNG state (its functionalize_rng_ops), as regen's eager recipes do."""
+def _recompute_the_rest(graph: torch.fx.Graph) -> None:
+    """Every other forward node of the model's graph may be recomputed (PREFER_RECOMPUTE), as eager autograd
+    keeps nothing but what it saves: a compiled graph would otherwise save, say, a copy of a kept tensor made
+    for the next op, or a view of a recomputed one, past the plan's cap. Random ops too: the partitioner then
+    replays their RNG state (its functionalize_rng_ops), as regen's eager recipes do."""
     for node in graph.nodes:
-        if (node.op != "call_function" or node.meta.get("recompute") is not None
-                or node.meta.get("partitioner_tag") == "is_backward"
-                or node.target is operator.getitem):  # an output of a multi-output op goes with the op
-            continue
-        if _node_module(node) in known_modules:
+        if (node.op == "call_function" and node.meta.get("recompute") is None
+                and node.meta.get("partitioner_tag") != "is_backward"
+                and node.target is not operator.getitem):  # an output of a multi-output op goes with the op
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
