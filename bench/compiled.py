@@ -36,6 +36,7 @@ import torch._functorch.config
 
 import regen
 from regen.measure import measure_memory
+from regen.runtime.compiled import forward_of_its_own
 from regen.workloads import build_workload, move_batch, training_step
 
 
@@ -53,7 +54,7 @@ class Row:
 
 def _build(args):
     w = _eager(args)
-    w.model.forward = _forward_of_its_own(w.model)
+    w.model.forward = forward_of_its_own(w.model)  # each row compiles its own code, under its own budget
     w.model = torch.compile(w.model)
     return w
 
@@ -63,20 +64,6 @@ def _eager(args):
     w.model.to(args.device)
     w.batch = move_batch(w.batch, args.device)
     return w
-
-
-def _forward_of_its_own(model):
-    """torch.compile shares compiled code among instances of a class (their parameters are inputs): a forward
-    function it guards on gives each row its own code, compiled under its own budget."""
-    forward = model.forward
-    token = id(forward)
-
-    def row_forward(*args, **kwargs):
-        if token == 0:  # read so that torch.compile guards on it
-            raise AssertionError("unreachable")
-        return forward(*args, **kwargs)
-
-    return row_forward
 
 
 def _step(row: Row) -> float:

@@ -74,7 +74,7 @@ from regen.call_signature import TrainableCount
 from regen.caches import announced_caches_off
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan
-from regen.runtime.compiled import CompiledPlanHandle, compiled_module
+from regen.runtime.compiled import CompiledPlanHandle
 from regen.runtime.dynamic.engine import DynamicStats
 from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
@@ -85,7 +85,7 @@ from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose,
 from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.mismatch import PlanMismatchWarning
-from regen.runtime.model_access import check_model, module_device, starts_a_step, unwrap_model
+from regen.runtime.model_access import check_model, compiled_module, module_device, starts_a_step, unwrap_model
 from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
 from regen.runtime.swap import HostPool, SwapEngine, new_engine

@@ -52,22 +52,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from regen.caches import announced_caches_off
 from regen.errors import RegenError
 from regen.formats.plan import ACTION_KEEP, Decision, Plan, op_family
-from regen.runtime.model_access import module_device
+from regen.runtime.model_access import compiled_module, module_device
 from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
 
 
 class CompiledPlanWarning(UserWarning):
     """Some of a plan's decisions could not be placed in a compiled model's graphs."""
-
-
-def compiled_module(model: nn.Module) -> nn.Module | None:
-    """The eager module behind a torch.compile'd `model` (`torch.compile(m)` or `m.compile()`), None when
-    `model` is not compiled."""
-    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        return model._orig_mod
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        return model
-    return None
 
 
 @dataclass
@@ -203,11 +193,11 @@ def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
     return None
 
 
-def _forward_of_its_own(root: nn.Module):
-    """The model's forward, as a function torch.compile guards on: compiled code is shared by every instance
+def forward_of_its_own(module: nn.Module):
+    """`module`'s forward, as a function torch.compile guards on: compiled code is shared by every instance
     of a module class (their parameters are the graph's inputs), so without it another instance could run
-    this plan's code, or this model another's."""
-    forward = root.forward
+    this plan's code, or this model another's (bench/compiled.py gives each row its own code so)."""
+    forward = module.forward
     token = id(forward)
 
     def planned_forward(*args, **kwargs):
@@ -249,7 +239,7 @@ class CompiledPlanHandle:
         self._hooks = self._pass_during_calls(model)
         self._root = root
         self._own_forward = root.__dict__.get("forward")
-        root.forward = _forward_of_its_own(root)
+        root.forward = forward_of_its_own(root)
 
     @staticmethod
     def _check_modules(root: nn.Module, plan: Plan) -> None:

@@ -29,13 +29,23 @@ def module_device(module: nn.Module) -> torch.device | None:
     return None
 
 
+def compiled_module(model: nn.Module) -> nn.Module | None:
+    """The eager module behind a torch.compile'd `model` (`torch.compile(m)` or `m.compile()`), None when
+    `model` is not compiled."""
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return model._orig_mod
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return model
+    return None
+
+
 def check_model(model: nn.Module, why: str) -> None:
     """`model` is an eager nn.Module; `why`: the reason a torch.compile'd one is refused, and what to apply."""
     if not isinstance(model, nn.Module):
         raise RegenError(f"regen.apply: expected a torch.nn.Module, got {type(model).__name__}")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        raise RegenError(f"regen.apply: this module is torch.compile'd; {why} to the original module "
-                         f"(model._orig_mod) and train it without torch.compile")
+    if compiled_module(model) is not None:
+        raise RegenError(f"regen.apply: this module is torch.compile'd; {why} to the module without "
+                         f"torch.compile (model._orig_mod of torch.compile(model)) and train that")
 
 
 def starts_a_step(depth: int, what_runs: str) -> bool:
