@@ -51,9 +51,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from regen.caches import announced_caches_off
 from regen.errors import RegenError
-from regen.formats.plan import ACTION_KEEP, Decision, Plan, op_family
+from regen.formats.plan import ACTION_KEEP, ACTION_SWAP, Decision, Plan, op_family
 from regen.runtime.model_access import compiled_module, module_device
 from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
+from regen.units import format_bytes
 
 
 class CompiledPlanWarning(UserWarning):
@@ -208,10 +209,6 @@ def forward_of_its_own(module: nn.Module):
     return planned_forward
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 class CompiledPlanHandle:
     """What `regen.apply` returns for a compiled model and a plan: a context manager, or call `.remove()`."""
 
@@ -220,7 +217,8 @@ class CompiledPlanHandle:
         if any(d.producer_name is None for d in plan.decisions):
             raise RegenError("regen.apply: this plan does not name its decisions' ops the way a compiled graph "
                              "can find them (solved by an older regen); solve it again")
-        self._check_modules(root, plan)
+        known = {name for name, _ in root.named_modules()}
+        self._check_modules(known, plan)
         self.model = model
         self.plan = plan
         self.placement = Placement()
@@ -232,7 +230,6 @@ class CompiledPlanHandle:
         self._steps = 0
         self._checked: object | None = None  # the step whose peak is being checked
         self._say_what_is_not_placed(plan)
-        known = {name for name, _ in root.named_modules()}
         self._pass = PlanGraphPass(plan, self.placement, known)
         self._outer_pass: list = []  # the pass set when a call began (restored when it ends)
         torch.compiler.reset()
@@ -242,9 +239,8 @@ class CompiledPlanHandle:
         root.forward = forward_of_its_own(root)
 
     @staticmethod
-    def _check_modules(root: nn.Module, plan: Plan) -> None:
-        """A plan for another model names modules this one lacks: one clear error."""
-        names = {name for name, _ in root.named_modules()}
+    def _check_modules(names: set[str], plan: Plan) -> None:
+        """A plan for another model names modules this one (its module paths: `names`) lacks: one clear error."""
         missing = sorted({d.producer_module for d in plan.decisions if d.producer_module is not None} - names)
         if missing:
             raise RegenError(f"regen.apply: the plan names modules this model does not have ({', '.join(missing[:3])}"
@@ -252,16 +248,16 @@ class CompiledPlanHandle:
 
     @staticmethod
     def _say_what_is_not_placed(plan: Plan) -> None:
-        swaps = [d for d in plan.decisions if d.action == "swap"]
+        swaps = [d for d in plan.decisions if d.action == ACTION_SWAP]
         if swaps:
             warnings.warn(f"regen.apply: under torch.compile a plan recomputes what it would swap ({len(swaps)} "
-                          f"tensors, {_mib(sum(d.bytes for d in swaps))}): compiled plans recompute only",
+                          f"tensors, {format_bytes(sum(d.bytes for d in swaps))}): compiled plans recompute only",
                           CompiledPlanWarning, stacklevel=4)
         outside = [d for d in plan.decisions if d.producer_module is None and d.action != ACTION_KEEP]
         if outside:
             warnings.warn(f"regen.apply: {len(outside)} of the plan's decisions to drop a tensor "
-                          f"({_mib(sum(d.bytes for d in outside))}) are on ops outside the model (a loss computed "
-                          f"in the loop); a compiled model keeps them, so its steps can pass the plan's cap by "
+                          f"({format_bytes(sum(d.bytes for d in outside))}) are on ops outside the model (a loss "
+                          f"computed in the loop); a compiled model keeps them, so its steps can pass the plan's cap by "
                           f"as much: compute the loss in the model's forward, or compile without a plan",
                           CompiledPlanWarning, stacklevel=4)
 
@@ -291,17 +287,18 @@ class CompiledPlanHandle:
         self._outer_pass.append(config.joint_custom_pre_pass)
         self._pass.before = config.joint_custom_pre_pass
         config.joint_custom_pre_pass = self._pass
-        self._checked = None
         if len(self._outer_pass) == 1 and torch.is_grad_enabled():  # a training step begins
             self._steps += 1
             step = object()
-            if self.peak_check.step_started(step, self._steps) and self.peak_check.read_peak is not None:
-                self._checked = step
+            checked = self.peak_check.step_started(step, self._steps) and self.peak_check.read_peak is not None
+            self._checked = step if checked else None
 
     def _end_call(self, output) -> None:
         if self._outer_pass:
             torch._inductor.config.joint_custom_pre_pass = self._outer_pass.pop()
         self._report()
+        if self._outer_pass:  # a call inside the step's own: the step goes on
+            return
         step, self._checked = self._checked, None
         tensor = _first_tensor_requiring_grad(output) if step is not None else None
         if tensor is not None:  # read the peak again when the step's backward ends
@@ -316,8 +313,8 @@ class CompiledPlanHandle:
                     if d.producer_module is not None and d.action != ACTION_KEEP]
         if unplaced:
             warnings.warn(f"regen.apply: {len(unplaced)} of the plan's decisions to drop a tensor "
-                          f"({_mib(sum(d.bytes for d in unplaced))}) were not found in the compiled graphs (the "
-                          f"compiler traced those ops differently, or this step's shapes are not the plan's): the "
+                          f"({format_bytes(sum(d.bytes for d in unplaced))}) were not found in the compiled graphs "
+                          f"(the compiler traced those ops differently, or this step's shapes are not the plan's): the "
                           f"compiler decides on them, and the step's peak can differ from the plan's",
                           CompiledPlanWarning, stacklevel=3)
 

@@ -9,8 +9,9 @@ plus a reserve learned from the steps before (CUDA: how far the allocator measur
 transients no check saw; engine.py) passes the cap, the held node with the lowest score (policy.py) is
 dropped (let go as swapped out when its bytes are on the host: swaps.py). Only nodes whose storage nothing
 but the runtime holds are candidates (dropping another frees nothing: the program or autograd still holds
-it), and never one pinned by the rebuild in progress. When dropping every candidate would not get the step under the cap, a check drops less or
-nothing (Note [ Targets of a check ]), the step goes on over the cap and its handle warns once.
+it), and never one pinned by the rebuild in progress. When dropping every candidate would not get the step
+under the cap, a check drops less or nothing (Note [ Targets of a check ]), the step goes on over the cap and
+its handle warns once.
 
 `materialize(node)` returns a tensor over the node's storage with its value: resident (held, or still
 held by the program), copied back from the host (swaps.py), or rebuilt by replaying its recipe
