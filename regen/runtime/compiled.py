@@ -257,8 +257,8 @@ class CompiledPlanHandle:
         if outside:
             warnings.warn(f"regen.apply: {len(outside)} of the plan's decisions to drop a tensor "
                           f"({format_bytes(sum(d.bytes for d in outside))}) are on ops outside the model (a loss "
-                          f"computed in the loop); a compiled model keeps them, so its steps can pass the plan's cap by "
-                          f"as much: compute the loss in the model's forward, or compile without a plan",
+                          f"computed in the loop); a compiled model keeps them, so its steps can pass the plan's cap "
+                          f"by as much: compute the loss in the model's forward, or compile without a plan",
                           CompiledPlanWarning, stacklevel=4)
 
     def _pass_during_calls(self, model: nn.Module) -> list:
