@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
 from regen.caches import announced_caches_off
@@ -182,16 +183,9 @@ def _recompute_the_rest(graph: torch.fx.Graph) -> None:
 
 
 def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
-    """The first tensor of a model's output (a tensor, or one inside dicts, lists and tuples) that
-    requires grad: its gradient starts the step's backward."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
-    for item in items:
-        found = _first_tensor_requiring_grad(item)
-        if found is not None:
-            return found
-    return None
+    """The first tensor of a model's output (flattened as learned.py flattens it) that requires grad: its
+    gradient starts the step's backward."""
+    return next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 def forward_of_its_own(module: nn.Module):
