@@ -35,6 +35,12 @@ Note [ Plans under torch.compile ]
    process): the next step compiles again, with the pass or without it. torch.compile shares compiled code
    among instances of a module class, so the handle gives the model a forward of its own, which the
    compiled code is guarded on: another instance never runs this plan's code, nor this model another's.
+7. Kernels run when the plan says. Inductor fuses kernels that only read the same buffers (horizontal
+   fusion): one of them can be a recomputation whose result is then made long before backward reads it and
+   held meanwhile (the built-in GPT's compiled step measured 8% over its plan's cap that way, and within it
+   without such fusions, at the same step time on CPU). While the model's call runs, Inductor fuses only a
+   producer with its consumers, and compiles the backward then too (not lazily at the first backward, when
+   the settings are the user's again); other compiled code keeps the user's settings.
 """
 
 from __future__ import annotations
@@ -182,6 +188,34 @@ def _recompute_the_rest(graph: torch.fx.Graph) -> None:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Note [ Plans under torch.compile ] 7: Inductor's settings while the plan's model runs (and compiles)
+_PLAN_SETTINGS = {
+    "score_fusion_memory_threshold": 2 ** 62,  # no kernels fused only for sharing what they read
+}
+_PLAN_AOT_SETTINGS = {
+    "force_non_lazy_backward_lowering": True,  # backward compiled in the model's call, under these settings
+}
+
+
+def _set_compiler(plan_pass: CustomGraphPass) -> dict:
+    """Set Inductor's settings for a planned model's call; returns the ones they replaced."""
+    inductor, aot = torch._inductor.config, torch._functorch.config
+    before = {"inductor": {name: getattr(inductor, name) for name in (*_PLAN_SETTINGS, "joint_custom_pre_pass")},
+              "aot": {name: getattr(aot, name) for name in _PLAN_AOT_SETTINGS}}
+    for name, value in {**_PLAN_SETTINGS, "joint_custom_pre_pass": plan_pass}.items():
+        setattr(inductor, name, value)
+    for name, value in _PLAN_AOT_SETTINGS.items():
+        setattr(aot, name, value)
+    return before
+
+
+def _restore_compiler(before: dict) -> None:
+    for name, value in before["inductor"].items():
+        setattr(torch._inductor.config, name, value)
+    for name, value in before["aot"].items():
+        setattr(torch._functorch.config, name, value)
+
+
 def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
     """The first tensor of a model's output (flattened as learned.py flattens it) that requires grad: its
     gradient starts the step's backward."""
@@ -225,7 +259,7 @@ class CompiledPlanHandle:
         self._checked: object | None = None  # the step whose peak is being checked
         self._say_what_is_not_placed(plan)
         self._pass = PlanGraphPass(plan, self.placement, known)
-        self._outer_pass: list = []  # the pass set when a call began (restored when it ends)
+        self._outer_settings: list[dict] = []  # the compiler's settings when a call began (restored when it ends)
         torch.compiler.reset()
         self._hooks = self._pass_during_calls(model)
         self._root = root
@@ -277,21 +311,19 @@ class CompiledPlanHandle:
         return [compiled_call]
 
     def _begin_call(self) -> None:
-        config = torch._inductor.config
-        self._outer_pass.append(config.joint_custom_pre_pass)
-        self._pass.before = config.joint_custom_pre_pass
-        config.joint_custom_pre_pass = self._pass
-        if len(self._outer_pass) == 1 and torch.is_grad_enabled():  # a training step begins
+        self._pass.before = torch._inductor.config.joint_custom_pre_pass
+        self._outer_settings.append(_set_compiler(self._pass))
+        if len(self._outer_settings) == 1 and torch.is_grad_enabled():  # a training step begins
             self._steps += 1
             step = object()
             checked = self.peak_check.step_started(step, self._steps) and self.peak_check.read_peak is not None
             self._checked = step if checked else None
 
     def _end_call(self, output) -> None:
-        if self._outer_pass:
-            torch._inductor.config.joint_custom_pre_pass = self._outer_pass.pop()
+        if self._outer_settings:
+            _restore_compiler(self._outer_settings.pop())
         self._report()
-        if self._outer_pass:  # a call inside the step's own: the step goes on
+        if self._outer_settings:  # a call inside the step's own: the step goes on
             return
         step, self._checked = self._checked, None
         tensor = _first_tensor_requiring_grad(output) if step is not None else None
