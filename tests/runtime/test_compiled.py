@@ -1,7 +1,7 @@
 """A plan on a torch.compile'd model (regen.runtime.compiled): the compiler carries the plan's decisions out.
 
-One zoo decoder at its defaults (Llama, bench size: activations, not weights, make its peak) and the built-in
-GPT (dropout, its loss outside the model), profiled eagerly and solved for recompute at half the peak increase,
+Two zoo decoders at their defaults (Llama and GPT-2, bench size: activations, not weights, make their peaks) and
+the built-in GPT (dropout, its loss outside the model), profiled eagerly and solved for recompute at half the peak increase,
 then trained compiled (Inductor on CPU) with and without the plan: the same losses and module buffers bit for
 bit, gradients within what a differently partitioned compiled backward rounds differently, most of the plan
 placed in the compiled graph, and the planned step's allocator-measured peak below the unplanned compiled
@@ -28,9 +28,9 @@ from regen.workloads import build_workload, training_step  # noqa: E402
 WORKLOAD = "regen.zoo:llama"
 ARGS = {"size": "bench"}
 BATCH = 4
-# (workload, its arguments, batch): a zoo decoder whose loss is in its forward, and the built-in GPT (dropout,
-# tied embeddings, its loss computed outside the model)
-MODELS = {"llama": (WORKLOAD, ARGS, BATCH), "gpt": ("gpt", None, 8)}
+# (workload, its arguments, batch): two zoo decoders whose loss is in their forward (GPT-2 with its dropout as
+# shipped and tied embeddings), and the built-in GPT (dropout, tied embeddings, its loss outside the model)
+MODELS = {"llama": (WORKLOAD, ARGS, BATCH), "gpt2": ("regen.zoo:gpt2", ARGS, BATCH), "gpt": ("gpt", None, 8)}
 STEPS = 2
 # the planned compiled step's peak over the plan's cap, at most (regen's tolerance)
 CAP_TOLERANCE = 0.05
