@@ -36,6 +36,12 @@ docs/benchmarks-memcpy.md with the machine, the date and the command; `--json PA
 row as JSON (either run).
 
     python bench/compare.py --memcpy-link   # all models, writes docs/benchmarks-memcpy.md
+
+`--compile` runs the compiled comparison instead (bench/compiled.py, its arguments): torch.compile alone,
+`activation_memory_budget`, regen's plan on the compiled model at the budget's measured peak, and with
+`--regen-cap F` the budget that measures the peak of regen's plan at F.
+
+    python bench/compare.py --compile --model regen.zoo:llama --regen-cap 0.5
     python bench/compare.py --memcpy-link --models gpt --no-write --json rows.json
 """
 
@@ -444,6 +450,11 @@ def machine() -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--compile" in argv:  # the compiled comparison: bench/compiled.py
+        from compiled import main as compiled_main
+
+        return compiled_main([a for a in argv if a != "--compile"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS),
                         help=f"default {' '.join(DEFAULT_MODELS)}")
@@ -452,6 +463,8 @@ def main(argv=None) -> int:
                         help="default docs/benchmarks.md (docs/benchmarks-memcpy.md with --memcpy-link)")
     parser.add_argument("--link-ratio", type=float, nargs="+", default=list(LINK_RATIOS), metavar="R",
                         help=f"emulated link ratios (default {' and '.join(map(str, LINK_RATIOS))})")
+    parser.add_argument("--compile", action="store_true",
+                        help="the compiled comparison instead (bench/compiled.py; pass its arguments)")
     parser.add_argument("--memcpy-link", action="store_true",
                         help="the memcpy comparison instead (torch.compile, save_on_cpu, HF checkpointing; no link)")
     parser.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="solver time limit per plan (s)")

@@ -4,7 +4,8 @@
 # to run it on a lent GPU"): its plain python3 with its own torch, no venv, nothing installed; the wheels that
 # bench/gpu_wheels.sh downloaded into .whl/ (pulp, highspy) are installed into /tmp/site when present, and the
 # repo root goes on PYTHONPATH. Without CUDA it says so and exits 0 (--cpu-dry-run runs its code on CPU).
-# `--compiled` runs bench/compiled.py instead: a compiled recompute plan beside activation_memory_budget.
+# `--compiled` runs bench/compiled.py instead: compiled recompute and hybrid plans (the compiler offloading the
+# hybrid's swaps) beside activation_memory_budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -23,6 +24,6 @@ if [ "${1:-}" = "--compiled" ]; then  # compiled plans beside torch.compile's bu
         echo "gpu_check --compiled: no CUDA device here; nothing to check"
         exit 0
     fi
-    exec timeout 300 "$PY" bench/compiled.py --device cuda --size gpu --budgets 0.5 --steps 10
+    exec timeout 300 "$PY" bench/compiled.py --device cuda --size gpu --budgets 0.5 --strategies recompute hybrid --steps 10
 fi
 exec timeout 300 "$PY" bench/gpu_check.py "$@"

@@ -1,4 +1,5 @@
-"""A plan on a torch.compile'd model: the plan's decisions become recompute policies on the compiled graph.
+"""A plan on a torch.compile'd model: the plan's decisions become policies (save, recompute, offload) on the
+compiled graph.
 
 `regen.apply(torch.compile(model), plan)` (or a model compiled in place with `model.compile()`) runs no
 hook per op: the compiler carries the plan out in the code it generates.
@@ -20,13 +21,17 @@ Note [ Plans under torch.compile ]
    joint graph's forward nodes carry the module they ran in (`nn_module_stack`), the op they were
    decomposed from (`original_aten`) and which call of it they belong to (`seq_nr`). A decision whose op
    is found with another output shape or dtype is not placed.
-3. Recompute only. A swap decision is carried out as a recompute (the compiler's offloading pass is not
-   driven by plans yet), said once when the handle is made.
+3. Swaps. On CUDA a swap decision's tensor is saved (MUST_SAVE) and marked for the compiler's offloading pass
+   (torch._functorch's activation offloading, `should_offload`), which copies it to host memory on a stream of
+   its own and back ahead of its use in backward; a view or a non-contiguous tensor it would pass over is
+   recomputed instead (said after the first compiled forward). Off CUDA, swaps are recomputed (said when the
+   handle is made). The plan's choice of tensors is what is offloaded; the copies' timing is the pass's.
 4. Nothing unplaced is silent. Decisions on ops outside the model (a loss the loop computes) cannot be
-   placed: said when the handle is made. After the first compiled forward, the recompute decisions no
-   joint graph held (ops the compiler traced differently, the step's shapes not the plan's) are left to
-   the partitioner; a `CompiledPlanWarning` gives their count and bytes. `handle.placement` holds the
-   figures.
+   placed: said when the handle is made. A training step that compiled no graph (torch.compile ran it
+   eagerly, past its recompile limit) is said once. After the first compiled forward, the recompute
+   decisions no joint graph held (ops the compiler traced differently, the step's shapes not the plan's)
+   are left to the partitioner; a `CompiledPlanWarning` gives their count and bytes. `handle.placement`
+   holds the figures.
 5. On CUDA the allocator's peak over every tenth step (forward to the end of its backward, read as
    regen.runtime.peak_check reads a planned step's) is compared with the cap: one CapExceededWarning past
    cap + 5%. A CPU's allocator keeps no counter: there nothing checks a compiled step's peak.
@@ -34,7 +39,8 @@ Note [ Plans under torch.compile ]
    handle reset torch.compile's caches (`torch.compiler.reset()`, every compiled function of the
    process): the next step compiles again, with the pass or without it. torch.compile shares compiled code
    among instances of a module class, so the handle gives the model a forward of its own, which the
-   compiled code is guarded on: another instance never runs this plan's code, nor this model another's.
+   compiled code is guarded on (a string: an integer that changed between compiles would become a dynamic
+   input): another instance never runs this plan's code, nor this model another's.
 7. Kernels run when the plan says. Inductor fuses kernels that only read the same buffers (horizontal
    fusion): one of them can be a recomputation whose result is then made long before backward reads it and
    held meanwhile (the built-in GPT's compiled step measured 8% over its plan's cap that way, and within it
@@ -45,6 +51,7 @@ Note [ Plans under torch.compile ]
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
 import warnings
@@ -73,6 +80,7 @@ class Placement:
     """What the joint-graph pass placed of a plan's decisions so far (Note [ Plans under torch.compile ] 4)."""
 
     placed: set[int] = field(default_factory=set)  # SavedTensor ids tagged in some joint graph
+    offloaded: set[int] = field(default_factory=set)  # those of swap decisions the compiler offloads
     graphs: int = 0  # joint graphs the pass has seen
 
     def unplaced(self, decisions: list[Decision]) -> list[Decision]:
@@ -138,8 +146,10 @@ def _outputs_like(nodes: list[torch.fx.Node], d: Decision) -> list[torch.fx.Node
 class PlanGraphPass(CustomGraphPass):
     """The joint-graph pass of Note [ Plans under torch.compile ] 1-2 (chained after a pass already set)."""
 
-    def __init__(self, plan: Plan, placement: Placement, known_modules: set[str], before=None):
-        """`before`: the pass Inductor had when the model's call began, run first."""
+    def __init__(self, plan: Plan, placement: Placement, known_modules: set[str], before=None,
+                 offload_swaps: bool = False):
+        """`before`: the pass Inductor had when the model's call began, run first. `offload_swaps`: a swap
+        decision's tensor is saved and offloaded to host memory by the compiler (CUDA), else recomputed."""
         self.by_producer: dict[tuple[str, str, int], list[Decision]] = {}
         for d in plan.decisions:
             if d.producer_module is not None:
@@ -148,6 +158,7 @@ class PlanGraphPass(CustomGraphPass):
         self.placement = placement
         self.known_modules = known_modules
         self.before = before
+        self.offload_swaps = offload_swaps
 
     def uuid(self):
         """None: Inductor's caches pass this graph by, so the pass runs at every compile and what it placed
@@ -164,16 +175,28 @@ class PlanGraphPass(CustomGraphPass):
             ranks[(path, family)] = rank + 1
             decisions = self.by_producer.get((path, family, rank), [])
             found = {d.saved_tensor: _outputs_like(nodes, d) for d in decisions}
+            offloaded = {d.saved_tensor for d in decisions if d.action == ACTION_SWAP and self.offload_swaps
+                         and found[d.saved_tensor] and all(map(_offloadable, found[d.saved_tensor]))}
             for d in decisions:  # recomputes first: a kept output of the same op is then saved all the same
-                if d.action != ACTION_KEEP and found[d.saved_tensor]:
+                if d.action != ACTION_KEEP and d.saved_tensor not in offloaded and found[d.saved_tensor]:
                     for node in nodes:
                         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             for d in decisions:
-                if d.action == ACTION_KEEP:
+                if d.action == ACTION_KEEP or d.saved_tensor in offloaded:
                     for node in found[d.saved_tensor]:
                         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                        node.meta["should_offload"] = d.saved_tensor in offloaded
             self.placement.placed.update(d.saved_tensor for d in decisions if found[d.saved_tensor])
+            self.placement.offloaded.update(offloaded)
         _recompute_the_rest(graph)
+
+
+def _offloadable(node: torch.fx.Node) -> bool:
+    """What the compiler's offloading pass moves to host memory: a contiguous tensor that is not a view (it
+    passes others over, which would leave them saved on the device)."""
+    val = node.meta.get("val")
+    view = isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return isinstance(val, torch.Tensor) and val.is_contiguous() and not view
 
 
 def _recompute_the_rest(graph: torch.fx.Graph) -> None:
@@ -195,16 +218,31 @@ _PLAN_SETTINGS = {
 _PLAN_AOT_SETTINGS = {
     "force_non_lazy_backward_lowering": True,  # backward compiled in the model's call, under these settings
 }
+# Note [ Plans under torch.compile ] 3: a plan's swaps by the compiler's offloading pass; on CUDA the copies
+# run on a stream of their own, the forward waits for each as late as it can, backward's copies back start early
+_OFFLOAD_SETTINGS = {"enable_activation_offloading": True}
+_OFFLOAD_STREAM_SETTINGS = {
+    "activation_offload_separate_stream": True,
+    "activation_offload_sink_wait": True,
+    "activation_reload_prefetch": True,
+}
 
 
-def _set_compiler(plan_pass: CustomGraphPass) -> dict:
-    """Set Inductor's settings for a planned model's call; returns the ones they replaced."""
+def offload_settings(device: torch.device) -> dict:
+    """The offloading pass's settings for a model on `device`."""
+    return {**_OFFLOAD_SETTINGS, **(_OFFLOAD_STREAM_SETTINGS if device.type == "cuda" else {})}
+
+
+def _set_compiler(plan_pass: CustomGraphPass, offloading: dict) -> dict:
+    """Set Inductor's settings for a planned model's call (`offloading`: the offloading pass's, {} when the plan
+    offloads nothing); returns the ones they replaced."""
     inductor, aot = torch._inductor.config, torch._functorch.config
+    aot_settings = {**_PLAN_AOT_SETTINGS, **offloading}
     before = {"inductor": {name: getattr(inductor, name) for name in (*_PLAN_SETTINGS, "joint_custom_pre_pass")},
-              "aot": {name: getattr(aot, name) for name in _PLAN_AOT_SETTINGS}}
+              "aot": {name: getattr(aot, name) for name in aot_settings}}
     for name, value in {**_PLAN_SETTINGS, "joint_custom_pre_pass": plan_pass}.items():
         setattr(inductor, name, value)
-    for name, value in _PLAN_AOT_SETTINGS.items():
+    for name, value in aot_settings.items():
         setattr(aot, name, value)
     return before
 
@@ -222,15 +260,20 @@ def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
     return next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
+_FORWARD_TOKENS = itertools.count()
+
+
 def forward_of_its_own(module: nn.Module):
     """`module`'s forward, as a function torch.compile guards on: compiled code is shared by every instance
     of a module class (their parameters are the graph's inputs), so without it another instance could run
     this plan's code, or this model another's (bench/compiled.py gives each row its own code so)."""
     forward = module.forward
-    token = id(forward)
+    # a string: torch.compile guards on its value (an int that changed between compiles would become a
+    # dynamic input, and one compiled entry would then serve every later instance)
+    token = f"regen-forward-{next(_FORWARD_TOKENS)}"
 
     def planned_forward(*args, **kwargs):
-        if token == 0:  # never true: read so that torch.compile guards on this handle's token
+        if token == "":  # never true: read so that torch.compile guards on this forward's token
             raise AssertionError("unreachable")
         return forward(*args, **kwargs)
 
@@ -240,7 +283,9 @@ def forward_of_its_own(module: nn.Module):
 class CompiledPlanHandle:
     """What `regen.apply` returns for a compiled model and a plan: a context manager, or call `.remove()`."""
 
-    def __init__(self, model: nn.Module, plan: Plan):
+    def __init__(self, model: nn.Module, plan: Plan, offload_swaps: bool | None = None):
+        """`offload_swaps`: carry swap decisions out by the compiler's offloading pass (None: on CUDA only,
+        where the copies overlap compute; elsewhere they are recomputed)."""
         root = compiled_module(model)
         if any(d.producer_name is None for d in plan.decisions):
             raise RegenError("regen.apply: this plan does not name its decisions' ops the way a compiled graph "
@@ -251,14 +296,19 @@ class CompiledPlanHandle:
         self.plan = plan
         self.placement = Placement()
         self._reported = False
+        self._said_uncompiled = False  # a step that compiled no graph was warned
         self._removed = False
         self.caches = announced_caches_off(root)
         # on CUDA, the allocator's peak over a checked step (forward to the end of its backward) against the cap
         self.peak_check = PeakCheck(plan.memory_cap_bytes, cuda_peak_reader(module_device(root)))
         self._steps = 0
         self._checked: object | None = None  # the step whose peak is being checked
-        self._say_what_is_not_placed(plan)
-        self._pass = PlanGraphPass(plan, self.placement, known)
+        if offload_swaps is None:
+            offload_swaps = module_device(root).type == "cuda"
+        has_swaps = any(d.action == ACTION_SWAP for d in plan.decisions)
+        self._offloading = offload_settings(module_device(root)) if offload_swaps and has_swaps else {}
+        self._say_what_is_not_placed(plan, offload_swaps)
+        self._pass = PlanGraphPass(plan, self.placement, known, offload_swaps=offload_swaps)
         self._outer_settings: list[dict] = []  # the compiler's settings when a call began (restored when it ends)
         torch.compiler.reset()
         self._hooks = self._pass_during_calls(model)
@@ -275,11 +325,11 @@ class CompiledPlanHandle:
                              f"{', ...' if len(missing) > 3 else ''}): a plan for another model?")
 
     @staticmethod
-    def _say_what_is_not_placed(plan: Plan) -> None:
+    def _say_what_is_not_placed(plan: Plan, offload_swaps: bool) -> None:
         swaps = [d for d in plan.decisions if d.action == ACTION_SWAP]
-        if swaps:
-            warnings.warn(f"regen.apply: under torch.compile a plan recomputes what it would swap ({len(swaps)} "
-                          f"tensors, {format_bytes(sum(d.bytes for d in swaps))}): compiled plans recompute only",
+        if swaps and not offload_swaps:
+            warnings.warn(f"regen.apply: a compiled model off CUDA recomputes what its plan would swap ({len(swaps)} "
+                          f"tensors, {format_bytes(sum(d.bytes for d in swaps))}): compiled plans swap on CUDA only",
                           CompiledPlanWarning, stacklevel=4)
         outside = [d for d in plan.decisions if d.producer_module is None and d.action != ACTION_KEEP]
         if outside:
@@ -312,7 +362,7 @@ class CompiledPlanHandle:
 
     def _begin_call(self) -> None:
         self._pass.before = torch._inductor.config.joint_custom_pre_pass
-        self._outer_settings.append(_set_compiler(self._pass))
+        self._outer_settings.append(_set_compiler(self._pass, self._offloading))
         if len(self._outer_settings) == 1 and torch.is_grad_enabled():  # a training step begins
             self._steps += 1
             step = object()
@@ -325,6 +375,11 @@ class CompiledPlanHandle:
         self._report()
         if self._outer_settings:  # a call inside the step's own: the step goes on
             return
+        if not self.placement.graphs and torch.is_grad_enabled() and not self._said_uncompiled:
+            self._said_uncompiled = True
+            warnings.warn("regen.apply: the model's training step ran without compiling a graph of its own (torch.compile "
+                          "ran it eagerly: its recompile limit, torch._dynamo.config.recompile_limit, reached?), so the "
+                          "plan is not carried out", CompiledPlanWarning, stacklevel=3)
         step, self._checked = self._checked, None
         tensor = _first_tensor_requiring_grad(output) if step is not None else None
         if tensor is not None:  # read the peak again when the step's backward ends
@@ -342,6 +397,12 @@ class CompiledPlanHandle:
                           f"({format_bytes(sum(d.bytes for d in unplaced))}) were not found in the compiled graphs "
                           f"(the compiler traced those ops differently, or this step's shapes are not the plan's): the "
                           f"compiler decides on them, and the step's peak can differ from the plan's",
+                          CompiledPlanWarning, stacklevel=3)
+        recomputed = [d for d in self.plan.decisions if d.action == ACTION_SWAP and d.saved_tensor in
+                      self.placement.placed and d.saved_tensor not in self.placement.offloaded]
+        if self._offloading and recomputed:
+            warnings.warn(f"regen.apply: {len(recomputed)} of the plan's swaps ({format_bytes(sum(d.bytes for d in recomputed))}) "
+                          f"are recomputed: the compiler offloads no view and no non-contiguous tensor",
                           CompiledPlanWarning, stacklevel=3)
 
     # ---- public ---------------------------------------------------------------------------------------

@@ -163,8 +163,39 @@ def test_a_swap_is_said_to_be_recomputed_under_compile():
     swapping = solve(profile, memory_cap_bytes=cap, strategy="swap", time_limit_s=10, rel_gap=0.2,
                      bandwidth_gb_s=profile.device.d2h_bytes_per_s / 1e9)
     assert swapping.action_counts()["swap"] > 0
-    with pytest.warns(CompiledPlanWarning, match="recomputes what it would swap"):
+    with pytest.warns(CompiledPlanWarning, match="off CUDA recomputes what its plan would swap"):
         regen.apply(_compiled_model(), swapping).remove()
+
+
+def test_swaps_are_offloaded_by_the_compiler_when_asked():
+    """On CUDA a plan's swaps go to the compiler's offloading pass; asked to on CPU, its copies are the
+    graphs' device_put nodes (to the CPU: a copy), and the step trains as the unplanned compiled one."""
+    from regen.planner import solve
+    from regen.runtime.compiled import CompiledPlanHandle
+
+    profile, _ = _profile_and_plan()
+    cap = profile.memory_at_start_bytes + (profile.peak_bytes - profile.memory_at_start_bytes) * 3 // 4
+    swapping = solve(profile, memory_cap_bytes=cap, strategy="swap", time_limit_s=10, rel_gap=0.2,
+                     bandwidth_gb_s=profile.device.d2h_bytes_per_s / 1e9)
+    puts = []
+    count_puts = torch._inductor.config.patch(post_grad_custom_pre_pass=lambda graph: puts.append(
+        sum(1 for n in graph.nodes if n.target is torch.ops.prims.device_put.default)))
+    losses, grads, buffers, _, _ = _train_compiled("llama", None)
+    w = _build()
+    w.model = torch.compile(w.model)
+    with count_puts, CompiledPlanHandle(w.model, swapping, offload_swaps=True) as handle:
+        torch.manual_seed(5)
+        p_losses = []
+        for _ in range(STEPS):
+            w.model.zero_grad(set_to_none=True)
+            p_losses.append(training_step(w).detach())
+        offloaded = handle.placement.offloaded
+    swaps = {d.saved_tensor for d in swapping.decisions if d.action == "swap"}
+    assert offloaded and offloaded <= swaps and len(offloaded) >= len(swaps) // 2, (len(offloaded), len(swaps))
+    assert puts[-2:] == [len(offloaded)] * 2  # one copy out in the forward graph, one back in the backward's
+    assert all(torch.equal(a, b) for a, b in zip(losses, p_losses))
+    for name, p in w.model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
 
 
 def test_another_compiled_model_compiles_without_the_plan():
@@ -174,6 +205,42 @@ def test_another_compiled_model_compiles_without_the_plan():
         other.model = torch.compile(other.model)
         training_step(other)  # the same architecture, compiled while the handle is in place
         assert handle.placement.graphs == 0 and not handle.placement.placed
+
+
+def test_every_instance_of_a_class_compiles_under_its_own_plan():
+    """torch.compile shares compiled code among a class's instances; each planned model gets its own (from the
+    third instance on too, where a changing integer guard would have turned into a dynamic input)."""
+    _, plan = _profile_and_plan("gpt")
+    workloads = [_build("gpt") for _ in range(3)]
+    handles = []
+    for w in workloads:
+        w.model = torch.compile(w.model)
+        handles.append(regen.apply(w.model, plan))  # each resets torch.compile: all three compile after
+    for w in workloads:
+        training_step(w)
+    try:
+        assert [h.placement.graphs for h in handles] == [1, 1, 1]
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch._dynamo.config.patch(recompile_limit=1)
+def test_a_planned_step_that_torch_compile_ran_eagerly_is_warned():
+    _, plan = _profile_and_plan("gpt")
+    workloads = [_build("gpt") for _ in range(2)]
+    handles = []
+    for w in workloads:
+        w.model = torch.compile(w.model)
+        handles.append(regen.apply(w.model, plan))
+    try:
+        training_step(workloads[0])
+        with pytest.warns(CompiledPlanWarning, match="ran without compiling a graph of its own"):
+            training_step(workloads[1])  # past the limit: torch.compile runs it eagerly
+        assert handles[1].placement.graphs == 0
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def test_a_model_compiled_in_place_takes_the_plan_and_gets_its_own_back():
