@@ -154,6 +154,9 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device here")
     from regen.profiler import profile_workload
 
+    # every row is an instance of one class compiled with its own code (forward_of_its_own): past torch.compile's
+    # recompile limit (8) a later row would run eagerly
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     device = args.device
     eager = _eager(args)
     print(f"profiling {args.model} (size {args.size or '-'}, batch {args.batch}) eagerly ...", flush=True)

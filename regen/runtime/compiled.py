@@ -40,7 +40,11 @@ Note [ Plans under torch.compile ]
    process): the next step compiles again, with the pass or without it. torch.compile shares compiled code
    among instances of a module class, so the handle gives the model a forward of its own, which the
    compiled code is guarded on (a string: an integer that changed between compiles would become a dynamic
-   input): another instance never runs this plan's code, nor this model another's.
+   input): another instance never runs this plan's code, nor this model another's. That covers the code
+   traced from the model's forward down to its first graph break; a frame torch.compile starts after a break
+   (a Hugging Face model's logging call) is shared by the class's instances again, so a second instance of
+   the class compiled in the same process can run the first one's code: its pass then places less, or nothing,
+   and that is said (4).
 7. Kernels run when the plan says. Inductor fuses kernels that only read the same buffers (horizontal
    fusion): one of them can be a recomputation whose result is then made long before backward reads it and
    held meanwhile (the built-in GPT's compiled step measured 8% over its plan's cap that way, and within it
@@ -211,12 +215,10 @@ def _recompute_the_rest(graph: torch.fx.Graph) -> None:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# Note [ Plans under torch.compile ] 7: Inductor's settings while the plan's model runs (and compiles)
+# Note [ Plans under torch.compile ] 7: the compiler's settings while the plan's model runs (and compiles)
 _PLAN_SETTINGS = {
-    "score_fusion_memory_threshold": 2 ** 62,  # no kernels fused only for sharing what they read
-}
-_PLAN_AOT_SETTINGS = {
-    "force_non_lazy_backward_lowering": True,  # backward compiled in the model's call, under these settings
+    "inductor": {"score_fusion_memory_threshold": 2 ** 62},  # no kernels fused only for sharing what they read
+    "aot": {"force_non_lazy_backward_lowering": True},  # backward compiled in the model's call, under these
 }
 # Note [ Plans under torch.compile ] 3: a plan's swaps by the compiler's offloading pass; on CUDA the copies
 # run on a stream of their own, the forward waits for each as late as it can, backward's copies back start early
@@ -233,25 +235,28 @@ def offload_settings(device: torch.device) -> dict:
     return {**_OFFLOAD_SETTINGS, **(_OFFLOAD_STREAM_SETTINGS if device.type == "cuda" else {})}
 
 
+def _configs() -> dict:
+    return {"inductor": torch._inductor.config, "aot": torch._functorch.config}
+
+
 def _set_compiler(plan_pass: CustomGraphPass, offloading: dict) -> dict:
-    """Set Inductor's settings for a planned model's call (`offloading`: the offloading pass's, {} when the plan
-    offloads nothing); returns the ones they replaced."""
-    inductor, aot = torch._inductor.config, torch._functorch.config
-    aot_settings = {**_PLAN_AOT_SETTINGS, **offloading}
-    before = {"inductor": {name: getattr(inductor, name) for name in (*_PLAN_SETTINGS, "joint_custom_pre_pass")},
-              "aot": {name: getattr(aot, name) for name in aot_settings}}
-    for name, value in {**_PLAN_SETTINGS, "joint_custom_pre_pass": plan_pass}.items():
-        setattr(inductor, name, value)
-    for name, value in aot_settings.items():
-        setattr(aot, name, value)
+    """Set the compiler's settings for a planned model's call (`offloading`: the offloading pass's, {} when the
+    plan offloads nothing); returns the ones they replaced."""
+    settings = {**_PLAN_SETTINGS, "inductor": {**_PLAN_SETTINGS["inductor"], "joint_custom_pre_pass": plan_pass},
+                "aot": {**_PLAN_SETTINGS["aot"], **offloading}}
+    configs = _configs()
+    before = {part: {name: getattr(configs[part], name) for name in values} for part, values in settings.items()}
+    for part, values in settings.items():
+        for name, value in values.items():
+            setattr(configs[part], name, value)
     return before
 
 
 def _restore_compiler(before: dict) -> None:
-    for name, value in before["inductor"].items():
-        setattr(torch._inductor.config, name, value)
-    for name, value in before["aot"].items():
-        setattr(torch._functorch.config, name, value)
+    configs = _configs()
+    for part, values in before.items():
+        for name, value in values.items():
+            setattr(configs[part], name, value)
 
 
 def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
