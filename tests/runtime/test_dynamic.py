@@ -206,6 +206,43 @@ def test_backward_past_the_widest_op_keeps_only_the_headroom_it_needs():
     assert handle.stats.rebuilds <= depth + 2
 
 
+def test_a_step_of_the_same_shape_keeps_only_a_temporary_free_in_backward(monkeypatch):
+    """Note [ Room for the next op ]: once a step's ops make what the step before's made, each backward op's own
+    check keeps room for its outputs, so an unpack keeps free only a temporary as large as the largest storage
+    (not that and an output); a step of another shape keeps both, as a first step does."""
+    from regen.runtime.dynamic.dynamic_step import DynamicStep
+
+    seen = []
+    unpack = DynamicStep.unpack
+
+    def recording_unpack(self, obj):
+        out = unpack(self, obj)
+        if self.largest_bytes:
+            seen.append((self.foresight_exact, self.residency.headroom_bytes / self.largest_bytes))
+        return out
+
+    monkeypatch.setattr(DynamicStep, "unpack", recording_unpack)
+    torch.manual_seed(0)
+    model = _sin_chain(8, 64)
+    x = torch.randn(512, 64)
+    reference = _grads(model, x)
+    start = sum(model_storages(model).values())
+    cap = start + measure_memory(lambda: model(x).backward()).peak_increase_bytes // 2
+    model.zero_grad(set_to_none=True)
+    per_step = []
+    with regen.apply(model, memory_cap=cap) as handle:
+        for rows in (512, 512, 384):  # the third: another shape
+            seen.clear()
+            peak = start + measure_memory(lambda: model(x[:rows]).backward()).peak_increase_bytes
+            assert peak <= (1 + CAP_TOLERANCE) * cap
+            if rows == 512:
+                assert _same_grads(model, reference)
+            model.zero_grad(set_to_none=True)
+            per_step.append(set(seen))
+    assert handle.stats.evictions > 0
+    assert per_step == [{(False, 2.0)}, {(True, 1.0)}, {(False, 2.0)}]
+
+
 class _WritesABuffer(nn.Module):
     """Writes activations into its own buffer in place, twice, reading it after each write (a cache): the
     buffer's first value is gone after the second write and was never the step's to rebuild, so it and

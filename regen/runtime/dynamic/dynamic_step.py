@@ -41,25 +41,27 @@ from regen.units import format_bytes
 
 
 # NOTE [ Headroom in backward ]
-# Each check keeps a headroom free for what the runtime does not see coming (eviction.py): in forward, twice
-# the largest storage an op made so far. Backward runs the forward ops' gradients in reverse, so at the unpack
-# of op i's output the ops still to come are those of ops up to about i, and the headroom goes back to what it
-# was after op i in forward. Kept at its largest all through backward, a language model's logits (by far its
-# largest storage, made last) would hold twice their size free in every layer's backward: every check then
-# evicts all it can and the next unpack rebuilds it again (GPT-2's vocabulary of 50,257: thousands of rebuilds
-# a step at any cap).
+# Each check keeps a headroom free for what the runtime does not see coming (eviction.py): a temporary as large
+# as the largest storage an op made so far (Note [ Room for the next op ]). Backward runs the forward ops'
+# gradients in reverse, so at the unpack of op i's output the ops still to come are those of ops up to about
+# i, and "the largest so far" goes back to what it was after op i in forward. Kept at its largest all through
+# backward, a language model's logits (by far its largest storage, made last) would hold their size free in
+# every layer's backward: every check then evicts all it can and the next unpack rebuilds it again (GPT-2's
+# vocabulary of 50,257: thousands of rebuilds a step at any cap).
 
 
 # NOTE [ Room for the next op ]
-# A forward op's check runs before the op allocates its outputs, and the headroom (twice the largest storage
-# made so far) cannot see a storage larger than any before it: a language model's logits, made by one matmul
-# after the last block, several times any block's tensor. Training repeats its forward, so each step records,
-# per forward op, the op and the bytes of the storages it made; the next step's check before op i keeps room
-# for what op i made last time (when op i is the same op) and a temporary as large as the largest storage so
-# far: for an op no larger than that, the headroom as it is (a step of another shape gets the last step's
-# figure, a fair guess: it only sets how much is dropped ahead). Backward alike, op by op: a gradient as large
-# as the logits comes right at its start. Where a reading of the memory costs (CUDA: the allocator's
-# statistics), a backward op gets a check only when it made more the step before than the headroom keeps.
+# A forward op's check runs before the op allocates its outputs and keeps room for them and for a temporary
+# (the headroom: as large as the largest storage made so far; a CPU convolution's buffers, which the runtime
+# does not track). Its outputs: training repeats its forward, so each step records, per forward op, the op and
+# the bytes of the storages it made, and the next step's check before op i keeps room for what op i made last
+# time, when op i is the same op (a step of another shape gets the last step's figure, a fair guess: it only
+# sets how much is dropped ahead); otherwise for a storage as large as the largest so far, which cannot see a
+# storage larger than any before it (a language model's logits, made by one matmul after the last block,
+# several times any block's tensor). Backward alike, op by op: a gradient as large as the logits comes right at
+# its start. Where a reading of the memory costs (CUDA: the allocator's statistics), a backward op gets a check
+# only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
+# the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest).
 
 
 class OverCapWarning(UserWarning):
@@ -100,11 +102,13 @@ class DynamicStep:
         self.captures: dict = {}
         self.writer: dict[int, Writer] = {}
         self.count = 0  # forward ops
-        self.headroom_upto: list[int] = []  # forward op -> the headroom its forward had after it ran
+        self.largest_bytes = 0  # the largest storage an op made so far (in backward: after its op in forward)
+        self.largest_upto: list[int] = []  # forward op -> the largest storage made up to it
         # forward op, backward op -> (op, bytes of the storages it made) (Note [ Room for the next op ])
         self.made_forward: list[tuple] = []
         self.made_backward: list[tuple] = []
         self.foreseen: tuple[list, list] | None = None  # the step before's (made_forward, made_backward)
+        self.foresight_exact = False  # every op so far made what it made in the step before (set with foreseen)
         self.in_backward = False
         self.closed = False  # a later step started
         self.aborted = False
@@ -123,7 +127,7 @@ class DynamicStep:
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
-        self.residency.make_room(self._beyond_headroom_bytes(0, i, func), copy_out_ahead=True)  # before it allocates
+        self.residency.make_room(*self._room_for(0, i, func), copy_out_ahead=True)  # before it allocates
         nodes = self.nodes
         for key in cap.refs:
             node = nodes.get(key)
@@ -151,40 +155,61 @@ class DynamicStep:
                     node.evictable = node.evictable and m.evictable  # its rebuild may need m rebuilt
                 self.writer[key] = Writer.of(i, slot, t)
                 self.memory.track(t)
-                self.residency.headroom_bytes = max(self.residency.headroom_bytes, HEADROOM_PER_OUTPUT * node.nbytes)
+                if node.nbytes > self.largest_bytes:
+                    self.largest_bytes = node.nbytes
+                    self.residency.headroom_bytes = self._headroom_per_output(0) * node.nbytes
                 if not inplace:
                     made_bytes += node.nbytes
-        self.headroom_upto.append(self.residency.headroom_bytes)
+        self.largest_upto.append(self.largest_bytes)
         self.made_forward.append((func, made_bytes))
+        if self.foresight_exact:
+            self._compare_foresight(0, i, (func, made_bytes))
         return out
 
-    def _beyond_headroom_bytes(self, phase: int, i: int, func) -> int:
-        """How much more than the headroom op `i` needs free: what it made the step before, past the largest
-        storage the headroom keeps room for (Note [ Room for the next op ])."""
-        largest = self.residency.headroom_bytes // HEADROOM_PER_OUTPUT
-        return max(0, self._foreseen_bytes(phase, i, func) - largest)
+    def _headroom_per_output(self, phase: int) -> int:
+        """The headroom at packs, unpacks and rebuilds, in multiples of the largest storage so far (Note [ Room
+        for the next op ]): one (a temporary) where the next op's own check keeps room for its outputs (a step
+        after another: the ops of forward, and of backward where reading the memory is cheap); else
+        HEADROOM_PER_OUTPUT (its output and a temporary)."""
+        checked = self.foresight_exact and phase == 1 and self.memory.cheap_reads
+        return 1 if checked else HEADROOM_PER_OUTPUT
 
-    def _foreseen_bytes(self, phase: int, i: int, func) -> int:
-        """What op `i` of forward (`phase` 0) or backward (1) made in the step before, when it was the same
-        op (Note [ Room for the next op ])."""
-        if self.foreseen is None:
-            return 0
-        seen = self.foreseen[phase]
-        if i >= len(seen) or seen[i][0] is not func:
-            return 0
-        return seen[i][1]
+    def _room_for(self, phase: int, i: int, func) -> tuple[int, int]:
+        """(need, headroom) of the check before op `i` of forward (`phase` 0) or backward (1) (Note [ Room for
+        the next op ]): when it is the op of the step before, what it made then and one temporary as large as
+        the largest storage so far; else no figure and a headroom of HEADROOM_PER_OUTPUT x the largest (the
+        output guessed: a check that cannot keep a guess free is not over its cap)."""
+        seen = None if self.foreseen is None else self.foreseen[phase]
+        if seen is None or i >= len(seen) or seen[i][0] is not func:
+            return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
+        if self.foresight_exact:
+            return seen[i][1], self.largest_bytes
+        return max(0, seen[i][1] - self.largest_bytes), HEADROOM_PER_OUTPUT * self.largest_bytes
+
+    def _compare_foresight(self, phase: int, i: int, made: tuple) -> None:
+        """Op `i` of `phase` made `made` (op, bytes): foresight stays exact while every op makes what it made in
+        the step before (a step of the same shape)."""
+        seen = self.foreseen[phase] if self.foreseen is not None else ()
+        if i >= len(seen) or seen[i][0] is not made[0] or seen[i][1] != made[1]:
+            self.foresight_exact = False
 
     def backward_op(self, func, args, kwargs):
         self.in_backward = True
-        need = self._beyond_headroom_bytes(1, len(self.made_backward), func)
-        if not self.released and (self.memory.cheap_reads or need > 0):
-            self.residency.make_room(need)  # before the op allocates its outputs
+        need, headroom = self._room_for(1, len(self.made_backward), func)
+        if self.released:
+            pass
+        elif self.memory.cheap_reads:
+            self.residency.make_room(need, headroom_bytes=headroom)  # before the op allocates its outputs
+        elif need > self.largest_bytes:  # the unpacks' headroom keeps room for the largest (Note [ Room ... ])
+            self.residency.make_room(need - self.largest_bytes)
         out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
             if t is not None:
                 self.memory.track(t)
                 made_bytes += new_storage_bytes(t, args)
+        if self.foresight_exact:
+            self._compare_foresight(1, len(self.made_backward), (func, made_bytes))
         self.made_backward.append((func, made_bytes))
         return out
 
@@ -209,7 +234,7 @@ class DynamicStep:
         node.live += 1
         self.live += 1
         node.last_access = self.residency.clock
-        self.residency.make_room(0, {node.key})
+        self.residency.make_room(0, pins={node.key})
         return Held(self, node, Geometry.of(x))
 
     def unpack(self, obj):
@@ -222,8 +247,9 @@ class DynamicStep:
         self.in_backward = True
         self.residency.clock += 1
         op = obj.node.key[0]
-        if op < len(self.headroom_upto):  # Note [ Headroom in backward ]
-            self.residency.headroom_bytes = self.headroom_upto[op]
+        if op < len(self.largest_upto):  # Note [ Headroom in backward ]
+            self.largest_bytes = self.largest_upto[op]
+            self.residency.headroom_bytes = self._headroom_per_output(1) * self.largest_bytes
         with self.pause():
             base = self.residency.materialize(obj.node)
             self.residency.prefetch(obj.node)

@@ -1,10 +1,11 @@
 """What a dynamic step holds, eviction under the cap, and rebuilding dropped nodes (DTR's recursion).
 
 `Residency.make_room(need_bytes)` is called at every pack and unpack (and before every rebuild and forward
-op): while the memory in use (cap_memory.py) plus `need_bytes`, plus a headroom (twice the largest storage
-an op of the step made so far: checks run after an op allocated, so room is kept for the next one's output
-and a temporary as large, such as a CPU convolution's buffers, which cap_memory.py does not see; in
-backward, what it was after the forward op being unpacked: dynamic_step.py, Note [ Headroom in backward ]),
+op): while the memory in use (cap_memory.py) plus `need_bytes`, plus a headroom (room for a temporary as large
+as the largest storage an op of the step made so far, such as a CPU convolution's buffers, which
+cap_memory.py does not see, and where the next op's own check does not keep room for its outputs, for an
+output as large too; in backward, the largest is what it was after the forward op being unpacked:
+dynamic_step.py, Notes [ Room for the next op ] and [ Headroom in backward ]),
 plus a reserve learned from the steps before (CUDA: how far the allocator measured a step over its cap, the
 transients no check saw; engine.py) passes the cap, the held node with the lowest score (policy.py) is
 dropped (let go as swapped out when its bytes are on the host: swaps.py). Only nodes whose storage nothing
@@ -44,8 +45,10 @@ from regen.runtime.recompute import replay_recipe
 # nearer its cap at the next check, and every node dropped is rebuilt at its unpack, whose check drops the
 # rest again: a Mixtral at bench size, at half its unplanned increase, rebuilt 13,400 tensors a step that way.
 
-# the headroom kept free at each check, in multiples of the largest storage an op of the step made: its
-# output and a temporary as large (a CPU convolution's buffers, which the runtime does not track)
+# the headroom kept free at a check after which an op may run unchecked (CUDA's backward, dynamic_step.py Note
+# [ Room for the next op ]), in multiples of the largest storage an op of the step made: the op's output and a
+# temporary as large (a CPU convolution's buffers, which the runtime does not track); elsewhere one (the
+# temporary: each op's check keeps room for its outputs)
 HEADROOM_PER_OUTPUT = 2
 
 
@@ -64,8 +67,8 @@ class Residency:
         self.swaps = swaps  # swaps.py's DynamicSwaps, or None: drop only
         self.held: dict[tuple[int, int], TensorNode] = {}
         self.clock = 0
-        # kept free at every check: HEADROOM_PER_OUTPUT x the largest storage an op of the step made so far, an
-        # estimate of the next op's allocations (a check runs at a pack, after the op allocated, or before a rebuild)
+        # kept free at every check: room for the temporaries of the next op (and where that op runs unchecked, its
+        # outputs) in multiples of the largest storage an op of the step made so far (HEADROOM_PER_OUTPUT)
         self.headroom_bytes = 0
         self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
         self.ran_out = False  # a check found nothing left to drop before the reserve was free
@@ -98,10 +101,12 @@ class Residency:
         self.swaps.prefetch(waiting, room, self.memory.track)
 
     # ---- eviction ---------------------------------------------------------------------------------
-    def make_room(self, need_bytes: int, pins=frozenset(), copy_out_ahead: bool = False) -> None:
-        """Evict until `need_bytes` more fit under the cap (Note [ Targets of a check ]); with `copy_out_ahead`
-        (forward ops), first start host copies of held nodes once memory is tight (swaps.py)."""
-        kept_free = self.headroom_bytes + self.reserve_bytes
+    def make_room(self, need_bytes: int, headroom_bytes: int | None = None, pins=frozenset(),
+                  copy_out_ahead: bool = False) -> None:
+        """Evict until `need_bytes` more fit under the cap (Note [ Targets of a check ]), with `headroom_bytes`
+        kept free if it can be (default: `self.headroom_bytes`); with `copy_out_ahead` (forward ops), first start
+        host copies of held nodes once memory is tight (swaps.py)."""
+        kept_free = (self.headroom_bytes if headroom_bytes is None else headroom_bytes) + self.reserve_bytes
         used = self.memory.in_use_bytes(exact_above_bytes=self.cap_bytes - need_bytes - kept_free)
         if used > self.stats.peak_in_use_bytes:
             self.stats.peak_in_use_bytes = used
@@ -147,7 +152,7 @@ class Residency:
         temps: set[TensorNode] = set()
         try:
             tensor = self._materialize(node, pins, temps, self._readers(node), 0)
-            self.make_room(0, pins)
+            self.make_room(0, pins=pins)
             return tensor
         finally:
             for t in temps:
@@ -181,7 +186,7 @@ class Residency:
         if node.host is not None:  # its bytes are on the host: copied back, nothing rebuilt
             pins.add(node.key)
             if node not in self.swaps.in_flight:
-                self.make_room(node.nbytes, pins)
+                self.make_room(node.nbytes, pins=pins)
             tensor = self.swaps.bring_in(node)
             self.memory.track(tensor)
             self.hold(node, tensor)
@@ -192,7 +197,7 @@ class Residency:
         pins.add(node.key)
         # the inputs first, then room for this node's output: the inputs' rebuilds would use room made before them
         inputs = {key: self._materialize(self.nodes[key], pins, temps, readers, depth + 1) for key in node.inputs}
-        self.make_room(node.nbytes, pins)
+        self.make_room(node.nbytes, pins=pins)
         result, _ = replay_recipe(node.key, list(node.chain), self.captures, inputs.__getitem__, node.shape,
                                   node.dtype)
         self.memory.track(result)
