@@ -40,11 +40,12 @@ Note [ Plans under torch.compile ]
    process): the next step compiles again, with the pass or without it. torch.compile shares compiled code
    among instances of a module class, so the handle gives the model a forward of its own, which the
    compiled code is guarded on (a string: an integer that changed between compiles would become a dynamic
-   input): another instance never runs this plan's code, nor this model another's. That covers the code
-   traced from the model's forward down to its first graph break; a frame torch.compile starts after a break
-   (a Hugging Face model's logging call) is shared by the class's instances again, so a second instance of
-   the class compiled in the same process can run the first one's code: its pass then places less, or nothing,
-   and that is said (4).
+   input): another instance never runs this plan's code, nor this model another's. torch.compile keeps
+   compiled code per code object, and a frame it starts after a graph break (a Hugging Face model's loss logs)
+   is a function's own frame, so the forward is a copy of the root module's with code objects of its own (and
+   of the functions its closure holds: a decorator's wrapper and what it wraps). A break inside a submodule's
+   forward starts a frame of the submodule class's code, shared again: a second instance of the class can then
+   run the first one's code there, its pass places less, and that is said (4).
 7. Kernels run when the plan says. Inductor fuses kernels that only read the same buffers (horizontal
    fusion): one of them can be a recomputation whose result is then made long before backward reads it and
    held meanwhile (the built-in GPT's compiled step measured 8% over its plan's cap that way, and within it
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import types
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -268,11 +270,40 @@ def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
 _FORWARD_TOKENS = itertools.count()
 
 
+def _with_code_of_its_own(fn, copies: dict):
+    """`fn` (a function or bound method) as a copy with code objects of its own, and so the functions its
+    closure holds (a decorator's wrapper holds the function it wraps): torch.compile keeps compiled code per
+    code object, and a frame it starts after a graph break inside the model's forward would otherwise be the
+    class's, shared by its instances (Note [ Plans under torch.compile ] 6)."""
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(_with_code_of_its_own(fn.__func__, copies), fn.__self__)
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    if id(fn) in copies:  # copied already, or being copied (a closure that holds itself: it keeps the original)
+        return copies[id(fn)]
+    copies[id(fn)] = fn
+    closure = None if fn.__closure__ is None else tuple(_cell_of_its_own(cell, copies) for cell in fn.__closure__)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    copy.__qualname__ = fn.__qualname__
+    copies[id(fn)] = copy
+    return copy
+
+
+def _cell_of_its_own(cell, copies: dict):
+    try:
+        value = cell.cell_contents
+    except ValueError:  # an empty cell
+        return cell
+    return types.CellType(_with_code_of_its_own(value, copies)) if isinstance(value, types.FunctionType) else cell
+
+
 def forward_of_its_own(module: nn.Module):
     """`module`'s forward, as a function torch.compile guards on: compiled code is shared by every instance
     of a module class (their parameters are the graph's inputs), so without it another instance could run
     this plan's code, or this model another's (bench/compiled.py gives each row its own code so)."""
-    forward = module.forward
+    forward = _with_code_of_its_own(module.forward, {})
     # a string: torch.compile guards on its value (an int that changed between compiles would become a
     # dynamic input, and one compiled entry would then serve every later instance)
     token = f"regen-forward-{next(_FORWARD_TOKENS)}"

@@ -225,6 +225,35 @@ def test_every_instance_of_a_class_compiles_under_its_own_plan():
             h.remove()
 
 
+def test_instances_compile_their_own_graphs_past_a_graph_break():
+    """The zoo's GPT-2 breaks torch.compile's graph in its forward (its loss logs); the frame compiled after the
+    break is the class's own code unless the handle's forward copies it: a second planned instance would then
+    run the first one's graph."""
+    from regen.planner.solve import solve_within_reach
+    from regen.profiler import profile_workload
+
+    def tiny():
+        return build_workload("regen.zoo:gpt2", batch_size=2, args={"size": "tiny"})
+
+    profile = profile_workload(tiny(), device="cpu", repeats=1, warmup_steps=1, progress=None)
+    start = profile.memory_at_start_bytes
+    plans = [solve_within_reach(profile, start + int((profile.peak_bytes - start) * f), "recompute", time_limit_s=10,
+                                rel_gap=0.2) for f in (0.7, 0.5)]
+    workloads = [tiny() for _ in plans]
+    handles = []
+    for w, plan in zip(workloads, plans):
+        w.model = torch.compile(w.model)
+        handles.append(regen.apply(w.model, plan))
+    try:
+        for w in workloads:
+            training_step(w)
+        for h, plan in zip(handles, plans):
+            assert h.placement.graphs >= 1 and len(h.placement.placed) >= 0.6 * len(plan.decisions)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch._dynamo.config.patch(recompile_limit=1)
 def test_a_planned_step_that_torch_compile_ran_eagerly_is_warned():
     _, plan = _profile_and_plan("gpt")
