@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import types
 import re
 import warnings
@@ -268,6 +269,7 @@ def _first_tensor_requiring_grad(output) -> torch.Tensor | None:
 
 
 _FORWARD_TOKENS = itertools.count()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _with_code_of_its_own(fn, copies: dict):
@@ -277,8 +279,8 @@ def _with_code_of_its_own(fn, copies: dict):
     class's, shared by its instances (Note [ Plans under torch.compile ] 6)."""
     if isinstance(fn, types.MethodType):
         return types.MethodType(_with_code_of_its_own(fn.__func__, copies), fn.__self__)
-    if not isinstance(fn, types.FunctionType):
-        return fn
+    if not isinstance(fn, types.FunctionType) or fn.__code__.co_filename.startswith(_TORCH_DIR):
+        return fn  # torch's own functions stay themselves: torch.compile treats some of them by identity
     if id(fn) in copies:  # copied already, or being copied (a closure that holds itself: it keeps the original)
         return copies[id(fn)]
     copies[id(fn)] = fn
