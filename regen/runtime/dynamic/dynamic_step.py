@@ -61,7 +61,9 @@ from regen.units import format_bytes
 # several times any block's tensor). Backward alike, op by op: a gradient as large as the logits comes right at
 # its start. Where a reading of the memory costs (CUDA: the allocator's statistics), a backward op gets a check
 # only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
-# the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest).
+# the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest). The checks at packs, and at unpacks
+# and rebuilds of a step whose ops have not all made what the step before's made, keep HEADROOM_PER_OUTPUT x
+# the largest as well (_backward_headroom_per_output).
 
 
 class OverCapWarning(UserWarning):
@@ -107,8 +109,8 @@ class DynamicStep:
         # forward op, backward op -> (op, bytes of the storages it made) (Note [ Room for the next op ])
         self.made_forward: list[tuple] = []
         self.made_backward: list[tuple] = []
-        self.foreseen: tuple[list, list] | None = None  # the step before's (made_forward, made_backward)
-        self.foresight_exact = False  # every op so far made what it made in the step before (set with foreseen)
+        self.foreseen: tuple[list, list] | None = None  # the step before's (made_forward, made_backward): foresee()
+        self.foresight_exact = False  # every op so far made what it made in the step before
         self.in_backward = False
         self.closed = False  # a later step started
         self.aborted = False
@@ -157,7 +159,7 @@ class DynamicStep:
                 self.memory.track(t)
                 if node.nbytes > self.largest_bytes:
                     self.largest_bytes = node.nbytes
-                    self.residency.headroom_bytes = self._headroom_per_output(0) * node.nbytes
+                    self.residency.headroom_bytes = HEADROOM_PER_OUTPUT * node.nbytes
                 if not inplace:
                     made_bytes += node.nbytes
         self.largest_upto.append(self.largest_bytes)
@@ -166,13 +168,18 @@ class DynamicStep:
             self._compare_foresight(0, i, (func, made_bytes))
         return out
 
-    def _headroom_per_output(self, phase: int) -> int:
-        """The headroom at packs, unpacks and rebuilds, in multiples of the largest storage so far (Note [ Room
-        for the next op ]): one (a temporary) where the next op's own check keeps room for its outputs (a step
-        after another: the ops of forward, and of backward where reading the memory is cheap); else
-        HEADROOM_PER_OUTPUT (its output and a temporary)."""
-        checked = self.foresight_exact and phase == 1 and self.memory.cheap_reads
-        return 1 if checked else HEADROOM_PER_OUTPUT
+    def foresee(self, foreseen: tuple[list, list] | None) -> None:
+        """What the step before made, op by op (Note [ Room for the next op ]); exact until an op differs."""
+        self.foreseen = foreseen
+        self.foresight_exact = foreseen is not None
+
+    def _backward_headroom_per_output(self) -> int:
+        """The headroom at backward's unpacks and rebuilds, in multiples of the largest storage so far (Note
+        [ Room for the next op ]): one (a temporary) where every backward op's own check keeps room for exactly
+        what it made the step before (foresight exact, cheap reads); else HEADROOM_PER_OUTPUT (an output and a
+        temporary). Forward keeps HEADROOM_PER_OUTPUT: one there as well took a CNN's convolution temporaries
+        past its cap."""
+        return 1 if self.foresight_exact and self.memory.cheap_reads else HEADROOM_PER_OUTPUT
 
     def _room_for(self, phase: int, i: int, func) -> tuple[int, int]:
         """(need, headroom) of the check before op `i` of forward (`phase` 0) or backward (1) (Note [ Room for
@@ -189,19 +196,18 @@ class DynamicStep:
     def _compare_foresight(self, phase: int, i: int, made: tuple) -> None:
         """Op `i` of `phase` made `made` (op, bytes): foresight stays exact while every op makes what it made in
         the step before (a step of the same shape)."""
-        seen = self.foreseen[phase] if self.foreseen is not None else ()
+        seen = self.foreseen[phase]  # exact foresight has a step before
         if i >= len(seen) or seen[i][0] is not made[0] or seen[i][1] != made[1]:
             self.foresight_exact = False
 
     def backward_op(self, func, args, kwargs):
         self.in_backward = True
-        need, headroom = self._room_for(1, len(self.made_backward), func)
-        if self.released:
-            pass
-        elif self.memory.cheap_reads:
-            self.residency.make_room(need, headroom_bytes=headroom)  # before the op allocates its outputs
-        elif need > self.largest_bytes:  # the unpacks' headroom keeps room for the largest (Note [ Room ... ])
-            self.residency.make_room(need - self.largest_bytes)
+        if not self.released:  # before the op allocates its outputs
+            need, headroom = self._room_for(1, len(self.made_backward), func)
+            if self.memory.cheap_reads:
+                self.residency.make_room(need, headroom_bytes=headroom)
+            elif need > self.largest_bytes:  # the unpacks' headroom keeps room for the largest (Note [ Room ... ])
+                self.residency.make_room(need - self.largest_bytes)
         out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
@@ -249,7 +255,7 @@ class DynamicStep:
         op = obj.node.key[0]
         if op < len(self.largest_upto):  # Note [ Headroom in backward ]
             self.largest_bytes = self.largest_upto[op]
-            self.residency.headroom_bytes = self._headroom_per_output(1) * self.largest_bytes
+            self.residency.headroom_bytes = self._backward_headroom_per_output() * self.largest_bytes
         with self.pause():
             base = self.residency.materialize(obj.node)
             self.residency.prefetch(obj.node)

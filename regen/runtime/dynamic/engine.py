@@ -147,8 +147,7 @@ class DynamicEngine:
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         step.residency.reserve_bytes = self.stats.reserve_bytes
-        step.foreseen = self.foreseen
-        step.foresight_exact = self.foreseen is not None
+        step.foresee(self.foreseen)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
