@@ -233,7 +233,7 @@ _OFFLOAD_STREAM_SETTINGS = {
 }
 
 
-def offload_settings(device: torch.device) -> dict:
+def _offload_settings(device: torch.device) -> dict:
     """The offloading pass's settings for a model on `device`."""
     return {**_OFFLOAD_SETTINGS, **(_OFFLOAD_STREAM_SETTINGS if device.type == "cuda" else {})}
 
@@ -338,13 +338,14 @@ class CompiledPlanHandle:
         self._removed = False
         self.caches = announced_caches_off(root)
         # on CUDA, the allocator's peak over a checked step (forward to the end of its backward) against the cap
-        self.peak_check = PeakCheck(plan.memory_cap_bytes, cuda_peak_reader(module_device(root)))
+        device = module_device(root)
+        self.peak_check = PeakCheck(plan.memory_cap_bytes, cuda_peak_reader(device))
         self._steps = 0
         self._checked: object | None = None  # the step whose peak is being checked
         if offload_swaps is None:
-            offload_swaps = module_device(root).type == "cuda"
+            offload_swaps = device.type == "cuda"
         has_swaps = any(d.action == ACTION_SWAP for d in plan.decisions)
-        self._offloading = offload_settings(module_device(root)) if offload_swaps and has_swaps else {}
+        self._offloading = _offload_settings(device) if offload_swaps and has_swaps else {}
         self._say_what_is_not_placed(plan, offload_swaps)
         self._pass = PlanGraphPass(plan, self.placement, known, offload_swaps=offload_swaps)
         self._outer_settings: list[dict] = []  # the compiler's settings when a call began (restored when it ends)

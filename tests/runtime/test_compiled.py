@@ -60,12 +60,12 @@ def _profile_and_plan(model: str = "llama"):
     return profile, solve_within_reach(profile, half, "recompute", time_limit_s=10, rel_gap=0.2)
 
 
-def _train_compiled(model: str, plan):
-    """STEPS steps of a fresh compiled model from one seed: (losses, last gradients, buffers, last step's
-    peak increase, the handle)."""
+def _train_compiled(model: str, plan, apply_plan=regen.apply):
+    """STEPS steps of a fresh compiled model from one seed, under `apply_plan(model, plan)`: (losses, last
+    gradients, buffers, last step's peak increase, the handle)."""
     w = _build(model)
     w.model = torch.compile(w.model)
-    handle = regen.apply(w.model, plan) if plan is not None else None
+    handle = apply_plan(w.model, plan) if plan is not None else None
     losses = []
     torch.manual_seed(5)  # dropout's draws
     try:
@@ -181,21 +181,18 @@ def test_swaps_are_offloaded_by_the_compiler_when_asked():
     count_puts = torch._inductor.config.patch(post_grad_custom_pre_pass=lambda graph: puts.append(
         sum(1 for n in graph.nodes if n.target is torch.ops.prims.device_put.default)))
     losses, grads, buffers, _, _ = _train_compiled("llama", None)
-    w = _build()
-    w.model = torch.compile(w.model)
-    with count_puts, CompiledPlanHandle(w.model, swapping, offload_swaps=True) as handle:
-        torch.manual_seed(5)
-        p_losses = []
-        for _ in range(STEPS):
-            w.model.zero_grad(set_to_none=True)
-            p_losses.append(training_step(w).detach())
-        offloaded = handle.placement.offloaded
+    with count_puts:
+        p_losses, p_grads, p_buffers, _, handle = _train_compiled(
+            "llama", swapping, lambda model, plan: CompiledPlanHandle(model, plan, offload_swaps=True))
+    offloaded = handle.placement.offloaded
     swaps = {d.saved_tensor for d in swapping.decisions if d.action == "swap"}
     assert offloaded and offloaded <= swaps and len(offloaded) >= len(swaps) // 2, (len(offloaded), len(swaps))
     assert puts[-2:] == [len(offloaded)] * 2  # one copy out in the forward graph, one back in the backward's
     assert all(torch.equal(a, b) for a, b in zip(losses, p_losses))
-    for name, p in w.model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
+    assert buffers.keys() == p_buffers.keys() and all(torch.equal(buffers[k], p_buffers[k]) for k in buffers)
+    assert grads.keys() == p_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(p_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
 
 
 def test_another_compiled_model_compiles_without_the_plan():
