@@ -63,7 +63,8 @@ from regen.units import format_bytes
 # only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
 # the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest). The checks at packs, and at unpacks
 # and rebuilds of a step whose ops have not all made what the step before's made, keep HEADROOM_PER_OUTPUT x
-# the largest as well (_backward_headroom_per_output).
+# the largest as well, and so do all of them where a host link holds memory no check can drop
+# (_backward_headroom_per_output).
 
 
 class OverCapWarning(UserWarning):
@@ -176,10 +177,13 @@ class DynamicStep:
     def _backward_headroom_per_output(self) -> int:
         """The headroom at backward's unpacks and rebuilds, in multiples of the largest storage so far (Note
         [ Room for the next op ]): one (a temporary) where every backward op's own check keeps room for exactly
-        what it made the step before (foresight exact, cheap reads); else HEADROOM_PER_OUTPUT (an output and a
+        what it made the step before (foresight exact, cheap reads) and every byte in use is one a check can
+        drop (no host link: a copy-in in flight or a copy-out not yet landed holds memory no check frees; with
+        one headroom the step passed its cap by 5.5% under load); else HEADROOM_PER_OUTPUT (an output and a
         temporary). Forward keeps HEADROOM_PER_OUTPUT: one there as well took a CNN's convolution temporaries
         past its cap."""
-        return 1 if self.foresight_exact and self.memory.cheap_reads else HEADROOM_PER_OUTPUT
+        exact = self.foresight_exact and self.memory.cheap_reads and self.residency.swaps is None
+        return 1 if exact else HEADROOM_PER_OUTPUT
 
     def _room_for(self, phase: int, i: int, func) -> tuple[int, int]:
         """(need, headroom) of the check before op `i` of forward (`phase` 0) or backward (1) (Note [ Room for
