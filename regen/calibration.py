@@ -13,22 +13,27 @@ Two things neither sees, and both are paid by the step:
 `calibrate` measures both on the workload, in the stages' own terms (a Profile in, Plans from the planner,
 steps under `regen.apply`, the figures back into the Profile as `formats.Calibration`):
 
-1. it solves a recompute plan and a hybrid plan at CAP_FRACTION of the profile's peak increase (or the
-   smallest cap each reaches), the hybrid over the device's link (on a CPU device an emulated link at
-   LINK_RATIO);
-2. it runs ROUNDS rounds of blocks (the unplanned step, the recompute plan, the hybrid plan; each block a
-   warm-up step and STEPS_PER_BLOCK timed steps under one handle), the order turned each round, so that
-   load and drift hit all three alike; the step is forward and backward, gradients dropped after each;
-3. per round, each plan's extra time over the unplanned block (medians) against the simulator's parts of
-   that plan (`Plan.simulated_parts`):
+1. it solves a recompute plan and a swap plan at CAP_FRACTION of the profile's peak increase (or the
+   smallest cap each reaches), the swaps over the device's link (on a CPU device an emulated link at
+   LINK_RATIO): one unknown per plan. A calibration plan need only be a typical one: each solve stops at its
+   SOLVE_REL_GAPS or after SOLVE_STEPS of the profile's steps (within [SOLVE_MIN_S, SOLVE_MAX_S]);
+2. it runs rounds of blocks (the unplanned step, the recompute plan, the swap plan; each block
+   STEPS_PER_BLOCK timed steps under one handle, its median the block's time: the first step under a new
+   handle, slower while the allocator meets the plan's sizes, is the one the median leaves out), the order
+   turned each round, so that load and drift hit all three alike; the step is forward and backward,
+   gradients dropped after each. From MIN_ROUNDS on it stops once the rounds agree (each plan's extra time
+   within SETTLED_FRACTION of the step from round to round), at MAX_ROUNDS at most;
+3. per round, each plan's extra time over the unplanned block against the simulator's parts of that plan
+   (`Plan.simulated_parts`):
    recompute_scale = (extra - dispatch - swap calls - link waits) / charged recompute, from the recompute
    plan; swap_byte_s = (extra - scale x recompute - dispatch - swap calls - link waits) / swapped bytes,
-   from the hybrid plan; the median over rounds of each.
+   from the swap plan; the median over rounds of each.
 
+All of it costs MIN_ROUNDS to MAX_ROUNDS x 3 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
 A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the
-step; no swap), or that lands outside the bounds `formats.Calibration` accepts, keeps its default (scale 1,
-no per-byte charge) with a note in the calibration and on the progress line, never silently. A plan step
-that fails is the same: no calibration, a note, and the profile is kept.
+step; no swap), whose plan could not be solved, or that lands outside the bounds `formats.Calibration`
+accepts, keeps its default (scale 1, no per-byte charge) with a note in the calibration and on the progress
+line, never silently. A plan step that fails is the same: no calibration, a note, and the profile is kept.
 """
 
 from __future__ import annotations
@@ -48,14 +53,19 @@ from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE
 from regen.workloads import Workload, training_state_kept, training_step
 
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
-LINK_RATIO = 0.9  # the emulated link of a CPU device's hybrid plan (regen.planner.host_link)
-ROUNDS = 3
-STEPS_PER_BLOCK = 4
-BUDGET_S = 60.0  # rounds after the first stop once the calibration has taken this long
-SOLVE_TIME_LIMIT_S = 20.0
-SOLVE_REL_GAP = 0.05  # a calibration plan need not be the best one, only a typical one
+LINK_RATIO = 0.9  # the emulated link of a CPU device's swap plan (regen.planner.host_link)
+MIN_ROUNDS, MAX_ROUNDS = 2, 3
+STEPS_PER_BLOCK = 3
+SETTLED_FRACTION = 0.05  # rounds agree when each plan's extra time spreads less than this x the step
+BUDGET_S = 60.0  # rounds after MIN_ROUNDS stop once the calibration has taken this long
+SOLVE_STEPS = 8  # a calibration solve's time limit, in the profile's steps...
+SOLVE_MIN_S, SOLVE_MAX_S = 1.0, 20.0  # ... within these
+# the gap each calibration plan is solved to: the recompute plan's as the plans users solve are (regions and
+# recipes mixed as theirs are: what a recompute costs beyond its charge depends on that mix), the swap plan's
+# looser (the per-byte charge does not depend on which tensors move)
+SOLVE_REL_GAPS = {"recompute": 0.05, "swap": 0.10}
 MIN_SIGNAL_FRACTION = 0.02  # of the unplanned step: less charged recompute than this is not measured
-METHOD = (f"a recompute and a hybrid plan at {CAP_FRACTION:.0%} of the peak increase against the unplanned step, "
+METHOD = (f"a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase against the unplanned step, "
           f"interleaved blocks of {STEPS_PER_BLOCK} timed steps, median over rounds (regen.calibration)")
 
 
@@ -83,7 +93,7 @@ def calibrate(workload: Workload, profile: Profile, progress: Callable[[str], No
         return _defaults([f"a calibration step failed: {exc}"], say)
     base, by_name = variants[0], {v.name: v for v in variants}
     scale = _fit_recompute_scale(base, by_name.get("recompute"), profile.step_time_s, notes)
-    byte_s = _fit_swap_byte_s(base, by_name.get("hybrid"), scale, notes)
+    byte_s = _fit_swap_byte_s(base, by_name.get("swap"), scale, notes)
     for note in notes:
         say(f"calibration: {note}")
     say(f"calibration: recompute x{scale:.2f}, swaps {byte_s * 2**20 * 1e3:.3f} ms per MiB over {rounds} rounds")
@@ -97,28 +107,37 @@ def _defaults(notes: list[str], say) -> Calibration:
 
 
 def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant]:
-    """A recompute plan and a hybrid plan at CAP_FRACTION (or the smallest cap each reaches)."""
+    """A recompute plan and a swap plan at CAP_FRACTION (or the smallest cap each reaches); a plan that
+    cannot be solved leaves its figure at the default, with a note."""
     from regen.planner.solve import solve_within_reach
 
     start = profile.memory_at_start_bytes
     cap = start + int(CAP_FRACTION * max(0, profile.peak_bytes - start))
     link = {"link_ratio": LINK_RATIO} if profile.device.type == "cpu" else {}
-    say(f"calibration: solving a recompute and a hybrid plan at {CAP_FRACTION:.0%} of the peak increase")
+    time_limit_s = min(SOLVE_MAX_S, max(SOLVE_MIN_S, SOLVE_STEPS * profile.step_time_s))
+    say(f"calibration: solving a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase "
+        f"({time_limit_s:.0f} s each at most)")
     variants = []
-    for strategy, options in (("recompute", {}), ("hybrid", link)):
-        plan = solve_within_reach(profile, cap, strategy, time_limit_s=SOLVE_TIME_LIMIT_S, rel_gap=SOLVE_REL_GAP,
-                                  **options)
+    for strategy, options in (("recompute", {}), ("swap", link)):
+        try:
+            plan = solve_within_reach(profile, cap, strategy, time_limit_s=time_limit_s,
+                                      rel_gap=SOLVE_REL_GAPS[strategy],
+                                      **options)
+        except RegenError as exc:
+            notes.append(f"no {strategy} plan ({exc}): its figure keeps the default")
+            continue
         if plan.simulated_parts is None:
             raise RegenError(f"the {strategy} plan has no simulated parts")
-        if strategy == "hybrid" and not plan.action_counts()[ACTION_SWAP]:
-            notes.append("the hybrid plan swaps nothing: no per-byte swap charge")
+        if strategy == "swap" and not plan.action_counts()[ACTION_SWAP]:
+            notes.append("the swap plan swaps nothing: no per-byte swap charge")
             continue
         variants.append(_Variant(strategy, plan))
     return variants
 
 
 def _measure(workload: Workload, variants: list[_Variant], device_type: str, say) -> int:
-    """ROUNDS rounds of one block per variant, the order turned each round; the rounds run."""
+    """Rounds of one block per variant, the order turned each round, from MIN_ROUNDS until the rounds agree
+    (`_settled`) or MAX_ROUNDS or the BUDGET_S ran; the rounds run."""
     import regen
     from regen.runtime import stacks
 
@@ -126,8 +145,8 @@ def _measure(workload: Workload, variants: list[_Variant], device_type: str, say
     t0 = time.perf_counter()
     try:
         with training_state_kept(workload.model):  # its steps leave buffers and RNG states as found
-            for r in range(ROUNDS):
-                if r and time.perf_counter() - t0 > BUDGET_S:
+            for r in range(MAX_ROUNDS):
+                if r >= MIN_ROUNDS and (_settled(variants) or time.perf_counter() - t0 > BUDGET_S):
                     break
                 order = variants[r % len(variants):] + variants[:r % len(variants)]
                 for v in order:
@@ -139,23 +158,22 @@ def _measure(workload: Workload, variants: list[_Variant], device_type: str, say
                     finally:
                         if handle is not None:
                             handle.remove()
-                say(f"calibration: round {r + 1}/{ROUNDS}")
+                say(f"calibration: round {r + 1} (at most {MAX_ROUNDS})")
     finally:
         caches.restore()
     return len(variants[0].times_s)
 
 
 def _block(workload: Workload, device_type: str, pop_finished) -> list[float]:
-    """A warm-up step and STEPS_PER_BLOCK timed steps; gradients dropped after each."""
+    """STEPS_PER_BLOCK timed steps; gradients dropped after each."""
     times = []
-    for k in range(STEPS_PER_BLOCK + 1):
+    for _ in range(STEPS_PER_BLOCK):
         pop_finished()  # hooks a finished regen step left pushed: not this step's time
         _sync(device_type)
         t0 = time.perf_counter()
         training_step(workload)
         _sync(device_type)
-        if k:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         workload.model.zero_grad(set_to_none=True)
     return times
 
@@ -163,6 +181,15 @@ def _block(workload: Workload, device_type: str, pop_finished) -> list[float]:
 def _sync(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.synchronize()
+
+
+def _settled(variants: list[_Variant]) -> bool:
+    """Each plan's extra time over the unplanned block spreads over the rounds so far by less than
+    SETTLED_FRACTION x the unplanned step: another round would move their medians little."""
+    base = variants[0]
+    step_s = statistics.median(t for block in base.times_s for t in block)
+    return all(max(extras) - min(extras) <= SETTLED_FRACTION * step_s
+               for extras in (_extras_s(base, v) for v in variants[1:]))
 
 
 def _extras_s(base: _Variant, v: _Variant) -> list[float]:

@@ -30,6 +30,15 @@ def test_the_recompute_scale_is_the_measured_extra_over_the_charge():
     assert notes == []
 
 
+def test_rounds_stop_once_each_plans_extra_time_agrees_from_round_to_round():
+    """Extras of 30 and 31 ms on a 100 ms step agree (1% of the step apart); 30 and 45 ms do not (15%)."""
+    base = _variant("unplanned", [[0.100, 0.100, 0.100], [0.105, 0.104, 0.106]])
+    steady = _variant("recompute", [[0.130, 0.131, 0.129], [0.136, 0.135, 0.137]], TimeParts(recompute_s=0.02))
+    assert cal._settled([base, steady])
+    unsteady = _variant("swap", [[0.130, 0.130, 0.130], [0.145, 0.145, 0.145]], TimeParts())
+    assert not cal._settled([base, steady, unsteady])
+
+
 def test_too_little_recompute_or_a_wild_figure_keeps_scale_one_with_a_note():
     base = _variant("unplanned", [[0.100]])
     notes = []
@@ -39,17 +48,17 @@ def test_too_little_recompute_or_a_wild_figure_keeps_scale_one_with_a_note():
     assert cal._fit_recompute_scale(base, wild, STEP_S, notes) == 1.0 and "outside" in notes[-1]
 
 
-def test_the_per_byte_swap_charge_is_what_the_hybrid_plan_costs_beyond_its_recomputes_and_calls():
+def test_the_per_byte_swap_charge_is_what_the_swapping_plan_costs_beyond_its_recomputes_and_calls():
     """10 MB swapped, 5 ms of recomputes at x2 and 1 ms of swap calls charged, 25 ms measured: 14 ms over
     10 MB is 1.4 ns a byte."""
     base = _variant("unplanned", [[0.100], [0.100]])
-    hybrid = _variant("hybrid", [[0.125], [0.125]], TimeParts(recompute_s=0.005, swap_calls_s=0.001),
+    swapping = _variant("swap", [[0.125], [0.125]], TimeParts(recompute_s=0.005, swap_calls_s=0.001),
                       swapped_bytes=10_000_000)
     notes = []
-    assert cal._fit_swap_byte_s(base, hybrid, 2.0, notes) == pytest.approx(1.4e-9)
-    faster = _variant("hybrid", [[0.101], [0.101]], TimeParts(recompute_s=0.005), swapped_bytes=10_000_000)
+    assert cal._fit_swap_byte_s(base, swapping, 2.0, notes) == pytest.approx(1.4e-9)
+    faster = _variant("swap", [[0.101], [0.101]], TimeParts(recompute_s=0.005), swapped_bytes=10_000_000)
     assert cal._fit_swap_byte_s(base, faster, 1.0, notes) == 0.0  # never a negative charge
-    slow = _variant("hybrid", [[10.0], [10.0]], TimeParts(), swapped_bytes=10_000)
+    slow = _variant("swap", [[10.0], [10.0]], TimeParts(), swapped_bytes=10_000)
     assert cal._fit_swap_byte_s(base, slow, 1.0, notes) == 0.0 and "no per-byte charge" in notes[-1]
 
 
@@ -83,7 +92,7 @@ def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone
     """On a real model: both plans run under regen.apply against the unplanned step, every round; the
     figures are within the bounds the profile format accepts (or defaults with a note saying why)."""
     workload, profile = tiny_gpt
-    monkeypatch.setattr(cal, "ROUNDS", 2)
+    monkeypatch.setattr(cal, "MAX_ROUNDS", 2)
     lines = []
     calibration = cal.calibrate(workload, profile, lines.append)
     assert profile.calibration is None
@@ -116,7 +125,8 @@ def test_calibration_leaves_the_models_buffers_and_rng_as_it_found_them(monkeypa
 
     workload = build_workload("cnn", batch_size=4, args=dict(channels=4, num_blocks=2, image_size=16))
     profile = profile_workload(workload, device="cpu", repeats=1, warmup_steps=1, progress=None)
-    monkeypatch.setattr(cal, "ROUNDS", 1)
+    monkeypatch.setattr(cal, "MIN_ROUNDS", 1)
+    monkeypatch.setattr(cal, "MAX_ROUNDS", 1)
     buffers = {name: b.clone() for name, b in workload.model.named_buffers()}
     assert any("running_mean" in name for name in buffers)
     rng = torch.get_rng_state()
