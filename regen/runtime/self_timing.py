@@ -78,8 +78,8 @@ SWAP_PROBE_MATMUL = 256  # ... between square matmuls of this size...
 SWAP_PROBE_GAP_S = 0.5e-3  # ... as many as take this long, twice between swaps (ops between a step's swaps)
 SWAP_PROBE_PASSES = 5  # timed pairs of passes (with and without swaps), after one untimed pair
 MATMULS_PER_BATCH = 20  # matmuls per timed batch when sizing the gap
-FORWARD_PROBE_PAIRS = 5  # plain and tracked forwards of the workload, interleaved, at most...
-FORWARD_PROBE_BUDGET_S = 2.0  # ... while they have taken less than this (a large model's steps: one pair)
+FORWARD_PROBE_PAIRS = 3  # plain and tracked forwards of the workload, interleaved, at most...
+FORWARD_PROBE_BUDGET_S = 1.0  # ... while they have taken less than this (a large model's steps: one pair)
 WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
 
 
