@@ -46,7 +46,7 @@ it are planned without those costs; profiles written before `swap_s` existed loa
 Calibration (optional)
 ----------------------
 `Profile.calibration` (`Calibration`) holds what the workload's own steps said about those charges: a
-recompute plan and a hybrid plan run against the unplanned step, interleaved (regen.calibration). Its
+recompute plan and a swap plan run against the unplanned step, interleaved (regen.calibration). Its
 `recompute_scale` multiplies what the planner charges for a recompute (its ops, regen's own work around
 them), `swap_byte_s` adds a charge per swapped byte to `swap_s` (what copies take from compute beside them:
 on a CPU device the emulated link's memcpy on the same cores). Profiles without it are planned with the
