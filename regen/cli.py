@@ -294,8 +294,9 @@ def _add_profile_command(sub) -> None:
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS,
                    help=f"unrecorded warm-up steps, at least (default {DEFAULT_WARMUP_STEPS})")
     p.add_argument("--warmup-s", type=float, default=DEFAULT_WARMUP_S,
-                   help=f"more warm-up steps while all of them took less than this many seconds, so step times "
-                        f"have settled before they are measured (default {DEFAULT_WARMUP_S:g}; 0: none)")
+                   help=f"more warm-up steps while they and the timed plain steps after them take less than this "
+                        f"many seconds, so step times have settled before they are measured (default "
+                        f"{DEFAULT_WARMUP_S:g}; 0: none)")
     p.add_argument("--park", action="store_true",
                    help="park saved tensors in host memory while profiling, for a step that does not fit on the "
                         "device (the profile is the same; on CUDA an out-of-memory warm-up step does this by itself)")

@@ -2,9 +2,9 @@
 
 Phases, in order (each announced through `progress`):
 
-1. warm-up: `warmup_steps` plain steps (forward, backward, optimizer step), and more while all of them
-   together have taken less than `warmup_s` (on a CPU a small model's step keeps getting faster for ten
-   steps or so, 15% on the built-in GPT: the allocator settles), so caches, lazy
+1. warm-up: `warmup_steps` plain steps (forward, backward, optimizer step), and more while they and the
+   plain timing's steps after them take less than `warmup_s` (on a CPU a small model's step keeps getting
+   faster for ten steps or so, 15% on the built-in GPT: the allocator settles), so caches, lazy
    initialisation and the optimizer state exist as they do in steady-state training;
 2. plain timing: `repeats` uninstrumented forward+backward steps (`step_time_s`, median; their forwards
    alone `forward_time_s`) each followed by a separately timed optimizer step (`optimizer_step_time_s`);
@@ -286,15 +286,23 @@ def _with_op_times(timer: "_StepTimer", capture: Capture, step_times_s: list[flo
 
 
 def _warm_up(timer: "_StepTimer", warmup_steps: int, warmup_s: float) -> None:
-    """At least `warmup_steps` warm-up steps, and more until they took `warmup_s` in all (at most
-    MAX_WARMUP_STEPS); on CUDA, one that runs out of memory is retried parked (and the profile stays so)."""
+    """At least `warmup_steps` warm-up steps, and more until they and the plain timing's `repeats` steps
+    after them take `warmup_s` in all (at most MAX_WARMUP_STEPS): the plain steps are timed in warm-up's
+    last stretch, and the step time is a median over them and the op timing's plain steps, so one still
+    settling moves it little. On CUDA, one that runs out of memory is retried parked (and the profile stays
+    so)."""
     t0 = time.perf_counter()
     k = 0
-    while k < warmup_steps or (time.perf_counter() - t0 < warmup_s and k < MAX_WARMUP_STEPS):
+    step_s = 0.0  # the last warm-up step's, optimizer included
+
+    def more_by_time() -> bool:
+        return time.perf_counter() - t0 + timer.repeats * step_s < warmup_s and k < MAX_WARMUP_STEPS
+
+    while k < warmup_steps or more_by_time():
         k += 1
         timer.say(f"warm-up step {k}" + (f"/{warmup_steps}" if k <= warmup_steps else f" (until {warmup_s:g} s)"))
         try:
-            timer.plain_step()
+            step_s = sum(timer.plain_step())
             continue
         except (torch.OutOfMemoryError, WorkloadError) as exc:
             out_of_memory = isinstance(exc, torch.OutOfMemoryError) or isinstance(exc.__cause__,

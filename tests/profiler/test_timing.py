@@ -100,3 +100,14 @@ def test_warm_up_goes_on_for_its_time_and_no_further_than_its_cap():
     assert warm_up_steps(warmup_steps=1, warmup_s=60.0) == MAX_WARMUP_STEPS
     with pytest.raises(RegenError, match="warm-up time"):
         warm_up_steps(warmup_steps=1, warmup_s=-1.0)
+
+
+def test_the_plain_timing_counts_toward_the_warm_up_time():
+    """Steps of 80 ms, a warm-up of 0.48 s and 3 timed plain steps: the warm-up stops once its steps and the
+    plain steps after them fill 0.48 s (about 3 warm-up steps), not after 6 warm-up steps of its own."""
+    workload = Workload(name="busy", model=SometimesBusy(10**6), batch=(torch.randn(8, 16),), loss_fn=None,
+                        args={}, batch_size=8)
+    messages = []
+    profile_workload(workload, "cpu", repeats=3, warmup_steps=1, warmup_s=6 * SLEEP_S, progress=messages.append)
+    warm_up = sum(1 for m in messages if m.startswith("warm-up step"))
+    assert 1 <= warm_up <= 3
