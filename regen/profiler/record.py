@@ -74,7 +74,7 @@ from regen.profiler.environment import (
     resolve_device,
     unique_storage_bytes,
 )
-from regen.profiler.host_memory import give_back_freed_host_memory
+from regen.host_memory import give_back_freed_host_memory
 from regen.profiler.liveness import probe_step
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes
 from regen.profiler.modules import ModuleRecorder

@@ -1,10 +1,11 @@
-"""Giving the host memory a profiling phase freed back to the system before the next phase begins.
+"""Giving the host memory a phase of `regen profile` freed back to the system before the next phase begins.
 
 On Linux, glibc's malloc keeps the pages of freed heap blocks that lie between blocks still in use, and
 raises its threshold for returning large blocks as a program frees them. The recorded step and the liveness
 probe each allocate a step's worth of tensors, records and copies in their own pattern, so each phase met
 the heap the one before left, full of free pages no later allocation of other sizes fitted: on a 32-layer
-Llama profiling's resident memory grew 750 MiB past what the phases held at once. `malloc_trim` returns
+Llama profiling's resident memory grew 750 MiB past what the phases held at once (and the calibration's
+solves leave their own heap to its planned steps). `malloc_trim` returns
 those pages (torch's CPU tensors come from the same heap); elsewhere (another C library, macOS, Windows)
 there is nothing to call and nothing is done.
 """
