@@ -50,7 +50,7 @@ from regen.caches import training_caches_off
 from regen.errors import RegenError
 from regen.formats.plan import ACTION_SWAP, Plan, TimeParts
 from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE_BOUNDS, Calibration, Profile
-from regen.host_memory import give_back_freed_host_memory
+from regen.heap import give_back_freed_host_memory
 from regen.workloads import Workload, training_state_kept, training_step
 
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
@@ -86,7 +86,7 @@ def calibrate(workload: Workload, profile: Profile, progress: Callable[[str], No
         variants = [_Variant("unplanned", None)] + _calibration_plans(profile, notes, say)
     except RegenError as exc:
         return _defaults([f"no calibration plan: {exc}"], say)
-    give_back_freed_host_memory()  # the solvers' heap, before the steps (regen.host_memory)
+    give_back_freed_host_memory()  # the solvers' heap, before the steps (regen.heap)
     if len(variants) == 1:
         return _defaults(notes or ["no calibration plan"], say)
     try:

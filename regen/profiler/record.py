@@ -74,7 +74,7 @@ from regen.profiler.environment import (
     resolve_device,
     unique_storage_bytes,
 )
-from regen.host_memory import give_back_freed_host_memory
+from regen.heap import give_back_freed_host_memory
 from regen.profiler.liveness import probe_step
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes
 from regen.profiler.modules import ModuleRecorder
@@ -155,7 +155,7 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
             say(f"warning: {DOUBLE_BACKWARD_NOTE}")
         gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
         _zero_grad(optimizer, workload)
-        give_back_freed_host_memory()  # each phase's host memory is its own (host_memory.py)
+        give_back_freed_host_memory()  # each phase's host memory is its own (regen.heap)
         say("probing until when saved tensors are held outside autograd")
         notes = list(capture.notes) + record_probe(workload, capture)
         give_back_freed_host_memory()
