@@ -126,10 +126,31 @@ def test_the_smallest_cap_is_never_above_the_unplanned_peak(monkeypatch):
     from regen.planner.milp import search
 
     graph = build_graph(chain_profile(6, seed=3, copy_bytes_per_s=5e9))
-    monkeypatch.setattr(search, "min_peak_plan", lambda *_args: None)
+    monkeypatch.setattr(search, "min_peak_plan", lambda *_args, **_kwargs: None)
     monkeypatch.setattr(search, "simulate", lambda *_args: SimulationResult(
         peak_bytes=2 * graph.unplanned_peak_bytes, step_time_s=1.0, timeline_bytes=[], peak_timeline_bytes=[]))
     assert search.least_peak_plan(graph, True, True, 1.0) == (graph.unplanned_peak_bytes, {})
+
+
+def test_hybrid_never_names_a_smallest_cap_above_recompute_onlys(monkeypatch):
+    """The hybrid min-peak MILP is the larger model and may stop at its time limit far from its best (a
+    32-layer Llama's read 364 MiB where recompute-only's reached 312): the recompute-only one runs first, with
+    half the time, and starts the hybrid one; the lower of the two is the answer."""
+    from regen.planner.graph import build_graph
+    from regen.planner.milp import search
+
+    graph = build_graph(chain_profile(6, seed=3, copy_bytes_per_s=5e9))
+    real = search.min_peak_plan
+    calls = []
+
+    def hybrid_finds_nothing(graph, allow_swap, allow_recompute, time_limit_s, warm_start=None):
+        calls.append((allow_swap, allow_recompute, time_limit_s, warm_start is not None))
+        return None if allow_swap else real(graph, allow_swap, allow_recompute, time_limit_s)
+
+    monkeypatch.setattr(search, "min_peak_plan", hybrid_finds_nothing)
+    smallest, plan = search.least_peak_plan(graph, True, True, 10.0)
+    assert calls == [(False, True, 5.0, False), (True, True, 5.0, True)]
+    assert smallest == real(graph, False, True, 10.0)[2] and plan
 
 
 def test_the_smallest_cap_never_names_a_plan_past_the_host_memory_cap(monkeypatch):
@@ -140,7 +161,7 @@ def test_the_smallest_cap_never_names_a_plan_past_the_host_memory_cap(monkeypatc
     from regen.planner.residency import host_pool_bytes
 
     profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
-    monkeypatch.setattr(search, "min_peak_plan", lambda *_args: None)
+    monkeypatch.setattr(search, "min_peak_plan", lambda *_args, **_kwargs: None)
     unlimited = build_graph(profile)
     smallest, greedy = search.least_peak_plan(unlimited, True, False, 1.0)
     pool = host_pool_bytes(unlimited.candidates, greedy)

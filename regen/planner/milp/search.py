@@ -298,14 +298,14 @@ def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_rec
         smallest_feasible_cap_bytes=smallest, plan_at_smallest=choices)
 
 
-def min_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool,
-                  time_limit_s: float) -> tuple[dict[int, Choice], SimulationResult, int] | None:
+def min_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
+                  warm_start: dict[int, Choice] | None = None) -> tuple[dict[int, Choice], SimulationResult, int] | None:
     """The min-peak MILP's plan, its simulation and the least cap both the MILP and the simulator give it
     (None when the MILP finds none in time, or its plan is not valid)."""
     try:
         model = Model(graph, None, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute,
                                                 minimize_peak=True))
-        result = solve_model(model, time_limit_s)
+        result = solve_model(model, time_limit_s, warm_start=warm_start)
     except (CapInfeasible, SolverError):
         return None
     sim = simulate(graph, result.choices)
@@ -323,8 +323,17 @@ def least_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: boo
     """(the lowest cap at which a plan passes the simulator, that plan): the min-peak MILP's, else the lower of
     the greedy's at cap 0 and keeping everything (the unplanned peak, which no smallest cap is above). The
     plan is a warm start for a solve at that cap (`solve(..., start_plans=...)`), where the MILP may otherwise
-    search long for its first plan."""
-    least = min_peak_plan(graph, allow_swap, allow_recompute, time_limit_s)
+    search long for its first plan. With both actions, the recompute-only min-peak MILP (a smaller model:
+    seconds where the hybrid one may stop at its time limit far from its best) gets half the time and
+    starts the hybrid one, so hybrid never names a smallest cap above recompute-only's."""
+    least = None
+    if allow_swap and allow_recompute:
+        least = min_peak_plan(graph, False, True, time_limit_s / 2)
+        time_limit_s /= 2
+    hybrid = min_peak_plan(graph, allow_swap, allow_recompute, time_limit_s,
+                           warm_start=least[0] if least is not None else None)
+    if hybrid is not None and (least is None or hybrid[2] <= least[2]):
+        least = hybrid
     if least is not None and least[2] <= graph.unplanned_peak_bytes:
         return least[2], least[0]
     choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)  # all it can drop
