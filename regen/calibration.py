@@ -123,8 +123,7 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
     for strategy, options in (("recompute", {}), ("swap", link)):
         try:
             plan = solve_within_reach(profile, cap, strategy, time_limit_s=time_limit_s,
-                                      rel_gap=SOLVE_REL_GAPS[strategy],
-                                      **options)
+                                      rel_gap=SOLVE_REL_GAPS[strategy], **options)
         except RegenError as exc:
             notes.append(f"no {strategy} plan ({exc}): its figure keeps the default")
             continue

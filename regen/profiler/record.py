@@ -56,6 +56,7 @@ from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
 from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory,
                                    op_fingerprint)
+from regen.heap import give_back_freed_host_memory
 from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
 from regen.ranks import rank_agreement
 from regen.profiler.capture import (
@@ -74,7 +75,6 @@ from regen.profiler.environment import (
     resolve_device,
     unique_storage_bytes,
 )
-from regen.heap import give_back_freed_host_memory
 from regen.profiler.liveness import probe_step
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes
 from regen.profiler.modules import ModuleRecorder
