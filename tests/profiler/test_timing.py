@@ -53,14 +53,24 @@ def test_a_disagreement_that_persists_is_kept_and_noted():
     assert any(n.startswith("timing:") and "after 3 measurements" in n for n in profile.notes)
 
 
-def test_the_step_time_is_a_median_over_plain_steps_spread_over_the_timing():
-    """Busy for the warm-up and the first plain step only, too briefly for the op-time check to object:
-    the plain steps taken after each op-timed step outvote it (a median of the first two alone would
-    be half the wait)."""
-    wait_s = 0.012  # under the disagreement check's 20 ms
-    profile, messages = profile_busy(busy_calls=2, sleep_s=wait_s)
-    assert not any("disagree" in m for m in messages)
-    assert profile.step_time_s < wait_s / 4
+def test_the_step_time_is_a_median_over_plain_steps_spread_over_the_timing(monkeypatch):
+    """A burst of load during the warm-up and the first plain step only: the plain steps taken after each
+    op-timed step outvote it (a median of the first two alone would be half the burst). The plain steps run;
+    their clock readings are scripted, so how busy the machine running the test is does not matter (beside
+    a busy core a 1 ms step read 6-24 ms)."""
+    from regen.profiler import record
+
+    scripted = iter([0.012, 0.012, 0.001, 0.001, 0.001])  # warm-up, 2 plain, 1 after each of 2 op-timed steps
+    real = record._StepTimer.plain_step
+
+    def plain_step(self):
+        real(self)
+        return next(scripted), 0.0
+
+    monkeypatch.setattr(record._StepTimer, "plain_step", plain_step)
+    monkeypatch.setattr(record, "_timing_disagreement", lambda *_args: None)
+    profile, _ = profile_busy(busy_calls=0)
+    assert profile.step_time_s == 0.001
 
 
 def test_a_quiet_profile_is_measured_once():
