@@ -243,6 +243,27 @@ def test_a_step_of_the_same_shape_keeps_only_a_temporary_free_in_backward(monkey
     assert per_step == [{(False, 2.0)}, {(True, 1.0)}, {(False, 2.0)}]
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_where_reading_memory_costs_a_backward_op_makes_room_past_the_largest_only(exact):
+    """Note [ Room for the next op ], CUDA's rule (a reading of the memory costs): a backward op that made 1,000
+    bytes the step before, with 300 the largest so far (which the unpacks' headroom keeps room for), makes
+    room for the other 700 before it runs, whether or not every op so far made what it made then."""
+    from types import SimpleNamespace
+
+    from regen.runtime.dynamic.dynamic_step import DynamicStep
+
+    memory = SimpleNamespace(cheap_reads=False, track=lambda _t: None)
+    step = DynamicStep(memory, 10**6, "graph", SimpleNamespace(), None, None, None, "cpu", None)
+    add = torch.ops.aten.add.Tensor
+    step.foresee(([], [(add, 1000)]))
+    step.foresight_exact = exact
+    step.largest_bytes = 300
+    asked = []
+    step.residency.make_room = lambda need_bytes, **_kwargs: asked.append(need_bytes)
+    step.backward_op(add, (torch.ones(2), torch.ones(2)), {})
+    assert asked == [700]
+
+
 class _WritesABuffer(nn.Module):
     """Writes activations into its own buffer in place, twice, reading it after each write (a cache): the
     buffer's first value is gone after the second write and was never the step's to rebuild, so it and

@@ -185,17 +185,25 @@ class DynamicStep:
         exact = self.foresight_exact and self.memory.cheap_reads and self.residency.swaps is None
         return 1 if exact else HEADROOM_PER_OUTPUT
 
+    def _foreseen_bytes(self, phase: int, i: int, func) -> int | None:
+        """What op `i` of forward (`phase` 0) or backward (1) made in the step before, when it was the same op
+        (Note [ Room for the next op ]); None otherwise."""
+        seen = None if self.foreseen is None else self.foreseen[phase]
+        if seen is None or i >= len(seen) or seen[i][0] is not func:
+            return None
+        return seen[i][1]
+
     def _room_for(self, phase: int, i: int, func) -> tuple[int, int]:
         """(need, headroom) of the check before op `i` of forward (`phase` 0) or backward (1) (Note [ Room for
         the next op ]): when it is the op of the step before, what it made then and one temporary as large as
         the largest storage so far; else no figure and a headroom of HEADROOM_PER_OUTPUT x the largest (the
         output guessed: a check that cannot keep a guess free is not over its cap)."""
-        seen = None if self.foreseen is None else self.foreseen[phase]
-        if seen is None or i >= len(seen) or seen[i][0] is not func:
+        foreseen = self._foreseen_bytes(phase, i, func)
+        if foreseen is None:
             return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
         if self.foresight_exact:
-            return seen[i][1], self.largest_bytes
-        return max(0, seen[i][1] - self.largest_bytes), HEADROOM_PER_OUTPUT * self.largest_bytes
+            return foreseen, self.largest_bytes
+        return max(0, foreseen - self.largest_bytes), HEADROOM_PER_OUTPUT * self.largest_bytes
 
     def _compare_foresight(self, phase: int, i: int, made: tuple) -> None:
         """Op `i` of `phase` made `made` (op, bytes): foresight stays exact while every op makes what it made in
@@ -207,11 +215,13 @@ class DynamicStep:
     def backward_op(self, func, args, kwargs):
         self.in_backward = True
         if not self.released:  # before the op allocates its outputs
-            need, headroom = self._room_for(1, len(self.made_backward), func)
+            i = len(self.made_backward)
             if self.memory.cheap_reads:
+                need, headroom = self._room_for(1, i, func)
                 self.residency.make_room(need, headroom_bytes=headroom)
-            elif need > self.largest_bytes:  # the unpacks' headroom keeps room for the largest (Note [ Room ... ])
-                self.residency.make_room(need - self.largest_bytes)
+            elif (foreseen := self._foreseen_bytes(1, i, func) or 0) > self.largest_bytes:
+                # only past the largest: the unpacks' headroom keeps room for that much (Note [ Room ... ])
+                self.residency.make_room(foreseen - self.largest_bytes)
         out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
