@@ -13,7 +13,6 @@ there is nothing to call and nothing is done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 
@@ -26,8 +25,9 @@ def give_back_freed_host_memory() -> None:
 
 @functools.cache
 def _malloc_trim():
-    name = ctypes.util.find_library("c")
+    """glibc's malloc_trim from the C library already loaded in this process (no search for the library, which
+    runs a subprocess on Linux), or None."""
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # another C library; Windows, which has no process handle
         return None
