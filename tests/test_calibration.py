@@ -103,6 +103,29 @@ def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone
     assert all(p.grad is None for p in workload.model.parameters())
 
 
+def test_a_plan_that_cannot_be_solved_leaves_only_its_own_figure_at_the_default(tiny_gpt, monkeypatch):
+    """No swap plan (a solver error): the recompute plan is still timed and fitted; the per-byte charge keeps
+    its default, and a note says why."""
+    import importlib
+
+    from regen.errors import SolverError
+
+    planner_solve = importlib.import_module("regen.planner.solve")  # the module (regen.planner.solve is a function)
+    real = planner_solve.solve_within_reach
+
+    def no_swap_plan(profile, cap, strategy, **kwargs):
+        if strategy == "swap":
+            raise SolverError("HiGHS stopped")
+        return real(profile, cap, strategy, **kwargs)
+
+    workload, profile = tiny_gpt
+    monkeypatch.setattr(planner_solve, "solve_within_reach", no_swap_plan)
+    monkeypatch.setattr(cal, "MAX_ROUNDS", 2)
+    calibration = cal.calibrate(workload, profile)
+    assert calibration.rounds == 2 and calibration.swap_byte_s == 0.0
+    assert any(n.startswith("no swap plan (HiGHS stopped)") for n in calibration.notes)
+
+
 def test_a_plan_step_that_fails_keeps_the_defaults_with_a_note(tiny_gpt, monkeypatch):
     import regen
     from regen.errors import PlanMismatchError
