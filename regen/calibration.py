@@ -18,8 +18,8 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
    LINK_RATIO): one unknown per plan. A calibration plan need only be a typical one: each solve stops at its
    SOLVE_REL_GAPS or after SOLVE_STEPS of the profile's steps (within [SOLVE_MIN_S, SOLVE_MAX_S]);
 2. it runs rounds of blocks (the unplanned step, the recompute plan, the swap plan; each block
-   STEPS_PER_BLOCK timed steps under one handle, its median the block's time: the first step under a new
-   handle, slower while the allocator meets the plan's sizes, is the one the median leaves out), the order
+   STEPS_PER_BLOCK timed steps under one handle, its median the block's time, so that one slow step (the
+   first under a new handle, say) moves it little), the order
    turned each round, so that load and drift hit all three alike; the step is forward and backward,
    gradients dropped after each. From MIN_ROUNDS on it stops once the rounds agree (each plan's extra time
    within SETTLED_FRACTION of the step from round to round), at MAX_ROUNDS at most;

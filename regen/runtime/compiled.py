@@ -59,8 +59,8 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-import types
 import re
+import types
 import warnings
 from dataclasses import dataclass, field
 
