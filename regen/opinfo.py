@@ -1,7 +1,8 @@
-"""Facts about aten ops that the profiler and the runtime must agree on.
+"""Facts about aten ops that the profiler and the runtime must agree on, read from the ops themselves.
 
 Both stages number forward ops the same way and identify a saved tensor by the op that last wrote
-its storage; the rules for "random", "in-place" and "view" live here once so they cannot drift.
+its storage; the rules for "random", "in-place" and "view" live here once so they cannot drift. What is
+known from an op's name alone, as the planner reads it from a profile, is in regen.opnames (no torch).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from regen.opnames import UNDECLARED_WRITES, gathers_parameters
 
 _NONDETERMINISTIC_SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -58,17 +61,6 @@ def is_inplace(func) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
-# Ops that write arguments their schema does not mark as written: the legacy batch-norm kernels update
-# the running statistics in place (their `_native_batch_norm_legit` successor declares it as `(a!)`).
-# A recipe replays such an op on copies of those arguments (regen.runtime.recompute.Scratch), so the
-# buffers are updated once.
-UNDECLARED_WRITES = {
-    "aten.native_batch_norm.default": ("running_mean", "running_var"),
-    "aten.cudnn_batch_norm.default": ("running_mean", "running_var"),
-    "aten.miopen_batch_norm.default": ("running_mean", "running_var"),
-}
-
-
 @functools.cache  # OpOverloads are few and hashable
 def written_arguments(func) -> tuple[tuple[int, str], ...]:
     """(position, name) of every argument the op writes: its schema's `(a!)` arguments and the writes
@@ -76,19 +68,6 @@ def written_arguments(func) -> tuple[tuple[int, str], ...]:
     undeclared = UNDECLARED_WRITES.get(op_name(func), ())
     return tuple((pos, a.name) for pos, a in enumerate(func._schema.arguments)
                  if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
-
-
-@functools.cache
-def writes_an_argument(name: str) -> bool:
-    """The op named `name` (op_name's form, e.g. "aten.native_batch_norm.default") writes one of its
-    arguments (written_arguments); False for a name torch does not know."""
-    namespace, _, rest = name.partition(".")
-    packet, _, overload = rest.partition(".")
-    try:
-        func = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-    except (AttributeError, RuntimeError):
-        return False
-    return bool(written_arguments(func))
 
 
 def argument_value(func, args, kwargs, pos: int, name: str):
@@ -136,52 +115,6 @@ def op_outputs(func, args, kwargs, out) -> list:
 def is_view(func) -> bool:
     """The op's outputs alias an input without writing it (view, t, transpose, slice...)."""
     return bool(getattr(func, "is_view", False))
-
-
-# Ops that read their first argument only for its metadata (shape, strides, dtype, device), never its
-# values: a recipe that replays one needs no copy of that argument (CPU dropout starts with empty_like).
-METADATA_ONLY_FIRST_ARG_OPS = frozenset({
-    "aten.empty_like.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
-    "aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
-})
-
-
-def reads_first_arg_metadata_only(name: str) -> bool:
-    """Whether the op named `name` (see op_name) reads only the metadata of its first argument."""
-    return name in METADATA_ONLY_FIRST_ARG_OPS
-
-
-# Ops that copy their first argument into another dtype, device or layout. A copy of a parameter
-# (autocast's low-precision weight copy, made at a layer's first use in the forward) is rebuilt from the
-# parameter by this one op, while a swap would move as many bytes as the copy holds: the planner keeps
-# or recomputes it, never swaps it.
-COPY_OPS = frozenset({"aten._to_copy.default"})
-
-
-def copies_first_arg(name: str) -> bool:
-    """Whether the op named `name` (see op_name) is a copy of its first argument."""
-    return name in COPY_OPS
-
-
-# FSDP2 copies a unit's gathered parameters out of its all-gather buffer into the unsharded parameters
-# (out= arguments) before the unit's forward and again before its backward; it frees their storages
-# (resized to nothing) after each. What they write is a parameter, the same values at every gather,
-# never a result of the step's computation: their writes name no saved tensor (written_outputs), a recipe
-# reads a gathered parameter as it is at its replay, and only where FSDP holds it unsharded.
-PARAMETER_GATHER_OPS = frozenset({"fsdp.split_with_sizes_copy.default"})
-# Namespaces of ops that talk to other ranks or take part in FSDP's gathering: never replayed by one rank
-# alone (a recipe or a region that contains one is not recomputable).
-DISTRIBUTED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
-
-
-def gathers_parameters(name: str) -> bool:
-    """Whether the op named `name` (see op_name) writes FSDP's unsharded parameters (PARAMETER_GATHER_OPS)."""
-    return name in PARAMETER_GATHER_OPS
-
-
-def is_distributed(name: str) -> bool:
-    """Whether the op named `name` (see op_name) is a collective or part of FSDP's gathering."""
-    return name.partition(".")[0] in DISTRIBUTED_NAMESPACES
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -81,3 +81,21 @@ def test_no_file_name_repeats_across_packages_for_another_job():
             by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
     repeated = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1 and name not in shown}
     assert repeated == {}
+
+
+def test_solving_a_profile_imports_no_torch(tmp_path):
+    """`regen solve` reads a profile and plans without torch (a second of start-up): the planner asks op
+    names (regen.opnames), never torch's schemas (regen.opinfo)."""
+    import subprocess
+    import sys
+
+    from regen.graphs.synthetic import transformer_profile
+    from regen.formats import save_profile
+
+    save_profile(transformer_profile(n_layers=2), tmp_path / "t.profile.yaml")
+    script = ("import sys; from regen.cli import main; "
+              f"code = main(['solve', {str(tmp_path / 't.profile.yaml')!r}, '--memory-cap', '80%', '-q', "
+              f"'--strategy', 'recompute', '-o', {str(tmp_path / 't.plan.yaml')!r}]); "
+              "assert code == 0, code; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"

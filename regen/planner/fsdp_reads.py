@@ -1,4 +1,4 @@
-"""Parameters FSDP gathers (`opinfo.gathers_parameters`): where a recipe or a region may read them.
+"""Parameters FSDP gathers (`opnames.gathers_parameters`): where a recipe or a region may read them.
 
 FSDP2 writes a unit's unsharded parameters in the unit's forward pre-hook (so the gathering op's module
 is the unit) and frees them after the unit's forward; in the unit's pre-backward hook, before any of its
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from regen.formats.profile import PHASE_FORWARD, Profile
-from regen.opinfo import gathers_parameters
+from regen.opnames import gathers_parameters
 
 
 def gathered_storages(profile: Profile, tensors: dict) -> dict[int, list[int]]:

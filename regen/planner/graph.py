@@ -5,7 +5,7 @@
   backward use b/e, the gap (f, b) where the action matters, the copy-out and copy-in windows a swap may use, and
   the recompute options (regen.planner.recipes) and the regions that may rebuild it (module calls
   replayed in backward: regen.planner.region_candidates); a copy of a parameter (autocast's low-precision weight
-  copies, `opinfo.copies_first_arg`) gets no copy windows: it is kept or recomputed, never swapped, and
+  copies, `opnames.copies_first_arg`) gets no copy windows: it is kept or recomputed, never swapped, and
   its gap starts at the end of the forward (autocast's cache holds the copy until the forward ends);
 * the unplanned memory timeline (after and peak of every op) that planned memory is measured against:
   whatever the action, t is resident on [p, f] and [b, e]; an action only removes t's bytes from
@@ -25,7 +25,7 @@ import networkx as nx
 
 from regen.errors import RegenError
 from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
-from regen.opinfo import copies_first_arg
+from regen.opnames import copies_first_arg
 from regen.planner.costs import RuntimeCharges, copy_in_time_s, copy_out_time_s, op_times_s
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
 from regen.planner.region_candidates import Region, add_regions
@@ -284,7 +284,7 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
 
 
 def _parameter_copies(profile: Profile) -> set[int]:
-    """Forward ops that copy a parameter (opinfo.copies_first_arg): autocast's low-precision weight copies."""
+    """Forward ops that copy a parameter (opnames.copies_first_arg): autocast's low-precision weight copies."""
     parameters = {t.id for t in profile.tensors if t.kind == KIND_PARAMETER}
     return {op.index for op in profile.ops[:profile.num_forward_ops]
             if copies_first_arg(op.name) and op.inputs and op.inputs[0] in parameters}

@@ -13,7 +13,7 @@ in-place write to it that precedes a recipe read of it (its whole write history 
 replayed in forward order, so the replayed storage holds the same contents when it is read). CPU
 dropout (`empty_like`, `bernoulli_`, `div_`) is recomputable this way. In-place writes to any other
 storage (parameters, the batch, recipe inputs) are never replayed. A collective or an op of FSDP's gathering is
-never replayed (`opinfo.is_distributed`); a parameter FSDP gathered is read as a parameter, and only by a
+never replayed (`opnames.is_distributed`); a parameter FSDP gathered is read as a parameter, and only by a
 recipe whose replay finds it unsharded (regen.planner.fsdp_reads).
 
 "Rebuilt with": a recomputable candidate T whose producer op another candidate R's recipe replays on
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from regen.formats.profile import PHASE_FORWARD, Profile
-from regen.opinfo import gathers_parameters, is_distributed, reads_first_arg_metadata_only
+from regen.opnames import gathers_parameters, is_distributed, reads_first_arg_metadata_only
 from regen.planner.fsdp_reads import gathered_storages, resharded_read
 
 if TYPE_CHECKING:

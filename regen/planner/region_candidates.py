@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from regen.formats.plan_rules import replay_stop_pack
 from regen.formats.profile import KIND_ACTIVATION, KIND_BUFFER, PHASE_FORWARD, ModuleCall
-from regen.opinfo import is_distributed
+from regen.opnames import is_distributed
 from regen.planner.fsdp_reads import gathered_storages, resharded_read
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
 from regen.formats.plan_rules import host_range_bytes
 from regen.formats.profile import KIND_BUFFER, PHASE_FORWARD, Profile
-from regen.opinfo import writes_an_argument
+from regen.opnames import writes_an_argument
 
 if TYPE_CHECKING:
     from regen.planner.graph import Candidate, PlanningGraph
@@ -54,7 +54,7 @@ def op_capture_bytes(profile: Profile) -> dict[int, int]:
         if op.phase != PHASE_FORWARD:
             break
         held = CPU_RNG_STATE_BYTES if op.is_random and cpu else 0
-        if writes_an_argument(op.name):
+        if writes_an_argument(op.name, op.is_inplace):
             buffers = {kinds[x][1]: kinds[x][2] for x in op.inputs if kinds[x][0] == KIND_BUFFER}
             held += sum(buffers.values())
         if held:

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from regen import opinfo
+from regen import opinfo, opnames
 from regen.formats.profile import (
     KIND_ACTIVATION,
     KIND_BUFFER,
@@ -276,7 +276,7 @@ class StepRecorder:
             for slot, key in opinfo.written_outputs(func, args, kwargs, outputs):
                 self.writer[key] = (index, slot)
                 self.random_contents[key] = random or (inplace and self.random_contents.get(key, False))
-        if opinfo.gathers_parameters(opinfo.op_name(func)):
+        if opnames.gathers_parameters(opinfo.op_name(func)):
             for t in outputs:
                 kb = storage_key_and_bytes(t) if t is not None else None
                 info = self._live_storage(kb[0]) if kb is not None and kb[0] else None

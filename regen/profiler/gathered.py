@@ -1,7 +1,7 @@
 """FSDP's unsharded parameters while a step is recorded (docs/internals.md "Parameters FSDP gathers").
 
 FSDP2 allocates a unit's unsharded parameter storages (a resize, no op) right before its gathering op
-(`opinfo.gathers_parameters`) writes them, and frees them with another resize, to nothing, after the
+(`opnames.gathers_parameters`) writes them, and frees them with another resize, to nothing, after the
 unit's forward and after its backward. The recorder hands each storage a gathering op wrote to
 `GatheredStorages.gathered`: the memory tracker counts it from then on instead of in the memory at start;
 before every op `resharded` returns those resized to nothing since, which the tracker has counted as freed.

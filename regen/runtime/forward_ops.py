@@ -3,7 +3,7 @@
 * The writer map (docs/internals.md "Naming a saved tensor"): `storage_key -> Writer`, the op output
   that last wrote the storage, with its shape and dtype, updated with `opinfo.written_outputs`. Packs
   are matched through it (packing.py) and recipe captures reference its entries.
-* The gathered parameters: the storages FSDP's gathering ops (`opinfo.gathers_parameters`) wrote, which
+* The gathered parameters: the storages FSDP's gathering ops (`opnames.gathers_parameters`) wrote, which
   recipe captures read as parameters FSDP gathers again before the unit's backward (`recompute.Gathered`).
 * The fingerprint of the forward ops, fed until the handle has verified a step.
 * Recipe captures: an op whose index is in `Plan.recipe_ops` has its name checked and is captured
@@ -28,7 +28,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.formats.plan import ACTION_RECOMPUTE, Plan
 from regen.formats.profile import OpFingerprint
-from regen.opinfo import gathers_parameters, op_name, op_outputs, storage_key, written_outputs
+from regen.opinfo import op_name, op_outputs, storage_key, written_outputs
+from regen.opnames import gathers_parameters
 from regen.runtime.plan_index import PlanIndex
 from regen.runtime.recompute import CapturedOp, capture_op, check_captured_name
 from regen.runtime.window_hooks import Windows, tracking_windows

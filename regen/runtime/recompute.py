@@ -39,8 +39,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import (argument_value, op_name, op_outputs, reads_first_arg_metadata_only, storage_key,
-                           written_arguments, written_outputs)
+from regen.opinfo import argument_value, op_name, op_outputs, storage_key, written_arguments, written_outputs
+from regen.opnames import reads_first_arg_metadata_only
 from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.writers import live_writer
 
@@ -64,7 +64,7 @@ class External:
 
 @dataclass(frozen=True)
 class Gathered:
-    """A parameter FSDP gathered (opinfo.gathers_parameters), held by reference: read as it is at the
+    """A parameter FSDP gathered (opnames.gathers_parameters), held by reference: read as it is at the
     replay, which the planner puts where FSDP holds it unsharded."""
 
     tensor: torch.Tensor
