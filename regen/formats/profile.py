@@ -357,7 +357,7 @@ def op_fingerprint(ops: list[OpRecord], tensors: list[TensorRecord]) -> str:
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    dump_document(profile.to_dict(), path)
+    dump_document(profile.to_dict(), path, as_json=True)
 
 
 def load_profile(path: str | Path) -> Profile:

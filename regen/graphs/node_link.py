@@ -24,6 +24,7 @@ The copy bandwidth is `--bandwidth` (GB/s), or DEFAULT_GRAPH_BANDWIDTH_GB_S with
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,15 +52,20 @@ class GraphKeys:
     time_unit: str = UNDECLARED_TIME_UNIT
 
 
+_REGEN_DOCUMENT_HEAD = re.compile(r'\{\s*"format"\s*:\s*"regen-')
+
+
 def is_node_link_file(path: Path) -> bool:
-    """A `.json` file, or any file whose first non-blank character opens a JSON object."""
+    """A `.json` file, or any file whose first non-blank character opens a JSON object other than a regen
+    document's (profiles are written as JSON text that opens with their `format`: regen.formats.yamlio)."""
     if path.suffix.lower() == ".json":
         return True
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read(64).lstrip().startswith("{")
+            head = f.read(64).lstrip()
     except (UnicodeDecodeError, OSError):
         return False
+    return head.startswith("{") and not _REGEN_DOCUMENT_HEAD.match(head)
 
 
 def load_node_link(path, bandwidth_gb_s: float | None = None) -> Profile:

@@ -8,6 +8,7 @@ from regen.errors import FormatError
 from regen.formats import (DeviceInfo, Decision, OpRecord, Plan, PlanFigures, Profile, SavedTensor,
                            SolverReport, StaticMemory, TensorRecord, load_plan, load_profile, save_plan,
                            save_profile)
+from regen.formats.yamlio import dump_document
 
 
 def tiny_profile() -> Profile:
@@ -48,11 +49,12 @@ def test_a_version_1_profile_loads_without_held_until(tmp_path):
     """regen-profile/1 files have no held_until_op: it loads as None (the last forward use)."""
     p = tiny_profile()
     p.saved_tensors[0].held_until_op = 1
-    save_profile(p, tmp_path / "p.yaml")
-    text = (tmp_path / "p.yaml").read_text()
-    assert "format: regen-profile/2" in text and "held_until_op: 1" in text
+    document = p.to_dict()
+    assert document["format"] == "regen-profile/2" and document["saved_tensors"][0]["held_until_op"] == 1
+    document["format"] = "regen-profile/1"
+    del document["saved_tensors"][0]["held_until_op"]
     old = tmp_path / "old.yaml"
-    old.write_text(text.replace("format: regen-profile/2", "format: regen-profile/1").replace("held_until_op: 1", ""))
+    dump_document(document, old)  # as version 1 files were written: YAML's block style
     q = load_profile(old)
     assert q.saved_tensors[0].held_until_op is None and q.format == "regen-profile/1"
 
@@ -126,12 +128,12 @@ def test_runtime_costs_round_trip_and_bad_figures_are_refused(tmp_path):
     p = replace(tiny_profile(), runtime_costs=RuntimeCosts(3e-6, 4e-5, 5e-5, 1e-6, method="probe", swap_s=3e-5))
     save_profile(p, tmp_path / "p.yaml")
     assert load_profile(tmp_path / "p.yaml") == p
-    older = (tmp_path / "p.yaml").read_text().replace("swap_s: 3.0e-05", "")  # written before swap_s existed
+    older = (tmp_path / "p.yaml").read_text().replace(', "swap_s": 3.0e-05', "")  # written before swap_s existed
     assert "swap_s" not in older
     (tmp_path / "older.yaml").write_text(older)
     assert load_profile(tmp_path / "older.yaml").runtime_costs.swap_s == 0.0
-    text = (tmp_path / "p.yaml").read_text().replace("replay_op_s: 5.0e-05", "replay_op_s: -1.0")
-    assert "replay_op_s: -1.0" in text
+    text = (tmp_path / "p.yaml").read_text().replace('"replay_op_s": 5.0e-05', '"replay_op_s": -1.0')
+    assert '"replay_op_s": -1.0' in text
     (tmp_path / "bad.yaml").write_text(text)
     with pytest.raises(FormatError, match="runtime_costs: replay_op_s: must not be negative, found -1.0"):
         load_profile(tmp_path / "bad.yaml")
@@ -168,12 +170,13 @@ def _edited(tmp_path, save, original, text: str, replacement: str):
 
 
 @pytest.mark.parametrize("text,replacement,match", [
-    ("bytes: 40", 'bytes: "lots"', r"tensors\[0\]: bytes: must be an integer, found str 'lots'"),
-    ("peak_bytes: 300", "peak_bytes: -300", "peak_bytes: must not be negative, found -300"),
-    ("step_time_s: 0.002", "step_time_s: .nan", "step_time_s: must be a finite number, found nan"),
-    ("repeats: 1", "repeats: true", "repeats: must be an integer, found bool True"),
-    ("backward_uses: [1]", "backward_uses: [one]", r"backward_uses\[0\]: must be an integer, found str .one."),
-    ("name: aten.relu.default", "name: [aten, relu]", r"ops\[0\]: name: must be text, found list"),
+    ('"bytes": 40', '"bytes": "lots"', r"tensors\[0\]: bytes: must be an integer, found str 'lots'"),
+    ('"peak_bytes": 300', '"peak_bytes": -300', "peak_bytes: must not be negative, found -300"),
+    # not JSON: read as YAML, whose flow style it still is
+    ('"step_time_s": 0.002', '"step_time_s": .nan', "step_time_s: must be a finite number, found nan"),
+    ('"repeats": 1', '"repeats": true', "repeats: must be an integer, found bool True"),
+    ('"backward_uses": [1]', '"backward_uses": ["one"]', r"backward_uses\[0\]: must be an integer, found str .one."),
+    ('"name": "aten.relu.default"', '"name": ["aten", "relu"]', r"ops\[0\]: name: must be text, found list"),
 ])
 def test_a_profile_field_of_the_wrong_type_or_range_is_one_format_error(tmp_path, text, replacement, match):
     path = _edited(tmp_path, save_profile, tiny_profile(), text, replacement)

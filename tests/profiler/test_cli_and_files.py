@@ -155,9 +155,9 @@ def test_round_trip(saved_profile):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda text: text.replace(f"format: {PROFILE_FORMAT}", "format: regen-profile/7"),
+    (lambda text: text.replace(f'"format": "{PROFILE_FORMAT}"', '"format": "regen-profile/7"'),
      "format 'regen-profile/7' is not supported"),
-    (lambda text: text.replace("peak_bytes:", "peak_bytez:", 1), "missing field 'peak_bytes'"),
+    (lambda text: text.replace('"peak_bytes":', '"peak_bytez":', 1), "missing field 'peak_bytes'"),
     (lambda text: text[: len(text) // 2] + "\n  - [unclosed\n", "not valid YAML"),
 ])
 def test_bad_profiles_through_show(saved_profile, tmp_path, capsys, edit, message):
