@@ -8,9 +8,12 @@ WARMUP_STEPS); then `profile_workload` runs as `regen profile` runs it (the runt
 the warm-up by time) and the calibration after it. Reported: ops and saved tensors, the plain step,
 the profile's and the calibration's wall time in plain steps, the profile's phases (from its progress
 lines), the process's peak resident memory through its plain steps (model, optimizer state, a step's
-activations: "RSS of steps") and how much higher profiling took it ("profiling RSS").
+activations: "RSS of steps") and how much higher profiling took it ("profiling RSS"). Then the profile
+is written and planned as a user plans it: `regen solve --memory-cap 75% --link-ratio 0.9` with
+`--strategy recompute` and `hybrid`, each a process of its own, timed from start to exit ("plan":
+start-up, loading the profile, solving, writing the plan).
 
-    .venv/bin/python bench/profile_cost.py [--layers 4 8 16 32] [--no-calibrate]
+    .venv/bin/python bench/profile_cost.py [--layers 4 8 16 32] [--no-calibrate] [--no-plan]
 
 Time it only on a quiet machine (nothing else running).
 """
@@ -23,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,8 +54,8 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(layers: int, calibrate: bool) -> dict:
-    """One depth, in this process."""
+def measure(layers: int, calibrate: bool, profile_path: str | None) -> dict:
+    """One depth, in this process; the profile written to `profile_path` when given."""
     from regen.calibration import calibrate as calibrate_profile
     from regen.profiler import profile_workload
     from regen.runtime.self_timing import measure_runtime_costs
@@ -80,6 +84,10 @@ def measure(layers: int, calibrate: bool) -> dict:
     if calibrate:
         calibrate_profile(workload, profile, lambda m: None)
     t2 = time.perf_counter()
+    if profile_path is not None:
+        from regen.formats import save_profile
+
+        save_profile(profile, profile_path)
     spent: dict[str, float] = {}
     for (start, name), (end, _) in zip(phases, phases[1:] + [(t1, "")]):
         key = name.split(" step")[0].split(" 1/")[0]
@@ -93,29 +101,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--no-calibrate", action="store_true", help="profile only, as `regen profile --no-calibrate`")
+    parser.add_argument("--no-plan", action="store_true", help="do not time `regen solve` on the profiles")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one depth, JSON out
+    parser.add_argument("--profile-out", help=argparse.SUPPRESS)  # ... and where it writes its profile
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(measure(args.one, not args.no_calibrate)))
+        print(json.dumps(measure(args.one, not args.no_calibrate, args.profile_out)))
         return 0
     print(f"profiling cost on {torch.get_num_threads()} CPU thread(s), torch {torch.__version__}; Llama, width "
           f"{WIDTH}, sequence {SEQ_LEN}, batch {BATCH}; each depth in its own process")
     print(f"{'layers':>6} {'ops':>6} {'saved':>6} {'step':>9} {'profile':>9} {'in steps':>9} {'calibration':>12} "
-          f"{'RSS of steps':>13} {'profiling RSS':>14}  largest phases")
-    for layers in args.layers:
-        child = subprocess.run([sys.executable, __file__, "--one", str(layers)]
-                               + (["--no-calibrate"] if args.no_calibrate else []),
-                               capture_output=True, text=True, cwd=ROOT)
-        if child.returncode != 0:
-            print(f"{layers:>6} failed: {child.stderr.strip().splitlines()[-1:]}")
-            continue
-        r = json.loads(child.stdout.strip().splitlines()[-1])
-        top = sorted(r["phases"].items(), key=lambda kv: -kv[1])[:3]
-        print(f"{layers:>6} {r['ops']:>6} {r['saved']:>6} {r['step_s'] * 1e3:>6.0f} ms {r['profile_s']:>7.1f} s "
-              f"{r['profile_s'] / r['step_s']:>8.0f}x {r['calibration_s'] / r['step_s']:>10.0f}x "
-              f"{r['rss_before_bytes'] / 2**20:>9.0f} MiB {r['profiling_rss_bytes'] / 2**20:>10.0f} MiB  "
-              + ", ".join(f"{name} {s:.1f} s" for name, s in top), flush=True)
+          f"{'RSS of steps':>13} {'profiling RSS':>14} {'plan (recompute, hybrid)':>25}  largest phases")
+    with tempfile.TemporaryDirectory() as directory:
+        for layers in args.layers:
+            _one_depth(layers, args, Path(directory))
     return 0
+
+
+def _plan_s(profile: Path, strategy: str) -> str:
+    """`regen solve` on `profile` as a user runs it, timed from start to exit."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "regen.cli", "solve", str(profile), "--memory-cap", "75%",
+                           "--link-ratio", "0.9", "--strategy", strategy, "-q", "-o",
+                           str(profile.with_name(f"{strategy}.plan.yaml"))], capture_output=True, text=True, cwd=ROOT)
+    return f"{time.perf_counter() - t0:.1f} s" if done.returncode == 0 else "failed"
+
+
+def _one_depth(layers: int, args, directory: Path) -> None:
+    profile = directory / f"llama{layers}.profile.yaml"
+    child = subprocess.run([sys.executable, __file__, "--one", str(layers), "--profile-out", str(profile)]
+                           + (["--no-calibrate"] if args.no_calibrate else []),
+                           capture_output=True, text=True, cwd=ROOT)
+    if child.returncode != 0:
+        print(f"{layers:>6} failed: {child.stderr.strip().splitlines()[-1:]}")
+        return
+    r = json.loads(child.stdout.strip().splitlines()[-1])
+    top = sorted(r["phases"].items(), key=lambda kv: -kv[1])[:3]
+    plans = "-" if args.no_plan else ", ".join(_plan_s(profile, s) for s in ("recompute", "hybrid"))
+    print(f"{layers:>6} {r['ops']:>6} {r['saved']:>6} {r['step_s'] * 1e3:>6.0f} ms {r['profile_s']:>7.1f} s "
+          f"{r['profile_s'] / r['step_s']:>8.0f}x {r['calibration_s'] / r['step_s']:>10.0f}x "
+          f"{r['rss_before_bytes'] / 2**20:>9.0f} MiB {r['profiling_rss_bytes'] / 2**20:>10.0f} MiB "
+          f"{plans:>25}  " + ", ".join(f"{name} {s:.1f} s" for name, s in top), flush=True)
 
 
 if __name__ == "__main__":
