@@ -50,6 +50,9 @@ class RegionInfo:
     # per pack of the call that gives a member: (shape, stride, storage offset, dtype, storage bytes) as the
     # forward packed it, recorded by the steps that match packs through the writer map (region_replays.py)
     member_geometry: dict[int, tuple] = field(default_factory=dict)
+    # whether the call draws from Python's or NumPy's global RNG (region_replays.py), from the handle's first
+    # step on: None until a call of it has returned
+    draws_host_rng: bool | None = None
 
 
 @dataclass

@@ -3,8 +3,12 @@
 In forward, the handle's hooks on each region's module tell the step about every call of it
 (`RegionReplays.called` / `.returned`): the call whose number is the region's (`RegionDecision.call`)
 is captured as a `RegionCall`: the module, its arguments (held until the replay: the plan keeps them),
-the RNG state when the region draws from it (CPU, and the CUDA device's), the autocast state and the
-grad mode, and the number of tensors autograd packed during it (the plan's `packs` must match).
+the RNG state when the region draws from it (CPU, and the CUDA device's), Python's and NumPy's global RNG
+states when the call draws from them (a forward may draw a mask from `np.random`, which no op shows: the
+replay draws it again from the same state, and the ambient states are put back after it, as torch's are;
+whether it draws is seen on the handle's first call of the region, `RegionInfo.draws_host_rng`: reading
+both states costs about 40 us, too much for every call of every step), the autocast state and the grad
+mode, and the number of tensors autograd packed during it (the plan's `packs` must match).
 
 In backward, `replay` runs the module's forward again once, as torch.utils.checkpoint (non-reentrant)
 does, with the RNG state, autocast state and grad mode of the original call, under saved-tensor hooks
@@ -23,6 +27,8 @@ backward; the forward's pack count is, every step).
 
 from __future__ import annotations
 
+import random
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -54,6 +60,7 @@ class RegionCall:
     packs_at_call: int  # the step's forward packs before the call
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_state: tuple[torch.device, torch.Tensor] | None = None
+    host_rng_states: tuple | None = None  # Python's and NumPy's (host_rng_states())
     packed: int | None = None  # packs during the call, once it returned
     replayed: bool = False
     weak_inputs: tuple | None = None  # after the replay: (args, kwargs) with weak references to tensors
@@ -86,7 +93,8 @@ class RegionReplays:
         rc = RegionCall(info=info, module=module, args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                         autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                                        for d in _AUTOCAST_DEVICES),
-                        autocast_cache=torch.is_autocast_cache_enabled(), packs_at_call=self._forward_packs())
+                        autocast_cache=torch.is_autocast_cache_enabled(), packs_at_call=self._forward_packs(),
+                        host_rng_states=None if info.draws_host_rng is False else host_rng_states())
         if info.region.is_random:
             rc.cpu_rng_state = torch.get_rng_state()
             device = module_device(module)
@@ -100,6 +108,10 @@ class RegionReplays:
         if not self._open or self._open[-1].module is not module:
             return
         rc = self._open.pop()
+        if rc.info.draws_host_rng is None:
+            rc.info.draws_host_rng = not same_host_rng_states(rc.host_rng_states, host_rng_states())
+        if not rc.info.draws_host_rng:
+            rc.host_rng_states = None  # its replay need not touch them
         rc.packed = self._forward_packs() - rc.packs_at_call
         expected = len(rc.info.pack_keys)
         if rc.packed != expected:
@@ -231,9 +243,32 @@ def _inputs_again(rc: RegionCall) -> tuple[tuple, dict]:
 
 
 
+def host_rng_states() -> tuple:
+    """Python's global RNG state and NumPy's (None where NumPy is not loaded): draws no op shows."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def same_host_rng_states(a: tuple, b: tuple) -> bool:
+    """No draw from Python's or NumPy's global RNG between the two readings (NumPy loaded in between: a draw)."""
+    if a[0] != b[0] or (a[1] is None) != (b[1] is None):
+        return False
+    if a[1] is None:
+        return True
+    (name_a, key_a, pos_a, *rest_a), (name_b, key_b, pos_b, *rest_b) = a[1], b[1]
+    return name_a == name_b and pos_a == pos_b and rest_a == rest_b and bool((key_a == key_b).all())
+
+
+def set_host_rng_states(states: tuple) -> None:
+    python_state, numpy_state = states
+    random.setstate(python_state)
+    if numpy_state is not None:
+        sys.modules["numpy"].random.set_state(numpy_state)
+
+
 class _state_of:
-    """Grad mode, autocast state and RNG state of the original call, for the replay; the ambient RNG
-    state is restored after it."""
+    """Grad mode, autocast state and RNG states of the original call, for the replay; the ambient RNG
+    states are restored after it."""
 
     def __init__(self, rc: RegionCall):
         self.rc = rc
@@ -242,10 +277,13 @@ class _state_of:
             if enabled or torch.is_autocast_enabled(device):
                 self.contexts.append(torch.autocast(device, dtype=dtype, enabled=enabled,
                                                     cache_enabled=rc.autocast_cache))
-        self.ambient_cpu = self.ambient_cuda = None
+        self.ambient_cpu = self.ambient_cuda = self.ambient_host = None
 
     def __enter__(self):
         rc = self.rc
+        if rc.host_rng_states is not None:
+            self.ambient_host = host_rng_states()
+            set_host_rng_states(rc.host_rng_states)
         if rc.cpu_rng_state is not None:
             self.ambient_cpu = torch.get_rng_state()
             torch.set_rng_state(rc.cpu_rng_state)
@@ -263,6 +301,8 @@ class _state_of:
             torch.set_rng_state(self.ambient_cpu)
         if self.ambient_cuda is not None:
             torch.cuda.set_rng_state(self.ambient_cuda, self.rc.cuda_rng_state[0])
+        if self.ambient_host is not None:
+            set_host_rng_states(self.ambient_host)
 
 
 class _buffers_copied:

@@ -10,6 +10,7 @@ the simulator; mismatches, exceptions, gradient accumulation and 50 steps behave
 """
 
 import functools
+import random
 from unittest import mock
 
 import pytest
@@ -98,6 +99,74 @@ def test_gradients_and_buffers_are_bitwise_the_unplanned_ones(name, kind):
     assert stats.dropped_tensors == 2 * counts["recompute"]
     assert stats.recomputes == 2 * (counts["recompute"] - plan.rebuilt_count() - plan.region_member_count())
     assert_nothing_left(handle, w.model)
+
+
+class _HostNoiseBlock(torch.nn.Module):
+    """A block that draws a mask from NumPy and a scale from Python's `random` in its forward: draws no op
+    shows (older data-noise and spec-augment code does this)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        import numpy
+
+        keep = torch.from_numpy(numpy.random.rand(x.shape[0], 4 * x.shape[1]) > 0.2)
+        return x + random.random() * self.fc2(torch.relu(self.fc1(x)) * keep)
+
+
+class _HostNoiseNet(torch.nn.Module):
+    def __init__(self, width: int = 32, blocks: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_HostNoiseBlock(width) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_replay_draws_what_its_call_drew_from_python_and_numpy_and_leaves_their_states_as_they_were():
+    numpy = pytest.importorskip("numpy")
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+    from regen.workloads import Workload
+
+    torch.manual_seed(0)
+    w = Workload(name="host-noise", model=_HostNoiseNet(), batch=(torch.randn(64, 32),), loss_fn=None)
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    plan = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+    assert len(plan.regions) == 3
+
+    def two_steps():
+        numpy.random.seed(7)
+        random.seed(7)
+        out = [run_and_grads(w) for _ in range(2)]
+        return out, numpy.random.rand(), random.random()  # what the loop draws next
+
+    reference, numpy_next, python_next = two_steps()
+    with regen.apply(w.model, plan) as handle:
+        planned, planned_numpy_next, planned_python_next = two_steps()
+    assert handle.stats.region_replays == 2 * 3
+    for ref, got in zip(reference, planned):
+        assert_same(ref, got)
+    assert (planned_numpy_next, planned_python_next) == (numpy_next, python_next)
+
+
+def test_regions_that_draw_nothing_from_python_or_numpy_read_their_states_on_the_first_step_only():
+    import regen.runtime.region_replays as region_replays
+
+    w, _, plan = _region_plan("masked-blocks", "blocks")
+    readings = []
+    real = region_replays.host_rng_states
+    with mock.patch.object(region_replays, "host_rng_states", lambda: readings.append(1) or real()):
+        with regen.apply(w.model, plan):
+            first = [run_and_grads(w), len(readings)]
+            for _ in range(2):
+                run_and_grads(w)
+    assert first[1] == 2 * len(plan.regions)  # at each call and at its return: no draw seen
+    assert len(readings) == first[1]  # later steps read nothing (about 40 us a reading)
 
 
 def test_a_model_without_replayable_blocks_is_one_clear_error():
