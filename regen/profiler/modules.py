@@ -39,9 +39,15 @@ class _OpenCall:
 
 def _multi_grad_hook(tensors: list[torch.Tensor], fn):
     """register_multi_grad_hook outside the profiler's dispatch mode: on a leaf (a batch tensor that requires
-    grad) it dispatches a view to reach the gradient accumulator, which is no op of the step."""
+    grad) it dispatches a view to reach the gradient accumulator, which is no op of the step. None where
+    autograd gives no node to hook: a module called inside a custom autograd Function's forward (Reformer's
+    reversible layers), whose backward the Function runs itself; its backward ops then count as the
+    enclosing module's."""
     with _disable_current_modes():
-        return register_multi_grad_hook(tensors, fn)
+        try:
+            return register_multi_grad_hook(tensors, fn)
+        except AssertionError:  # torch.autograd.graph: "Expected gradient function to be set"
+            return None
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:
@@ -101,8 +107,9 @@ class ModuleRecorder:
             self.stack.append(_OpenCall(name, call, len(self.recorder.ops), len(self.recorder.entries), inputs,
                                         self.depths[name]))
             tensors = _grad_tensors((args, kwargs))
-            if tensors:
-                self._grad_hooks.append(_multi_grad_hook(tensors, self._leave_backward(name)))
+            hook = _multi_grad_hook(tensors, self._leave_backward(name)) if tensors else None
+            if hook is not None:
+                self._grad_hooks.append(hook)
         except Exception as exc:
             self.recorder.internal_error = exc
             raise
@@ -121,8 +128,9 @@ class ModuleRecorder:
                     first_entry=frame.first_entry, num_entries=len(self.recorder.entries) - frame.first_entry,
                     buffer_bytes=sum(b.untyped_storage().nbytes() for b in module.buffers()), depth=frame.depth))
             tensors = _grad_tensors(output)
-            if tensors:
-                self._grad_hooks.append(_multi_grad_hook(tensors, self._enter_backward(name)))
+            hook = _multi_grad_hook(tensors, self._enter_backward(name)) if tensors else None
+            if hook is not None:
+                self._grad_hooks.append(hook)
         except Exception as exc:
             self.recorder.internal_error = exc
             raise
