@@ -140,6 +140,8 @@ def read_document(path: str | Path, kind: str = "file") -> dict[str, Any]:
         raise FormatError(f"{path}: not valid YAML ({detail})") from None
     except UnicodeDecodeError:
         raise FormatError(f"{path}: not a text file") from None
+    except OSError as exc:  # a directory, no permission to read
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(document, dict) or "format" not in document:
         raise FormatError(f"{path}: not a regen {kind} (no 'format' key at the top)")
     return document

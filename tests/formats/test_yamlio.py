@@ -66,3 +66,11 @@ def test_a_profile_in_yaml_block_style_still_loads(tmp_path):
     dump_document(profile.to_dict(), tmp_path / "old.profile.yaml")
     assert (tmp_path / "old.profile.yaml").read_text().startswith("format: regen-profile/2")
     assert load_profile(tmp_path / "old.profile.yaml") == profile
+
+
+def test_a_path_that_cannot_be_read_is_one_format_error(tmp_path):
+    from regen.errors import FormatError
+
+    (tmp_path / "a.profile.yaml").mkdir()
+    with pytest.raises(FormatError, match="cannot read"):
+        load_profile(tmp_path / "a.profile.yaml")
