@@ -344,3 +344,18 @@ def test_the_lp_neighbourhood_is_solved_to_a_fraction_of_the_planners_gap(small_
                                                                      for i in model.vars})), 30, rel_gap=1e-6)
     assert exact.objective_s * (1 - 1e-9) <= found.objective_s
     assert found.objective_s <= exact.objective_s / (1 - NEIGHBOURHOOD_GAP_FRACTION * rel_gap)
+
+
+def test_a_program_that_calls_the_planner_keeps_its_stdout():
+    """HiGHS prints a banner to the process's stdout when its first Highs() is built; a recompute solve of a few
+    dozen candidates builds its first one outside the solve itself (regen.planner.milp.highs.new_highs sends it
+    to stderr)."""
+    import subprocess
+    import sys
+
+    script = ("from regen.graphs.synthetic import transformer_profile\n"
+              "from regen.planner import solve\n"
+              "p = transformer_profile(n_layers=6)\n"
+              "solve(p, int(0.5 * p.peak_bytes), 'recompute', time_limit_s=5, rel_gap=0.2)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout == ""

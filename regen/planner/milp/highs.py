@@ -118,8 +118,10 @@ def to_highs_lp(prob: pulp.LpProblem, variables: list):
 
 
 def new_highs(rel_gap: float | None = None, time_limit_s: float | None = None):
-    """A quiet highspy.Highs with the planner's thread count."""
-    h = require_highspy().Highs()
+    """A quiet highspy.Highs with the planner's thread count (built with stdout sent to stderr: the first
+    Highs() of a process prints a banner, and a program that calls the planner keeps its stdout)."""
+    with solver_output_to_stderr():
+        h = require_highspy().Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", SOLVER_THREADS)
     if rel_gap is not None:
