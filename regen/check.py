@@ -1,8 +1,10 @@
 """`regen check`: trust a plan only after seeing it give the same result on your model.
 
-Builds the workload twice from one state (weights and buffers copied), runs one unplanned and one
-planned training step on the same batch from the same RNG state, and compares the loss, every
-gradient and every module buffer (BatchNorm running statistics, counters) bit for bit. Then it times
+Builds the workload twice from one state (weights and buffers copied), runs unplanned and planned
+training steps on the same batch from the same RNG states (torch's, Python's and NumPy's: a forward may
+draw a mask from `np.random`), one of each in turn (`compared_steps`, 1 by default: the step the handle
+verifies; from the second on, later steps' pack-order fast path), and compares the loss, every gradient and
+every module buffer (BatchNorm running statistics, counters) bit for bit. Then it times
 a few more steps of each, interleaved so machine noise hits both alike, and measures each step's peak
 with the allocator (regen.measure). What users of other offloading tools were burned by (stream races
 that give silent NaN gradients, wrong recomputed metadata, statistics updated twice) is what this
@@ -11,7 +13,9 @@ catches: any difference, or a measured peak over the cap, is a failed check.
 
 from __future__ import annotations
 
+import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,6 +40,7 @@ class CheckReport:
     cap_bytes: int = 0
     unplanned_step_s: float = 0.0
     planned_step_s: float = 0.0
+    planned_steps: int = 0  # steps the handle ran under the plan (a check raises on any other)
     predicted_step_s: float = 0.0  # the plan's simulated step time
     baseline_step_s: float = 0.0  # the profile's unplanned step time, on the same scale as predicted
 
@@ -49,19 +54,22 @@ class CheckReport:
 
 
 def check_plan(build: Callable[[], object], plan: Plan, timed_steps: int = DEFAULT_TIMED_STEPS,
-               progress: Callable[[str], None] = lambda _m: None) -> CheckReport:
-    """`build()` returns a fresh regen Workload; the plan is applied to the second one built."""
+               progress: Callable[[str], None] = lambda _m: None, compared_steps: int = 1) -> CheckReport:
+    """`build()` returns a fresh regen Workload; the plan is applied to the second one built. Differences
+    of the k-th compared step (from 0) after the first are named "step k: ..."."""
     from regen.runtime import apply
 
     plain, planned = build(), build()
     planned.model.load_state_dict(plain.model.state_dict())
     report = CheckReport(cap_bytes=plan.memory_cap_bytes, predicted_step_s=plan.simulated.step_time_s,
                          baseline_step_s=plan.baseline.step_time_s)
-    with apply(planned.model, plan, on_mismatch="raise"):  # a check of the plan: never a dynamic step
-        progress("one unplanned and one planned step from the same state and RNG seed")
-        _compare_one_step(plain, planned, report)
+    with apply(planned.model, plan, on_mismatch="raise") as handle:  # a check of the plan: never a dynamic step
+        progress(f"{compared_steps} unplanned and planned step(s) from the same state and RNG seeds")
+        for k in range(compared_steps):
+            _compare_one_step(plain, planned, report, "" if k == 0 else f"step {k}: ")
         progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
         _time_and_measure(plain, planned, plan, timed_steps, report)
+        report.planned_steps = handle.stats.planned_steps
     return report
 
 
@@ -69,6 +77,9 @@ def _one_step(workload) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str
     from regen.workloads import training_step
 
     torch.manual_seed(CHECK_SEED)
+    random.seed(CHECK_SEED)
+    if "numpy" in sys.modules:  # a forward drawing from NumPy imported it already
+        sys.modules["numpy"].random.seed(CHECK_SEED)
     loss = training_step(workload)
     model = workload.model
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -77,7 +88,7 @@ def _one_step(workload) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str
     return loss, grads, buffers
 
 
-def _compare_one_step(plain, planned, report: CheckReport) -> None:
+def _compare_one_step(plain, planned, report: CheckReport, label: str = "") -> None:
     loss_a, grads_a, buffers_a = _one_step(plain)
     loss_b, grads_b, buffers_b = _one_step(planned)
     pairs = [("loss", loss_a, loss_b)]
@@ -86,7 +97,7 @@ def _compare_one_step(plain, planned, report: CheckReport) -> None:
     for what, a, b in pairs:
         report.compared_tensors += 1
         if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-            report.differences.append(what + _how_far(a, b))
+            report.differences.append(label + what + _how_far(a, b))
 
 
 def _how_far(a: torch.Tensor | None, b: torch.Tensor | None) -> str:

@@ -91,3 +91,49 @@ def test_a_buffer_that_differs_fails(tmp_cwd, capsys):
     assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "1 DIFFER" in out and "buffer seen" in out
+
+
+NOISY = '''
+    import numpy
+    import torch
+    from torch import nn
+
+    class Noisy(nn.Module):
+        """A mask drawn from NumPy's global RNG in the forward, as older data-noise code does."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            keep = torch.from_numpy(numpy.random.rand(*x.shape) > 0.3)
+            return (self.fc(x) * keep).relu().pow(2).mean()
+
+    def build(batch_size=8):
+        torch.manual_seed(0)
+        return Noisy(), torch.randn(batch_size, 16)
+    '''
+
+
+def test_steps_that_draw_from_numpy_compare_from_the_same_numpy_state(tmp_cwd, capsys):
+    """The unplanned and the planned step draw the same mask: the check seeds NumPy (and Python) as torch."""
+    (tmp_cwd / "noisy.py").write_text(textwrap.dedent(NOISY))
+    args = ["--model", "noisy:build"]
+    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
+    assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_later_steps_are_compared_too_when_asked(tmp_path):
+    """compared_steps=3: the verified step and two on the pack-order fast path, each bit for bit, all planned."""
+    from regen.check import check_plan
+    from regen.formats import load_plan
+    from regen.workloads import build_workload
+
+    plan = load_plan(plan_for(tmp_path, MLP))
+    report = check_plan(lambda: build_workload("mlp", batch_size=256, args={"in_features": 64, "hidden": 128,
+                                                                             "depth": 4}),
+                        plan, timed_steps=1, compared_steps=3)
+    assert report.passed and report.differences == []
+    assert report.compared_tensors == 3 * (1 + 2 * 5)  # per step: the loss and 5 layers' weight and bias
+    assert report.planned_steps >= 3
