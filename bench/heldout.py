@@ -5,10 +5,11 @@ Each architecture is built from a tiny config of its transformers class with onl
 the attention implementation, dropout and every other default as shipped), batch 4. Per architecture:
 `profile_workload`; Hugging Face's own gradient checkpointing (or `torch.utils.checkpoint` around each
 repeated block) measured by the allocator, its peak the cap; a recompute and a hybrid plan (R = 0.9, an
-emulated link) solved at that cap (or the smallest cap each reaches); then 3 AdamW steps under each plan
-against 3 unplanned steps from the same state and seeds (torch's, Python's and NumPy's): losses, gradients
-and the state after the steps bit for bit ("exact"), every step planned, and the last step's allocator
-peak against the plan's cap.
+emulated link) solved at that cap (or the smallest cap each reaches); then `regen check`'s comparison
+(regen.check.check_plan) over 3 steps under each plan against 3 unplanned steps from the same state and
+seeds (torch's, Python's and NumPy's), the handle's verified step and two on its fast path: losses,
+gradients and module buffers bit for bit ("exact"), how many steps ran planned (a check raises on any
+other), and the planned step's allocator peak against the plan's cap.
 
     .venv/bin/python bench/heldout.py [--models gemma3 cohere ...] [--autocast bf16]
 
@@ -18,25 +19,20 @@ No figure here is a time: it runs on a busy machine as well.
 from __future__ import annotations
 
 import argparse
-import copy
-import random
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
-import numpy
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import regen  # noqa: E402
 from regen.errors import WorkloadError  # noqa: E402
 from regen.measure import measure_memory  # noqa: E402
 from regen.workloads import Workload, training_step  # noqa: E402
 
 STEPS = 3
-SEED = 5
 BATCH = 4
 LINK_RATIO = 0.9
 VOCAB, WIDTH, LAYERS, HEADS, KV_HEADS, SEQ = 256, 64, 2, 4, 2, 64
@@ -147,12 +143,6 @@ def _workload(name: str, autocast: str | None) -> Workload:
     return build_workload("bench.heldout:build", batch_size=BATCH, args={"name": name}, autocast=autocast)
 
 
-def _seed_everything() -> None:
-    torch.manual_seed(SEED)
-    numpy.random.seed(SEED)
-    random.seed(SEED)
-
-
 def _peak_increase(w: Workload) -> int:
     training_step(w)
     w.model.zero_grad(set_to_none=True)
@@ -161,40 +151,9 @@ def _peak_increase(w: Workload) -> int:
     return measured.peak_increase_bytes
 
 
-def _train(name: str, autocast: str | None, plan) -> tuple:
-    """(losses, the last step's gradients, the state after STEPS AdamW steps, the last step's peak increase,
-    the handle's stats) of a fresh model under `plan` (None: unplanned)."""
-    w = _workload(name, autocast)
-    optimizer = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
-    _seed_everything()
-    swaps = plan is not None and plan.action_counts()["swap"] > 0
-    handle = regen.apply(w.model, plan, on_mismatch="raise", emulate_link=swaps) if plan is not None else None
-    losses, peak, grads = [], 0, {}
-    try:
-        for k in range(STEPS):
-            if k == STEPS - 1:
-                peak = measure_memory(lambda: losses.append(training_step(w).detach())).peak_increase_bytes
-            else:
-                losses.append(training_step(w).detach())
-            grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    finally:
-        stats = handle.stats if handle is not None else None
-        if handle is not None:
-            handle.remove()
-    return losses, grads, copy.deepcopy(w.model.state_dict()), peak, stats
-
-
-def _differences(reference: tuple, planned: tuple) -> list[str]:
-    out = [f"loss {k}" for k, (a, b) in enumerate(zip(reference[0], planned[0])) if not torch.equal(a, b)]
-    out += [f"grad {k}" for k in reference[1] if not torch.equal(reference[1][k], planned[1][k])]
-    out += [f"state {k}" for k in reference[2] if not torch.equal(reference[2][k], planned[2][k])]
-    return out
-
-
 def check(name: str, autocast: str | None) -> list[str]:
     """One architecture's rows."""
+    from regen.check import check_plan
     from regen.planner.solve import solve_within_reach
     from regen.profiler import profile_workload
     from regen.zoo import enable_checkpointing
@@ -206,19 +165,16 @@ def check(name: str, autocast: str | None) -> list[str]:
         cap, at = profile.memory_at_start_bytes + _peak_increase(peer), "checkpointing's peak"
     except WorkloadError:  # no repeated blocks to checkpoint
         cap, at = int(0.7 * profile.peak_bytes), "70% of the peak"
-    reference = _train(name, autocast, None)
     rows = []
     for strategy in ("recompute", "hybrid"):
         options = {"link_ratio": LINK_RATIO} if strategy == "hybrid" else {}
         plan = solve_within_reach(profile, cap, strategy, time_limit_s=10, rel_gap=0.2, **options)
-        planned = _train(name, autocast, plan)
-        differences = _differences(reference, planned)
+        report = check_plan(lambda: _workload(name, autocast), plan, timed_steps=1, compared_steps=STEPS)
         counts = plan.action_counts()
-        measured = (profile.memory_at_start_bytes + planned[3]) / plan.memory_cap_bytes
         rows.append(f"| {name} | {strategy} @ {at if plan.memory_cap_bytes == cap else 'its smallest cap'} | "
                     f"{counts['keep']}/{counts['swap']}/{counts['recompute']}, {len(plan.regions)} regions | "
-                    f"{planned[4].planned_steps}/{STEPS} | {measured:.3f} | "
-                    f"{'exact' if not differences else 'DIFFERS: ' + ', '.join(differences[:3])} |")
+                    f"{report.planned_steps} | {report.planned_peak_bytes / plan.memory_cap_bytes:.3f} | "
+                    f"{'exact' if not report.differences else 'DIFFERS: ' + ', '.join(report.differences[:3])} |")
     return rows
 
 
