@@ -147,6 +147,15 @@ def read_document(path: str | Path, kind: str = "file") -> dict[str, Any]:
     return document
 
 
+_REGEN_JSON_HEAD = re.compile(r'\{\s*"format"\s*:\s*"regen-')
+
+
+def opens_a_regen_json_document(head: str) -> bool:
+    """`head` (a file's first characters, leading blanks stripped) opens a regen document written as JSON
+    text: `json_text` writes keys in the document's order, and profiles and plans put `format` first."""
+    return bool(_REGEN_JSON_HEAD.match(head))
+
+
 def _json_document(text: str) -> Any:
     """The document of JSON `text` (how profiles are written), or None when it is not JSON: then YAML."""
     if not text.lstrip().startswith("{"):

@@ -24,7 +24,6 @@ The copy bandwidth is `--bandwidth` (GB/s), or DEFAULT_GRAPH_BANDWIDTH_GB_S with
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import networkx as nx
 
 from regen.errors import FormatError
 from regen.formats.profile import Profile
+from regen.formats.yamlio import opens_a_regen_json_document
 from regen.graphs.builder import ProfileBuilder
 from regen.units import BYTES_PER_GB
 
@@ -52,9 +52,6 @@ class GraphKeys:
     time_unit: str = UNDECLARED_TIME_UNIT
 
 
-_REGEN_DOCUMENT_HEAD = re.compile(r'\{\s*"format"\s*:\s*"regen-')
-
-
 def is_node_link_file(path: Path) -> bool:
     """A `.json` file, or any file whose first non-blank character opens a JSON object other than a regen
     document's (profiles are written as JSON text that opens with their `format`: regen.formats.yamlio)."""
@@ -65,7 +62,7 @@ def is_node_link_file(path: Path) -> bool:
             head = f.read(64).lstrip()
     except (UnicodeDecodeError, OSError):
         return False
-    return head.startswith("{") and not _REGEN_DOCUMENT_HEAD.match(head)
+    return head.startswith("{") and not opens_a_regen_json_document(head)
 
 
 def load_node_link(path, bandwidth_gb_s: float | None = None) -> Profile:
