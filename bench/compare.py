@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from regen.cli import DEFAULT_TIME_LIMIT_S, DEFAULT_WARMUP_S  # noqa: E402
 from regen.errors import InfeasibleCapError  # noqa: E402
+from regen.heap import keep_freed_host_memory  # noqa: E402
 from regen.measure import measure_memory  # noqa: E402
 from regen.models import repeated_blocks  # noqa: E402
 from regen.workloads import build_workload, training_step  # noqa: E402
@@ -474,6 +475,7 @@ def main(argv=None) -> int:
                         help="torch's intra-op threads (default: at most 2; link runs leave one core of those "
                              "to the emulated link's copy threads)")
     args = parser.parse_args(argv)
+    keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     warnings.filterwarnings("ignore")
     if args.compute_threads is not None and args.compute_threads < 1:
         parser.error(f"--compute-threads must be at least 1 (got {args.compute_threads})")

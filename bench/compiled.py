@@ -39,6 +39,7 @@ import torch
 import torch._functorch.config
 
 import regen
+from regen.heap import keep_freed_host_memory
 from regen.measure import measure_memory
 from regen.runtime.compiled import forward_of_its_own
 from regen.workloads import build_workload, move_batch, training_step
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--solve-time-limit", type=float, default=30.0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
+    keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     if any(not 0 < b <= 1 for b in args.budgets):
         parser.error("--budgets are fractions in (0, 1]")
     if args.regen_cap is not None and not 0 < args.regen_cap < 1:

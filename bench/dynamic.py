@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 import regen
+from regen.heap import keep_freed_host_memory
 from regen.measure import measure_memory
 from regen.models import gpt
 from regen.runtime.dynamic.cap_memory import model_storages
@@ -182,6 +183,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--link-ratio", type=float, default=0.9, help="dynamic-swap's emulated link (CPU device)")
     args = ap.parse_args()
+    keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     buckets = sorted(args.buckets or [args.max_len * k // 4 for k in range(1, 5)])
     if buckets[-1] < args.max_len:
         ap.error("--buckets: the largest bucket must hold --max-len")

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 import regen
 from regen.errors import InfeasibleCapError
+from regen.heap import keep_freed_host_memory
 from regen.measure import measure_memory
 from regen.models import repeated_blocks
 from regen.workloads import build_workload, forward_loss
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--overhead-only", action="store_true", help="skip the matched-memory comparison")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = p.parse_args(argv)
+    keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

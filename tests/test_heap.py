@@ -24,3 +24,32 @@ def test_pages_freed_between_blocks_still_in_use_go_back_to_the_system():
     heap.give_back_freed_host_memory()
     assert before - resident_bytes() >= freed // 2
     assert len(kept) == 2_000
+
+
+_CHILD = """
+import sys, torch
+from regen import heap
+if sys.argv[1] == "keep":
+    assert heap.keep_freed_host_memory()
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+before = resident_bytes()
+t = torch.ones(4 * 2**20)  # 16 MiB: glibc maps blocks this large on their own by default
+del t
+print(resident_bytes() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._malloc_trim() is None, reason="glibc (Linux)")
+def test_kept_host_memory_stays_with_the_process_for_the_next_step():
+    """A freed 16 MiB tensor goes back to the system by default and stays in the heap once the thresholds
+    are fixed (each in a process of its own: the setting is the process's)."""
+    import subprocess
+
+    def resident_after_free(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert resident_after_free("default") < 4 * 2**20
+    assert resident_after_free("keep") >= 15 * 2**20
