@@ -123,7 +123,35 @@ def test_a_plan_that_cannot_be_solved_leaves_only_its_own_figure_at_the_default(
     monkeypatch.setattr(cal, "MAX_ROUNDS", 2)
     calibration = cal.calibrate(workload, profile)
     assert calibration.rounds == 2 and calibration.swap_byte_s == 0.0
-    assert any(n.startswith("no swap plan (HiGHS stopped)") for n in calibration.notes)
+    assert any(n.startswith("no swap plan at 75% (HiGHS stopped): its figure keeps") for n in calibration.notes)
+
+
+def test_a_plan_not_found_in_time_at_half_the_peak_is_solved_at_the_looser_cap(tiny_gpt, monkeypatch):
+    """The solver finds no recompute plan at CAP_FRACTION in the calibration's time (a graph of thousands of
+    ops): the recompute plan comes from FALLBACK_CAP_FRACTION, and its figure is fitted, not left at 1."""
+    import importlib
+
+    from regen.errors import SolverError
+
+    planner_solve = importlib.import_module("regen.planner.solve")
+    real, caps = planner_solve.solve_within_reach, []
+    workload, profile = tiny_gpt
+    start = profile.memory_at_start_bytes
+    half = start + int(cal.CAP_FRACTION * (profile.peak_bytes - start))
+
+    def slow_at_half(profile, cap, strategy, **kwargs):
+        caps.append((strategy, cap))
+        if strategy == "recompute" and cap == half:
+            raise SolverError("stopped after 1.0 s without a feasible plan")
+        return real(profile, cap, strategy, **kwargs)
+
+    monkeypatch.setattr(planner_solve, "solve_within_reach", slow_at_half)
+    monkeypatch.setattr(cal, "MAX_ROUNDS", 2)
+    calibration = cal.calibrate(workload, profile)
+    looser = start + int(cal.FALLBACK_CAP_FRACTION * (profile.peak_bytes - start))
+    assert [c for s, c in caps if s == "recompute"] == [half, looser]
+    assert calibration.notes[0].startswith("no recompute plan at 50% (stopped after")
+    assert not any("keeps the default" in n for n in calibration.notes)
 
 
 def test_a_plan_step_that_fails_keeps_the_defaults_with_a_note(tiny_gpt, monkeypatch):
