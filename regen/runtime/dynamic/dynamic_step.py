@@ -219,9 +219,11 @@ class DynamicStep:
             if self.memory.cheap_reads:
                 need, headroom = self._room_for(1, i, func)
                 self.residency.make_room(need, headroom_bytes=headroom)
-            elif (foreseen := self._foreseen_bytes(1, i, func) or 0) > self.largest_bytes:
-                # only past the largest: the unpacks' headroom keeps room for that much (Note [ Room ... ])
-                self.residency.make_room(foreseen - self.largest_bytes)
+            else:
+                foreseen = self._foreseen_bytes(1, i, func) or 0
+                if foreseen > self.largest_bytes:
+                    # only past the largest: the unpacks' headroom keeps room for that much (Note [ Room ... ])
+                    self.residency.make_room(foreseen - self.largest_bytes)
         out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
