@@ -34,6 +34,8 @@ if sys.argv[1] == "keep":
 def resident_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+torch.set_num_threads(1)  # no thread pool started by the fill below
+torch.ones(1024).sum()  # torch's own first-op set-up, before the reading
 before = resident_bytes()
 t = torch.ones(4 * 2**20)  # 16 MiB: glibc maps blocks this large on their own by default
 del t
@@ -51,5 +53,5 @@ def test_kept_host_memory_stays_with_the_process_for_the_next_step():
         out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True)
         return int(out.stdout.split()[-1])
 
-    assert resident_after_free("default") < 4 * 2**20
-    assert resident_after_free("keep") >= 15 * 2**20
+    default, kept = resident_after_free("default"), resident_after_free("keep")
+    assert kept - default >= 12 * 2**20, (default, kept)  # what else the process grew by is in both
