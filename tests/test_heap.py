@@ -7,7 +7,7 @@ import pytest
 from regen import heap
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._malloc_trim() is None,
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._libc_function("malloc_trim") is None,
                     reason="glibc's malloc_trim (Linux)")
 def test_pages_freed_between_blocks_still_in_use_go_back_to_the_system():
     """Blocks below malloc's map threshold, every other one freed: their pages stay with the process until
@@ -43,7 +43,7 @@ print(resident_bytes() - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._malloc_trim() is None, reason="glibc (Linux)")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._libc_function("malloc_trim") is None, reason="glibc (Linux)")
 def test_kept_host_memory_stays_with_the_process_for_the_next_step():
     """A freed 16 MiB tensor goes back to the system by default and stays in the heap once the thresholds
     are fixed (each in a process of its own: the setting is the process's)."""
