@@ -123,12 +123,13 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
     cap = start + int(CAP_FRACTION * max(0, profile.peak_bytes - start))
     link = {"link_ratio": LINK_RATIO} if profile.device.type == "cpu" else {}
     time_limit_s = min(SOLVE_MAX_S, max(SOLVE_MIN_S, SOLVE_STEPS * profile.step_time_s))
+    retry_limit_s = min(SOLVE_MAX_S, RETRY_TIME_FACTOR * time_limit_s)
     say(f"calibration: solving a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase "
-        f"({time_limit_s:.0f} s each, {min(SOLVE_MAX_S, RETRY_TIME_FACTOR * time_limit_s):.0f} s if none is found)")
+        f"({time_limit_s:.0f} s each, {retry_limit_s:.0f} s if none is found)")
     variants = []
     for strategy, options in (("recompute", {}), ("swap", link)):
         plan = None
-        for limit_s in (time_limit_s, min(SOLVE_MAX_S, RETRY_TIME_FACTOR * time_limit_s)):
+        for limit_s in (time_limit_s, retry_limit_s):
             try:
                 plan = solve_within_reach(profile, cap, strategy, time_limit_s=limit_s,
                                           rel_gap=SOLVE_REL_GAPS[strategy], **options)
