@@ -129,6 +129,12 @@ def regen_plans(profile, caps: list[tuple[str, int]], time_limit_s: float,
     return plans, unsolved
 
 
+def _checkpointing(spec: dict, label: str) -> Variant:
+    """A fresh model under the checkpointing its users turn on; the note says which."""
+    workload = build(spec)
+    return Variant(label, workload, note=enable_checkpointing(workload.model))
+
+
 def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say, calibrated: bool = True
                ) -> ArchResult:
     from regen.calibration import calibrate
@@ -145,9 +151,8 @@ def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say,
     del workload
     start = profile.memory_at_start_bytes
     unplanned = _measured(Variant("no plan", build(spec), predicted_step_time_s=profile.step_time_s), start, name, say)
-    peer_workload = build(spec)
-    which = enable_checkpointing(peer_workload.model)
-    peer = _measured(Variant("checkpointing", peer_workload, note=which), start, name, say)
+    peer = _measured(_checkpointing(spec, "checkpointing"), start, name, say)
+    which = peer.note
     checkpointing_peak = start + peer.increase_bytes
     say(f"[{name}] solving")
     floor = smallest_cap(profile, time_limit_s)
@@ -158,9 +163,7 @@ def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say,
     for label, plan, cap in plans:
         variants.append(_measured(_planned(label, spec, plan, cap), start, name, say))
     # the same checkpointing on a second model, timed in the same rounds: how far two identical steps measure apart
-    again_workload = build(spec)
-    enable_checkpointing(again_workload.model)
-    variants.append(_measured(Variant(CHECKPOINTING_AGAIN, again_workload, note=which), start, name, say))
+    variants.append(_measured(_checkpointing(spec, CHECKPOINTING_AGAIN), start, name, say))
     time_round_robin(variants, timed_steps, name, say)
     result = ArchResult(name, start + unplanned.increase_bytes, floor, which, notes=unsolved,
                         calibration=None if profile.calibration is None else dataclasses.asdict(profile.calibration))
