@@ -36,6 +36,15 @@ def plan_for(tmp_path, workload_args, strategy="recompute", cap="90%"):
     return plan
 
 
+def check_a_module(tmp_cwd, module: str, source: str) -> int:
+    """`regen check`'s exit code for `module:build` (its `source` written to the working directory) under a
+    keep-all plan: regen changes nothing, so what differs is the model's own doing."""
+    (tmp_cwd / f"{module}.py").write_text(textwrap.dedent(source))
+    args = ["--model", f"{module}:build"]
+    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
+    return main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"])
+
+
 def test_a_plan_that_gives_the_same_result_passes(tmp_path, capsys):
     plan = plan_for(tmp_path, MLP)
     assert main(["check", *MLP, "--plan", str(plan), "--steps", "1", "-q"]) == 0
@@ -45,10 +54,7 @@ def test_a_plan_that_gives_the_same_result_passes(tmp_path, capsys):
 
 
 def test_any_difference_fails(tmp_cwd, capsys):
-    (tmp_cwd / "drifting.py").write_text(textwrap.dedent(DRIFTING))
-    args = ["--model", "drifting:build"]
-    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
-    assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 1
+    assert check_a_module(tmp_cwd, "drifting", DRIFTING) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "DIFFER" in out and "loss (max |difference|" in out
 
@@ -85,10 +91,7 @@ COUNTING = '''
 
 def test_a_buffer_that_differs_fails(tmp_cwd, capsys):
     """Loss and gradients equal, one module buffer not: the check compares buffers too."""
-    (tmp_cwd / "counting.py").write_text(textwrap.dedent(COUNTING))
-    args = ["--model", "counting:build"]
-    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
-    assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 1
+    assert check_a_module(tmp_cwd, "counting", COUNTING) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "1 DIFFER" in out and "buffer seen" in out
 
@@ -117,10 +120,7 @@ NOISY = '''
 
 def test_steps_that_draw_from_numpy_compare_from_the_same_numpy_state(tmp_cwd, capsys):
     """The unplanned and the planned step draw the same mask: the check seeds NumPy (and Python) as torch."""
-    (tmp_cwd / "noisy.py").write_text(textwrap.dedent(NOISY))
-    args = ["--model", "noisy:build"]
-    plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
-    assert main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"]) == 0
+    assert check_a_module(tmp_cwd, "noisy", NOISY) == 0
     assert "PASS" in capsys.readouterr().out
 
 
