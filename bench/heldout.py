@@ -31,11 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from regen.errors import WorkloadError  # noqa: E402
 from regen.measure import measure_memory  # noqa: E402
 from regen.workloads import Workload, training_step  # noqa: E402
+from regen.zoo import SIZES  # noqa: E402
+
+_TINY = SIZES["tiny"]
 
 STEPS = 3
 BATCH = 4
 LINK_RATIO = 0.9
-VOCAB, WIDTH, LAYERS, HEADS, KV_HEADS, SEQ = 256, 64, 2, 4, 2, 64
+# the zoo's tiny size (regen.zoo.SIZES), so held-out and zoo models compare at one size
+VOCAB, WIDTH, LAYERS, HEADS, KV_HEADS, SEQ = (_TINY.vocab, _TINY.width, _TINY.layers, _TINY.heads, _TINY.kv_heads,
+                                              _TINY.seq_len)
 
 
 def _tokens(batch_size: int, seq: int = SEQ) -> dict:
