@@ -9,10 +9,13 @@ inside the call with an entry packed inside it and no backward use before b_R is
 rebuilt by the region (a per-candidate choice, docs/milp.md), and is then gone from after its last
 forward use until b_R and resident from b_R to its last backward use. The replay holds each member it
 rebuilds from the op that makes it; everything else it makes (its intermediates, the candidates produced
-inside that it does not rebuild) lives as in the forward, until its last read inside the call. So the
-replay's peak over the memory before it is `sum of the members it rebuilds + transient`, with
+inside that it does not rebuild) lives as in the forward: at least until its last read inside the call,
+and as long as the module's Python holds it (a local variable lives until its function returns, read or
+not). So the replay's peak over the memory before it is `sum of the members it rebuilds + transient`, with
 `transient_bytes` the most, over the call's ops, of the intermediates alive there less the rebuilt
-members not made yet (all members rebuilt; each member it does not rebuild adds at most its own bytes).
+members not made yet (all members rebuilt; each member it does not rebuild adds at most its own bytes):
+the larger of that count by last reads and the forward's own measured rise over the call's ops (Note
+[ A replay's memory as the forward measured it ]).
 
 A call is a region only if its replay is exact and its memory is what the planner charges:
 * it leaves nothing behind besides its output and what autograd saves (`ModuleCall.leaves_behind`: no
@@ -80,6 +83,19 @@ class Region:
     @property
     def name(self) -> str:
         return f"{self.call.module}#{self.call.call}"
+
+
+# NOTE [ A replay's memory as the forward measured it ]
+# A replay runs the module's forward code again, so what that code keeps alive it keeps alive again: a
+# Funnel Transformer's attention holds its content, positional and token-type scores (each a local of its
+# forward) until its last line, long past their last read, and per-block checkpointing's replays measured
+# 8.3% over the peak the simulator gave them when each storage was counted only until its last read (a
+# recompute plan at checkpointing's peak: 11.3% over its cap). The forward's own memory timeline, measured
+# by the allocator around each op of the call (the op's peak, its temporaries included), bounds what the
+# replay holds at that op: the members made so far, every intermediate still held, and the saved tensors that
+# are no members (held by autograd in the forward; the replay lets them go: counted, so the bound errs high).
+# It can err low only where the call frees storages made before it (a caller's temporary it is the last to
+# hold), so the transient is the larger of the two counts.
 
 
 def add_regions(graph: PlanningGraph) -> None:
@@ -215,6 +231,7 @@ def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: 
             if rec is not None:
                 last_read[rec.storage] = min(op.index, last + 1)
     pending = sum(member_bytes.values())  # members the replay has not made yet
+    measured = _forward_rise_bytes(profile, call, replayed) - pending  # Note [ A replay's memory as the ... ]
     live: dict[int, int] = {}
     peak = 0
     for q in replayed:
@@ -231,7 +248,15 @@ def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: 
         peak = max(peak, sum(live.values()) - pending)
         for st in [st for st in live if last_read.get(st, -1) <= q]:
             del live[st]
-    return int(peak)
+    return int(max(peak, measured))
+
+
+def _forward_rise_bytes(profile, call: ModuleCall, replayed: range) -> int:
+    """The most the unplanned forward's memory rose over the call's ops in `replayed` (each op's measured
+    peak, temporaries included) above the memory before the call."""
+    before = (profile.ops[call.first_op - 1].memory_after_bytes if call.first_op > 0
+              else profile.memory_at_start_bytes)
+    return max((profile.ops[q].memory_peak_bytes for q in replayed), default=before) - before
 
 
 def region_transient_bytes(graph: PlanningGraph, region: Region, rebuilt: set[int]) -> int:
