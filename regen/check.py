@@ -4,7 +4,10 @@ Builds the workload twice from one state (weights and buffers copied), runs unpl
 training steps on the same batch from the same RNG states (torch's, Python's and NumPy's: a forward may
 draw a mask from `np.random`), one of each in turn (`compared_steps`, 1 by default: the step the handle
 verifies; from the second on, later steps' pack-order fast path), and compares the loss, every gradient and
-every module buffer (BatchNorm running statistics, counters) bit for bit. Then it times
+every module buffer (BatchNorm running statistics, counters) bit for bit. Both run training steps as regen
+runs them: with the models' key/value caches off (regen.caches, as Hugging Face's Trainer and its gradient
+checkpointing run them; a model whose cache changes its numbers, such as Mamba2's, would otherwise differ
+from its plan by what the cache changes, not by what the plan does). Then it times
 a few more steps of each, interleaved so machine noise hits both alike, and measures each step's peak
 with the allocator (regen.measure). What users of other offloading tools were burned by (stream races
 that give silent NaN gradients, wrong recomputed metadata, statistics updated twice) is what this
@@ -57,19 +60,24 @@ def check_plan(build: Callable[[], object], plan: Plan, timed_steps: int = DEFAU
                progress: Callable[[str], None] = lambda _m: None, compared_steps: int = 1) -> CheckReport:
     """`build()` returns a fresh regen Workload; the plan is applied to the second one built. Differences
     of the k-th compared step (from 0) after the first are named "step k: ..."."""
+    from regen.caches import training_caches_off
     from regen.runtime import apply
 
     plain, planned = build(), build()
     planned.model.load_state_dict(plain.model.state_dict())
     report = CheckReport(cap_bytes=plan.memory_cap_bytes, predicted_step_s=plan.simulated.step_time_s,
                          baseline_step_s=plan.baseline.step_time_s)
-    with apply(planned.model, plan, on_mismatch="raise") as handle:  # a check of the plan: never a dynamic step
-        progress(f"{compared_steps} unplanned and planned step(s) from the same state and RNG seeds")
-        for k in range(compared_steps):
-            _compare_one_step(plain, planned, report, "" if k == 0 else f"step {k}: ")
-        progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
-        _time_and_measure(plain, planned, plan, timed_steps, report)
-        report.planned_steps = handle.stats.planned_steps
+    plain_caches = training_caches_off(plain.model)  # as the handle turns the planned model's off
+    try:
+        with apply(planned.model, plan, on_mismatch="raise") as handle:  # a check of the plan: never a dynamic step
+            progress(f"{compared_steps} unplanned and planned step(s) from the same state and RNG seeds")
+            for k in range(compared_steps):
+                _compare_one_step(plain, planned, report, "" if k == 0 else f"step {k}: ")
+            progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
+            _time_and_measure(plain, planned, plan, timed_steps, report)
+            report.planned_steps = handle.stats.planned_steps
+    finally:
+        plain_caches.restore()
     return report
 
 

@@ -137,3 +137,36 @@ def test_later_steps_are_compared_too_when_asked(tmp_path):
     assert report.passed and report.differences == []
     assert report.compared_tensors == 3 * (1 + 2 * 5)  # per step: the loss and 5 layers' weight and bias
     assert report.planned_steps >= 3
+
+
+CACHE_NUMERICS = """
+    import types
+
+    import torch
+    from torch import nn
+
+    class CacheNumerics(nn.Module):
+        '''A model whose `config.use_cache` changes its numbers a little (as Mamba2's cache path does):
+        with the cache on, the scale is applied in two steps.'''
+
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(use_cache=True)
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h = h * 0.1 * 3.0 if self.config.use_cache else h * 0.3
+            return h.pow(2).mean()
+
+    def build(batch_size=8):
+        torch.manual_seed(0)
+        return CacheNumerics(), torch.randn(batch_size, 16)
+    """
+
+
+def test_both_steps_run_with_the_training_cache_off_as_the_plan_does(tmp_cwd, capsys):
+    """regen trains with `config.use_cache` off (regen.caches): the unplanned step it compares with runs so too
+    (compared with the model's own setting, a keep-all plan would differ)."""
+    assert check_a_module(tmp_cwd, "cache_numerics", CACHE_NUMERICS) == 0
+    assert "PASS" in capsys.readouterr().out
