@@ -74,8 +74,35 @@ def check_plan(build: Callable[[], object], plan: Plan, timed_steps: int = DEFAU
             for k in range(compared_steps):
                 _compare_one_step(plain, planned, report, "" if k == 0 else f"step {k}: ")
             progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
-            _time_and_measure(plain, planned, plan, timed_steps, report)
+            _time_and_measure(plain, planned, plan.memory_at_start_bytes, timed_steps, report)
             report.planned_steps = handle.stats.planned_steps
+    finally:
+        plain_caches.restore()
+    return report
+
+
+def check_dynamic(build: Callable[[], object], memory_cap_bytes: int, timed_steps: int = DEFAULT_TIMED_STEPS,
+                  progress: Callable[[str], None] = lambda _m: None, compared_steps: int = 1) -> CheckReport:
+    """`check_plan` for dynamic mode (`regen.apply(model, memory_cap=...)`, no plan): the second workload built
+    trains under `memory_cap_bytes`, which counts from its parameters and buffers (dynamic mode's start, as
+    regen.runtime.dynamic counts it on CPU); `planned_steps` are the steps it ran in dynamic mode."""
+    from regen.caches import training_caches_off
+    from regen.runtime import apply
+    from regen.runtime.dynamic.cap_memory import model_storages
+
+    plain, dynamic = build(), build()
+    dynamic.model.load_state_dict(plain.model.state_dict())
+    report = CheckReport(cap_bytes=memory_cap_bytes)
+    start_bytes = sum(model_storages(dynamic.model).values())
+    plain_caches = training_caches_off(plain.model)
+    try:
+        with apply(dynamic.model, memory_cap=memory_cap_bytes) as handle:
+            progress(f"{compared_steps} unplanned and dynamic step(s) from the same state and RNG seeds")
+            for k in range(compared_steps):
+                _compare_one_step(plain, dynamic, report, "" if k == 0 else f"step {k}: ")
+            progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
+            _time_and_measure(plain, dynamic, start_bytes, timed_steps, report)
+            report.planned_steps = handle.stats.steps
     finally:
         plain_caches.restore()
     return report
@@ -118,7 +145,9 @@ def _how_far(a: torch.Tensor | None, b: torch.Tensor | None) -> str:
     return f" (max |difference| {float((a.double() - b.double()).abs().max()):.3g})"
 
 
-def _time_and_measure(plain, planned, plan: Plan, timed_steps: int, report: CheckReport) -> None:
+def _time_and_measure(plain, planned, start_bytes: int, timed_steps: int, report: CheckReport) -> None:
+    """Median step times of both, interleaved, and each one's peak measured by the allocator: on CPU
+    `start_bytes` (the memory at the step's start that the cap counts) plus the measured increase."""
     from regen.measure import measure_memory
     from regen.workloads import training_step
 
@@ -136,7 +165,7 @@ def _time_and_measure(plain, planned, plan: Plan, timed_steps: int, report: Chec
     report.unplanned_step_s = statistics.median(times["unplanned"])
     report.planned_step_s = statistics.median(times["planned"])
     device = next(plain.model.parameters()).device
-    start = plan.memory_at_start_bytes if device.type == "cpu" else 0  # CUDA counts everything already
+    start = start_bytes if device.type == "cpu" else 0  # CUDA counts everything already
     for name, workload in (("unplanned", plain), ("planned", planned)):
         measured = measure_memory(lambda w=workload: training_step(w), device)
         workload.model.zero_grad(set_to_none=True)

@@ -170,3 +170,25 @@ def test_both_steps_run_with_the_training_cache_off_as_the_plan_does(tmp_cwd, ca
     (compared with the model's own setting, a keep-all plan would differ)."""
     assert check_a_module(tmp_cwd, "cache_numerics", CACHE_NUMERICS) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_dynamic_mode_is_checked_like_a_plan():
+    """`check_dynamic`: dynamic mode under a cap gives the unplanned step's loss, gradients and buffers, and
+    its measured peak is the allocator's, on the cap's scale (parameters and buffers at the start)."""
+    from regen.check import check_dynamic
+    from regen.measure import measure_memory
+    from regen.runtime.dynamic.cap_memory import model_storages
+    from regen.workloads import build_workload, training_step
+
+    def build():
+        return build_workload("mlp", batch_size=256, args={"in_features": 64, "hidden": 128, "depth": 4})
+
+    w = build()
+    training_step(w)
+    w.model.zero_grad(set_to_none=True)
+    increase = measure_memory(lambda: training_step(w)).peak_increase_bytes
+    cap = sum(model_storages(w.model).values()) + increase // 2
+    report = check_dynamic(build, cap, timed_steps=1, compared_steps=2)
+    assert not report.differences and report.compared_tensors > 2
+    assert report.planned_steps == 2 + 1 + 1  # compared, timed, measured
+    assert report.within_cap and report.planned_peak_bytes < report.unplanned_peak_bytes
