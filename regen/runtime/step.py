@@ -163,8 +163,9 @@ class Step:
             self.regions.called(path, module, args, kwargs)
 
     def region_returned(self, module: nn.Module) -> None:
-        if self.stage != STAGE_CLOSED:
-            self.regions.returned(module)
+        # whatever the stage: a call that runs the plan's last forward op (a loss module) returns after its op
+        # closed the forward, and a call opened before must still close (returned() passes over any other)
+        self.regions.returned(module)
 
     def module_entered(self, path: str) -> None:
         """A call of a module that may open a tracking window (windows.WindowHooks) begins."""

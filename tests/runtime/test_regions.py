@@ -261,6 +261,51 @@ def test_a_replay_holds_what_the_modules_code_holds_and_is_charged_for_it():
     assert abs(measured - simulated) <= 0.02 * simulated, (measured, simulated)
 
 
+class _LossModuleNet(torch.nn.Module):
+    """A language model that returns its loss from a loss module, as Hugging Face heads do (`self.loss_fct(...)`):
+    that call runs the step's last forward ops."""
+
+    def __init__(self, vocab: int = 64, width: int = 32):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.loss_fct = torch.nn.CrossEntropyLoss()
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.embed(ids)))
+        return self.loss_fct(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+def test_a_loss_module_replayed_as_a_region_closes_its_call_after_the_forward_closed():
+    """The loss module's call holds the plan's last forward op, which closes the step's forward before the call
+    returns; replaying it in backward still rebuilds its members, on the verified step and the fast path."""
+    from regen.check import check_plan
+    from regen.formats.plan import SolverReport
+    from regen.planner.copy_order import order_copy_ins
+    from regen.planner.export import build_plan
+    from regen.planner.graph import build_graph
+    from regen.planner.result import Choice, StrategyResult
+    from regen.profiler import profile_workload
+    from regen.workloads import Workload
+
+    def build():
+        torch.manual_seed(0)
+        ids = torch.randint(0, 64, (8, 32))
+        return Workload(name="loss-module", model=_LossModuleNet(), batch=(ids, ids.roll(1, 1)), loss_fn=None)
+
+    profile = profile_workload(build(), device="cpu", repeats=1, warmup_steps=1, progress=None)
+    graph = build_graph(profile)
+    region = next(r for r in graph.regions if r.call.module == "loss_fct")
+    choices, sim = order_copy_ins(graph, {t: Choice("recompute", region=region.index) for t in region.members},
+                                  profile.peak_bytes)
+    report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None, gap=None,
+                          solve_time_s=0.0, time_limit_s=1.0)
+    plan = build_plan(graph, StrategyResult(choices=choices, report=report, predicted_step_time_s=sim.step_time_s,
+                                            predicted_peak_bytes=sim.peak_bytes), profile.peak_bytes, "recompute", sim)
+    assert [r.module for r in plan.regions] == ["loss_fct"]
+    checked = check_plan(build, plan, timed_steps=1, compared_steps=2)
+    assert not checked.differences and checked.planned_steps >= 2
+
+
 def test_later_steps_run_the_forward_without_a_dispatch_mode():
     w, _, plan = _region_plan("gpt", "blocks")
     seen = []
