@@ -68,7 +68,8 @@ def test_infeasible_cap_names_the_smallest_feasible_cap(profile_path, tmp_path, 
 
 
 def test_time_limit_without_a_feasible_plan(profile_path, tmp_path, capsys, monkeypatch):
-    """No warm start and a time limit too short for HiGHS to find any plan: a SolverError, no file."""
+    """No warm start and a time limit too short for HiGHS to find any plan: a SolverError naming the time limit
+    asked for (not what was left of it for the last solve), no file."""
     import importlib
 
     search_module = importlib.import_module("regen.planner.milp.search")
@@ -78,6 +79,7 @@ def test_time_limit_without_a_feasible_plan(profile_path, tmp_path, capsys, monk
                  "-o", str(tmp_path / "p.yaml")])
     err = capsys.readouterr().err
     assert code == SolverError.exit_code and "without a feasible plan" in err and "--time-limit" in err
+    assert "time limit of 0.0001 s" in err
     assert not (tmp_path / "p.yaml").exists()
 
 

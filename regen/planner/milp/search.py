@@ -170,11 +170,12 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             if round_ == 0 and warm is None:
                 raise_infeasible(graph, cap, options.allow_swap, options.allow_recompute, time_limit_s, say, lower)
             return None, MILP_ROWS_INFEASIBLE  # Note [ The simulator over the MILP's rows ]
-        except SolverError:
+        except SolverError as exc:
             if block_plan is not None:
                 return block_plan, None
-            if warm is None:
-                raise
+            if warm is None:  # the time limit asked for, not what was left of it for this last solve
+                raise SolverError(f"the solver (highs) stopped without a feasible plan within the time limit of "
+                                  f"{time_limit_s:g} s; raise time_limit_s or the memory cap") from exc
             return None, MILP_TIMED_OUT
         sim = simulate(graph, result.choices)
         if sim.fits(cap):
