@@ -12,7 +12,7 @@ gradients and module buffers bit for bit ("exact"), how many steps ran planned (
 other), and the planned step's allocator peak against the plan's cap. An architecture whose step dispatches
 other ops from step to step (a random layer drop: `regen profile` refuses it and names dynamic mode) gets
 one row of dynamic mode instead (regen.check.check_dynamic), at checkpointing's peak increase over its
-parameters and buffers.
+parameters and buffers. With `--dynamic`, every architecture gets that row, and no plans.
 
     .venv/bin/python bench/heldout.py [--models gemma3 cohere ...] [--autocast bf16]
 
@@ -249,8 +249,8 @@ def _row(name: str, label: str, counts: str, report, cap_bytes: int) -> str:
 
 
 def check_dynamic_rows(name: str, autocast: str | None, why: str) -> list[str]:
-    """A model no plan covers (its step dispatches other ops from step to step): dynamic mode at checkpointing's
-    peak increase (or half the unplanned one) over its parameters and buffers, against unplanned steps."""
+    """Dynamic mode (for a model no plan covers, or with --dynamic for any) at checkpointing's peak increase (or
+    half the unplanned one) over its parameters and buffers, against unplanned steps; `why` labels the row."""
     from regen.check import check_dynamic
     from regen.runtime.dynamic.cap_memory import model_storages
 
@@ -260,7 +260,7 @@ def check_dynamic_rows(name: str, autocast: str | None, why: str) -> list[str]:
         increase, at = _peak_increase(_workload(name, autocast)) // 2, "half the unplanned increase"
     cap = sum(model_storages(_workload(name, autocast).model).values()) + increase
     report = check_dynamic(lambda: _workload(name, autocast), cap, timed_steps=1, compared_steps=STEPS)
-    return [_row(name, f"dynamic mode @ {at} (no plan: {why})", "-", report, cap)]
+    return [_row(name, f"dynamic mode @ {at} ({why})", "-", report, cap)]
 
 
 def check(name: str, autocast: str | None) -> list[str]:
@@ -274,7 +274,7 @@ def check(name: str, autocast: str | None) -> list[str]:
     except WorkloadError as exc:
         if "op sequence changed" not in str(exc):
             raise
-        return check_dynamic_rows(name, autocast, "its ops change from step to step")
+        return check_dynamic_rows(name, autocast, "no plan: its ops change from step to step")
     increase = _checkpointing_increase(name, autocast)
     if increase is not None:
         cap, at = profile.memory_at_start_bytes + increase, "checkpointing's peak"
@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(HELD_OUT), choices=list(HELD_OUT), metavar="NAME")
     parser.add_argument("--autocast", choices=["bf16", "fp16"], help="the forward under torch.autocast")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="dynamic mode instead of plans, at the same cap, for every architecture")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -304,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in args.models:
         try:
-            rows = check(name, args.autocast)
+            rows = (check_dynamic_rows(name, args.autocast, "--dynamic") if args.dynamic
+                    else check(name, args.autocast))
         except Exception as exc:  # noqa: BLE001 - a row per architecture, whatever went wrong
             failed += 1
             rows = [f"| {name} | - | - | - | - | FAILED: {type(exc).__name__}: {' '.join(str(exc).split())[:200]} |"]
