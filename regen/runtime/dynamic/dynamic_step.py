@@ -59,7 +59,9 @@ from regen.units import format_bytes
 # sets how much is dropped ahead); otherwise for a storage as large as the largest so far, which cannot see a
 # storage larger than any before it (a language model's logits, made by one matmul after the last block,
 # several times any block's tensor). Backward alike, op by op: a gradient as large as the logits comes right at
-# its start. Where a reading of the memory costs (CUDA: the allocator's statistics), a backward op gets a check
+# its start; on CPU a backward op's check also keeps room for the temporaries the op allocated and freed inside
+# itself in the recorded step (transients.py), which no check sees otherwise. Where a reading of the memory
+# costs (CUDA: the allocator's statistics), a backward op gets a check
 # only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
 # the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest). The checks at packs, and at unpacks
 # and rebuilds of a step whose ops have not all made what the step before's made, keep HEADROOM_PER_OUTPUT x
@@ -111,6 +113,10 @@ class DynamicStep:
         self.made_forward: list[tuple] = []
         self.made_backward: list[tuple] = []
         self.foreseen: tuple[list, list] | None = None  # the step before's (made_forward, made_backward): foresee()
+        # CPU: backward op -> its temporaries, learned by an earlier step (transients.py), or None; and the
+        # recorder learning them in this step's backward, or None
+        self.temporaries: dict[int, int] | None = None
+        self.recorder = None
         self.foresight_exact = False  # every op so far made what it made in the step before
         self.in_backward = False
         self.closed = False  # a later step started
@@ -201,6 +207,8 @@ class DynamicStep:
         foreseen = self._foreseen_bytes(phase, i, func)
         if foreseen is None:
             return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
+        if phase == 1 and self.temporaries is not None:  # what the op allocates and frees inside itself
+            foreseen += self.temporaries.get(i, 0)
         if self.foresight_exact:
             return foreseen, self.largest_bytes
         return max(0, foreseen - self.largest_bytes), HEADROOM_PER_OUTPUT * self.largest_bytes
@@ -224,7 +232,11 @@ class DynamicStep:
                 if foreseen > self.largest_bytes:
                     # only past the largest: the unpacks' headroom keeps room for that much (Note [ Room ... ])
                     self.residency.make_room(foreseen - self.largest_bytes)
-        out = func(*args, **kwargs)
+        if self.recorder is None or not self.recorder.recording:
+            out = func(*args, **kwargs)
+        else:  # learning the ops' temporaries (transients.py)
+            with self.recorder.around(len(self.made_backward)):
+                out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
             if t is not None:

@@ -32,6 +32,7 @@ from regen.runtime import stacks
 from regen.runtime.dynamic.cap_memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.dynamic_step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
+from regen.runtime.dynamic.transients import TransientRecorder
 from regen.runtime.model_access import module_device
 from regen.runtime.peak_check import cuda_peak_reader
 
@@ -132,6 +133,9 @@ class DynamicEngine:
         self.current: DynamicStep | None = None
         self.live_steps: list[DynamicStep] = []
         self.foreseen: tuple[list, list] | None = None  # the last dynamic step's made_forward, made_backward
+        # CPU: backward op -> its temporaries (transients.py), once a step's backward learned them
+        self.temporaries: dict[int, int] | None = None
+        self.recorder: TransientRecorder | None = None  # recording a step's backward now
 
     @property
     def hooks_installed(self) -> bool:
@@ -139,6 +143,7 @@ class DynamicEngine:
 
     def start_step(self) -> DynamicStep:
         """A training forward begins as a dynamic step."""
+        self._learn_temporaries()
         if self.current is not None:
             self.foreseen = (self.current.made_forward, self.current.made_backward)  # Note [ Room for the next op ]
         self.close_current()
@@ -148,6 +153,11 @@ class DynamicEngine:
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         step.residency.reserve_bytes = self.stats.reserve_bytes
         step.foresee(self.foreseen)
+        step.temporaries = self.temporaries
+        if self.temporaries is None and self.read_peak is None:  # CPU: learn them in this step's backward
+            recorder = TransientRecorder()
+            if recorder.start():
+                self.recorder = step.recorder = recorder
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
@@ -192,8 +202,18 @@ class DynamicEngine:
                 s.release(aborted=True)
             else:
                 s.maybe_release()
+        self._learn_temporaries()
         stacks.pop_finished()  # what this removal uncovered (another handle's, or this one's let go)
         self._close_link()
+
+    def _learn_temporaries(self) -> None:
+        """CPU: the backward ops' temporaries a step recorded, once it is over (transients.py)."""
+        recorder, self.recorder = self.recorder, None
+        if recorder is None:
+            return
+        recorder.close()
+        if recorder.bytes_by_op is not None:
+            self.temporaries = recorder.bytes_by_op
 
     def _learn_reserve(self, overshoot_bytes: int, ran_out: bool) -> None:
         """Note [ The learned reserve ]."""

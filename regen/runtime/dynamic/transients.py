@@ -1,0 +1,137 @@
+"""CPU: what each backward op allocates and frees inside itself, learned once, so later checks keep room for it.
+
+A CPU kernel's temporaries are no tensors the runtime sees (cap_memory.py counts storages the step's ops
+return): a depthwise convolution's backward converts its operands inside the op, 6.5 MB on ConvNeXtV2's
+tiny config against a cap of 8.2 MB, and its steps measured 7% over the cap by the allocator, none of it in
+the runtime's count. A CPU allocator keeps no counter to read either. So one dynamic step runs under
+torch.profiler's allocator events, each backward op inside a marker (`TransientRecorder`), and each op's
+temporary (its peak inside the op over what it still holds at its end) becomes part of the room the later
+steps' checks keep before that op (dynamic_step.py, Note [ Room for the next op ]).
+
+Note [ Recording a step's backward ]
+1. Recording starts when the step starts (the model's call, outside any backward) and stops right after the
+   step's backward returns to the program (`torch.Tensor.backward`, `torch.autograd.backward` or
+   `torch.autograd.grad`, seen by a torch function mode pushed meanwhile), outside it again: autograd puts the
+   thread's profiler state back as it found it when a backward ends, and sets it per op inside, so a recording
+   started or stopped inside a backward is undone there (and one left half on makes a later profiler fail).
+   A step that never runs its backward stops recording when the next step starts or the handle goes.
+2. Nothing is recorded while another profiler runs (torch.profiler does not nest): a later step tries again.
+3. One step is recorded per engine (every op an event: that step runs several times slower); its figures
+   stand for the backward ops at the same index in later steps, as the step before's outputs do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
+
+from regen.runtime import stacks
+
+_MARK = "regen::backward_op::"
+_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+class TransientRecorder:
+    """One step's backward ops' temporaries by backward op index (`bytes_by_op`, once its backward returned)."""
+
+    def __init__(self):
+        self._prof = None
+        self._watcher: _AfterBackward | None = None
+        self.bytes_by_op: dict[int, int] | None = None
+
+    @property
+    def recording(self) -> bool:
+        return self._prof is not None
+
+    def start(self) -> bool:
+        """At the step's start (Note [ Recording a step's backward ]); False when another profiler runs."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if torch._C._autograd._profiler_enabled():
+            return False
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prof.__enter__()
+        self._prof = prof
+        self._watcher = _AfterBackward(self._finish)
+        self._watcher.__enter__()
+        return True
+
+    def around(self, i: int):
+        """The context backward op `i` runs in."""
+        if self._prof is None:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"{_MARK}{i}")
+
+    def close(self) -> None:
+        """The step is over: stop recording if its backward never returned (no figures), pop the watcher."""
+        if self._prof is not None:
+            self._stop()
+        watcher, self._watcher = self._watcher, None
+        if watcher is None:
+            return
+        if _get_current_function_mode() is watcher:
+            watcher.__exit__(None, None, None)
+        else:  # popped once on top (regen.runtime.stacks)
+            stacks.orphan(watcher)
+
+    def _finish(self) -> None:
+        if self._prof is not None:
+            self.bytes_by_op = _temporaries_by_marker(self._stop())
+
+    def _stop(self):
+        prof, self._prof = self._prof, None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prof.__exit__(None, None, None)
+        return prof
+
+
+class _AfterBackward(TorchFunctionMode):
+    """Calls `done()` once a backward the program started (outside any backward) has returned."""
+
+    def __init__(self, done):
+        super().__init__()
+        self.done = done
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _BACKWARD_CALLS and torch._C._current_graph_task_id() == -1:
+            self.done()
+        return out
+
+
+def _temporaries_by_marker(prof) -> dict[int, int]:
+    """Per marked op: the most its allocations rose inside it over what it held at its end."""
+    from torch._C._profiler import _EventType
+
+    out: dict[int, int] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if not event.name.startswith(_MARK):
+            stack.extend(event.children)
+            continue
+        level = peak = 0
+        for _, size in sorted(_allocations(event, _EventType.Allocation)):
+            level += size
+            peak = max(peak, level)
+        out[int(event.name[len(_MARK):])] = max(0, peak - max(level, 0))
+    return out
+
+
+def _allocations(event, allocation_tag) -> list[tuple[int, int]]:
+    """(time, bytes) of the CPU allocations and frees under `event`."""
+    found, stack = [], list(event.children)
+    while stack:
+        e = stack.pop()
+        if e.tag == allocation_tag:
+            if e.typed[1].device.type == "cpu":
+                found.append((e.start_time_ns, e.typed[1].alloc_size))
+        else:
+            stack.extend(e.children)
+    return found
