@@ -14,9 +14,12 @@ Note [ Recording a step's backward ]
    `torch.autograd.grad`, seen by a torch function mode pushed meanwhile), outside it again: autograd puts the
    thread's profiler state back as it found it when a backward ends, and sets it per op inside, so a recording
    started or stopped inside a backward is undone there (and one left half on makes a later profiler fail).
-   A step that never runs its backward stops recording when the next step starts or the handle goes.
+   A step that never runs its backward stops recording when the next step starts or the handle goes. The
+   mode is popped at the model's next call (regen.runtime.stacks: an orphan from the start), planned,
+   profiled or dynamic: left on, every torch call of the steps after would pass through it.
 2. Nothing is recorded while another profiler runs (torch.profiler does not nest): a later step tries again.
-3. One step is recorded per engine (every op an event: that step runs several times slower); its figures
+3. One step is recorded per engine (every op an event: the built-in GPT's first step took 113 ms against 92 ms
+   unrecorded, its later steps 72); its figures
    stand for the backward ops at the same index in later steps, as the step before's outputs do.
 """
 
@@ -59,6 +62,7 @@ class TransientRecorder:
         self._prof = prof
         self._watcher = _AfterBackward(self._finish)
         self._watcher.__enter__()
+        stacks.orphan(self._watcher)  # popped at the model's next call, whatever kind of step that is
         return True
 
     def around(self, i: int):
