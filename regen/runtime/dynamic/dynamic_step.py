@@ -167,6 +167,7 @@ class DynamicStep:
                 if node.nbytes > self.largest_bytes:
                     self.largest_bytes = node.nbytes
                     self.residency.headroom_bytes = HEADROOM_PER_OUTPUT * node.nbytes
+                    self.residency.temporary_bytes = node.nbytes
                 if not inplace:
                     made_bytes += node.nbytes
         self.largest_upto.append(self.largest_bytes)
@@ -284,6 +285,7 @@ class DynamicStep:
         if op < len(self.largest_upto):  # Note [ Headroom in backward ]
             self.largest_bytes = self.largest_upto[op]
             self.residency.headroom_bytes = self._backward_headroom_per_output() * self.largest_bytes
+            self.residency.temporary_bytes = self.largest_bytes
         with self.pause():
             base = self.residency.materialize(obj.node)
             self.residency.prefetch(obj.node)

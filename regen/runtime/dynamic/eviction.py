@@ -45,6 +45,13 @@ from regen.runtime.recompute import replay_recipe
 # nearer its cap at the next check, and every node dropped is rebuilt at its unpack, whose check drops the
 # rest again: a Mixtral at bench size, at half its unplanned increase, rebuilt 13,400 tensors a step that way.
 
+# NOTE [ Room for a rebuild ]
+# A rebuild's check knows the bytes of the output its recipe makes, so besides them it keeps room for one
+# temporary only (`temporary_bytes`), not the output and temporary the headroom keeps where the next op's output
+# is a guess. With the guess's two storages, a Jamba (its Mamba layers' scan a chain of 64 states, each read
+# by the next) rebuilt 90,000 tensors in its first step at checkpointing's peak (216 s against 0.04 s unplanned):
+# every rebuild in the chain evicted the states it had just rebuilt; with one, 500 (0.9 s).
+
 # the headroom kept free at a check after which an op may run unchecked (CUDA's backward, dynamic_step.py Note
 # [ Room for the next op ]), in multiples of the largest storage an op of the step made: the op's output and a
 # temporary as large (a CPU convolution's buffers, which the runtime does not track); elsewhere one (the
@@ -70,6 +77,7 @@ class Residency:
         # kept free at every check: room for the temporaries of the next op (and where that op runs unchecked, its
         # outputs) in multiples of the largest storage an op of the step made so far (HEADROOM_PER_OUTPUT)
         self.headroom_bytes = 0
+        self.temporary_bytes = 0  # the largest storage an op of the step made so far: one temporary as large
         self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
         self.ran_out = False  # a check found nothing left to drop before the reserve was free
 
@@ -197,7 +205,8 @@ class Residency:
         pins.add(node.key)
         # the inputs first, then room for this node's output: the inputs' rebuilds would use room made before them
         inputs = {key: self._materialize(self.nodes[key], pins, temps, readers, depth + 1) for key in node.inputs}
-        self.make_room(node.nbytes, pins=pins)
+        # its output's bytes are known: room for them and for one temporary (Note [ Room for a rebuild ])
+        self.make_room(node.nbytes, headroom_bytes=self.temporary_bytes, pins=pins)
         result, _ = replay_recipe(node.key, list(node.chain), self.captures, inputs.__getitem__, node.shape,
                                   node.dtype)
         self.memory.track(result)
