@@ -150,6 +150,9 @@ def run_variant(model, data, pad_to, context, device):
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - t0
             tokens += real
+            # gradients dropped first: the measured increase is over the model's own memory, as `start` counts it
+            # (left, the step before's gradients would be in the baseline and freed by the step's zero_grad)
+            model.zero_grad(set_to_none=True)
             # the profiler's garbage collected now, not inside the next timed step
             m = measure_memory(lambda: one_step(model, idx, targets, seed=k), device, collect_garbage=True)
             peak = max(peak, m.peak_bytes if cuda else start + m.peak_increase_bytes)
