@@ -201,7 +201,7 @@ def _region_of(graph: PlanningGraph, call: ModuleCall, tensors: dict, cand_by_st
     return Region(index=index, call=call, replay_step=b, replay_at_unpack=first.unpack_order, members=members,
                   inputs=sorted(inputs), held=held, packs=packs,
                   time_s=graph.costs.region_time_s(float(sum(graph.time_s[q] for q in replayed)), len(replayed)),
-                  transient_bytes=_replay_transient_bytes(profile, tensors, call, replayed, member_bytes)
+                  transient_bytes=_replay_transient_bytes(graph, tensors, call, replayed, member_bytes)
                   + int(call.buffer_bytes),
                   is_random=any(ops[q].is_random for q in extent))
 
@@ -212,7 +212,7 @@ def _can_be_member(c, replay_step: int) -> bool:
             and c.last_forward + 1 < replay_step)
 
 
-def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: range,
+def _replay_transient_bytes(graph: PlanningGraph, tensors: dict, call: ModuleCall, replayed: range,
                             member_bytes: dict[int, int]) -> int:
     """The replay's peak over the memory before it, less its rebuilt members (all of them rebuilt), over
     the ops it runs (`replayed`, from the call's first op to its stop): each storage an op of the call
@@ -220,7 +220,7 @@ def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: 
     forward op reads it: the call's output); a member (`member_bytes`: storage -> bytes) is held from
     the op that makes it, and is charged as resident from the replay on, so the members not made yet at
     an op are subtracted there."""
-    ops = profile.ops
+    ops = graph.profile.ops
     last = call.last_op
     last_read: dict[int, int] = {}
     for op in ops[call.first_op:]:
@@ -231,7 +231,7 @@ def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: 
             if rec is not None:
                 last_read[rec.storage] = min(op.index, last + 1)
     pending = sum(member_bytes.values())  # members the replay has not made yet
-    measured = _forward_rise_bytes(profile, call, replayed) - pending  # Note [ A replay's memory as the ... ]
+    measured = _forward_rise_bytes(graph, call, replayed) - pending  # Note [ A replay's memory as the ... ]
     live: dict[int, int] = {}
     peak = 0
     for q in replayed:
@@ -251,12 +251,11 @@ def _replay_transient_bytes(profile, tensors: dict, call: ModuleCall, replayed: 
     return int(max(peak, measured))
 
 
-def _forward_rise_bytes(profile, call: ModuleCall, replayed: range) -> int:
-    """The most the unplanned forward's memory rose over the call's ops in `replayed` (each op's measured
-    peak, temporaries included) above the memory before the call."""
-    before = (profile.ops[call.first_op - 1].memory_after_bytes if call.first_op > 0
-              else profile.memory_at_start_bytes)
-    return max((profile.ops[q].memory_peak_bytes for q in replayed), default=before) - before
+def _forward_rise_bytes(graph: PlanningGraph, call: ModuleCall, replayed: range) -> int:
+    """The most the unplanned forward's memory rose over the call's ops in `replayed` (each op's peak in the
+    graph's unplanned timeline, temporaries included) above the memory before the call."""
+    before = graph.after_bytes[call.first_op - 1] if call.first_op > 0 else graph.profile.memory_at_start_bytes
+    return max((graph.peak_bytes[q] for q in replayed), default=before) - before
 
 
 def region_transient_bytes(graph: PlanningGraph, region: Region, rebuilt: set[int]) -> int:
