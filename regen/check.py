@@ -60,25 +60,11 @@ def check_plan(build: Callable[[], object], plan: Plan, timed_steps: int = DEFAU
                progress: Callable[[str], None] = lambda _m: None, compared_steps: int = 1) -> CheckReport:
     """`build()` returns a fresh regen Workload; the plan is applied to the second one built. Differences
     of the k-th compared step (from 0) after the first are named "step k: ..."."""
-    from regen.caches import training_caches_off
-    from regen.runtime import apply
-
-    plain, planned = build(), build()
-    planned.model.load_state_dict(plain.model.state_dict())
     report = CheckReport(cap_bytes=plan.memory_cap_bytes, predicted_step_s=plan.simulated.step_time_s,
                          baseline_step_s=plan.baseline.step_time_s)
-    plain_caches = training_caches_off(plain.model)  # as the handle turns the planned model's off
-    try:
-        with apply(planned.model, plan, on_mismatch="raise") as handle:  # a check of the plan: never a dynamic step
-            progress(f"{compared_steps} unplanned and planned step(s) from the same state and RNG seeds")
-            for k in range(compared_steps):
-                _compare_one_step(plain, planned, report, "" if k == 0 else f"step {k}: ")
-            progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
-            _time_and_measure(plain, planned, plan.memory_at_start_bytes, timed_steps, report)
-            report.planned_steps = handle.stats.planned_steps
-    finally:
-        plain_caches.restore()
-    return report
+    # a check of the plan: never a dynamic step
+    return _check(build, {"plan": plan, "on_mismatch": "raise"}, lambda _model: plan.memory_at_start_bytes,
+                  lambda stats: stats.planned_steps, "planned", report, timed_steps, progress, compared_steps)
 
 
 def check_dynamic(build: Callable[[], object], memory_cap_bytes: int, timed_steps: int = DEFAULT_TIMED_STEPS,
@@ -86,23 +72,31 @@ def check_dynamic(build: Callable[[], object], memory_cap_bytes: int, timed_step
     """`check_plan` for dynamic mode (`regen.apply(model, memory_cap=...)`, no plan): the second workload built
     trains under `memory_cap_bytes`, which counts from its parameters and buffers (dynamic mode's start, as
     regen.runtime.dynamic counts it on CPU); `planned_steps` are the steps it ran in dynamic mode."""
-    from regen.caches import training_caches_off
-    from regen.runtime import apply
     from regen.runtime.dynamic.cap_memory import model_storages
 
-    plain, dynamic = build(), build()
-    dynamic.model.load_state_dict(plain.model.state_dict())
-    report = CheckReport(cap_bytes=memory_cap_bytes)
-    start_bytes = sum(model_storages(dynamic.model).values())
-    plain_caches = training_caches_off(plain.model)
+    return _check(build, {"memory_cap": memory_cap_bytes}, lambda model: sum(model_storages(model).values()),
+                  lambda stats: stats.steps, "dynamic", CheckReport(cap_bytes=memory_cap_bytes), timed_steps, progress,
+                  compared_steps)
+
+
+def _check(build: Callable[[], object], apply_kwargs: dict, start_bytes: Callable, steps_run: Callable, kind: str,
+           report: CheckReport, timed_steps: int, progress: Callable[[str], None], compared_steps: int) -> CheckReport:
+    """Both checks: the second workload built runs under `regen.apply(model, **apply_kwargs)`, its start on the
+    cap's scale `start_bytes(model)`, the steps it ran under the handle `steps_run(handle.stats)`."""
+    from regen.caches import training_caches_off
+    from regen.runtime import apply
+
+    plain, under = build(), build()
+    under.model.load_state_dict(plain.model.state_dict())
+    plain_caches = training_caches_off(plain.model)  # as the handle turns the other model's off
     try:
-        with apply(dynamic.model, memory_cap=memory_cap_bytes) as handle:
-            progress(f"{compared_steps} unplanned and dynamic step(s) from the same state and RNG seeds")
+        with apply(under.model, **apply_kwargs) as handle:
+            progress(f"{compared_steps} unplanned and {kind} step(s) from the same state and RNG seeds")
             for k in range(compared_steps):
-                _compare_one_step(plain, dynamic, report, "" if k == 0 else f"step {k}: ")
+                _compare_one_step(plain, under, report, "" if k == 0 else f"step {k}: ")
             progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
-            _time_and_measure(plain, dynamic, start_bytes, timed_steps, report)
-            report.planned_steps = handle.stats.steps
+            _time_and_measure(plain, under, start_bytes(under.model), timed_steps, report)
+            report.planned_steps = steps_run(handle.stats)
     finally:
         plain_caches.restore()
     return report
