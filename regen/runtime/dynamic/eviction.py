@@ -50,7 +50,7 @@ from regen.runtime.recompute import replay_recipe
 # temporary only (`temporary_bytes`), not the output and temporary the headroom keeps where the next op's output
 # is a guess. With the guess's two storages, a Jamba (its Mamba layers' scan a chain of 64 states, each read
 # by the next) rebuilt 90,000 tensors in its first step at checkpointing's peak (216 s against 0.04 s unplanned):
-# every rebuild in the chain evicted the states it had just rebuilt; with one, 500 (0.9 s).
+# every rebuild in the chain evicted the states it had just rebuilt; with one, 1,027 (1.2 s).
 
 # the headroom kept free at a check after which an op may run unchecked (CUDA's backward, dynamic_step.py Note
 # [ Room for the next op ]), in multiples of the largest storage an op of the step made: the op's output and a

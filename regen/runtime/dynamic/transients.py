@@ -18,8 +18,8 @@ Note [ Recording a step's backward ]
    mode is popped at the model's next call (regen.runtime.stacks: an orphan from the start), planned,
    profiled or dynamic: left on, every torch call of the steps after would pass through it.
 2. Nothing is recorded while another profiler runs (torch.profiler does not nest): a later step tries again.
-3. One step is recorded per engine (every op an event: the built-in GPT's first step took 113 ms against 92 ms
-   unrecorded, its later steps 72); its figures
+3. One step is recorded per engine (every op an event: the built-in GPT's first step took 113 ms recorded, 92 ms
+   unrecorded in a run before this change, its later steps 72); its figures
    stand for the backward ops at the same index in later steps, as the step before's outputs do.
 """
 
