@@ -74,7 +74,7 @@ from regen.call_signature import TrainableCount
 from regen.caches import announced_caches_off
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan
-from regen.runtime.compiled import CompiledPlanHandle
+from regen.runtime.compiled import CompiledCalls, CompiledPlanHandle
 from regen.runtime.dynamic.engine import DynamicStats
 from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
@@ -138,6 +138,7 @@ class RegenHandle:
         self.live_steps: list[Step] = []
         self._depth = 0
         self._removed = False
+        self.compiled: CompiledCalls | None = None  # set when the model is compiled under this handle
         device = module_device(self.root)
         swapping = [s.plan for s in states if s.index.swap_bytes]
         self.emulated_link_bytes_per_s = _emulated_link(states, device) if emulate_link else None
@@ -208,6 +209,8 @@ class RegenHandle:
         stacks.pop_finished()  # what this removal uncovered (another handle's, or this one's let go)
         if not self.live_steps:
             _close_engines(self.engines)
+        if self.compiled is not None:  # the next steps compile without the plan
+            torch.compiler.reset()
 
     @property
     def active_steps(self) -> int:
@@ -236,6 +239,9 @@ class RegenHandle:
 
     # ---- step boundaries ------------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # compiled under this handle: Note [ Plans under torch.compile ] 8
+            self._compiled_call_begins()
+            return
         self._depth += 1
         if not starts_a_step(self._depth, "regen plans"):
             return
@@ -295,12 +301,42 @@ class RegenHandle:
         return None
 
     def _post_hook(self, module, args, output):
+        if torch.compiler.is_compiling():
+            self._compiled_call_ends(output)
+            return
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
             self.fallback.model_returned(output)
         step = self.current
         if self._depth == 0 and step is not None and step.stage == STAGE_TAIL:
             step.end_forward()
+
+    @torch.compiler.disable
+    def _compiled_call_begins(self) -> None:
+        """A call of the model compiled under this handle begins (run eagerly, outside the compiled code): the
+        plan is carried out by the compiler from here (compiled.py), the eager steps before are let go."""
+        if self.compiled is None:
+            refused = eager_only_arguments(on_mismatch=self.on_mismatch, emulate_link=self.emulated_link_bytes_per_s
+                                           is not None, learn=self.fallback.learned.learning or None)
+            if refused or len(self.plan_states) != 1:
+                why = compiled_refusal(refused) if refused else _ONE_PLAN_COMPILED
+                raise RegenError(f"{why} (the model was compiled under regen.apply)")
+            self.compiled = CompiledCalls(self.root, self.plan_states[0].plan)
+        prev, self.current = self.current, None
+        if prev is not None and prev.stage != STAGE_CLOSED:
+            prev.end_forward()
+        stacks.pop_finished()
+        if prev is not None:
+            stacks.pop_hooks(prev.pack_fn)
+        self._pop_tracker(force=False)
+        self.fallback.between_steps()
+        self.fallback.planned_step_begins()
+        self.compiled.begin_call()
+
+    @torch.compiler.disable
+    def _compiled_call_ends(self, output) -> None:
+        if self.compiled is not None:  # None: the call's beginning refused the compiled model
+            self.compiled.end_call(output)
 
     def _forward_ended(self, state: PlanState, step: Step, findings: StepFindings, in_pack_hook: bool):
         """A step's forward ended: keep what it found for its plan's later steps, and pop the tracker (and,
@@ -414,7 +450,8 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
     no plan fits (learned.py); without a plan, the steps run in dynamic mode under `memory_cap` until then.
 
     A torch.compile'd model (`torch.compile(model)`, or `model.compile()`) takes one plan, carried out by the
-    compiler as recompute policies on its graph (compiled.py); the other arguments are for eager models.
+    compiler as recompute policies on its graph (compiled.py); the other arguments are for eager models. An eager
+    model compiled while its handle is applied runs its plan the same way from its first compiled call.
     """
     if policy is not None:
         check_policy(policy)
@@ -441,20 +478,33 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
                        learner=learner)
 
 
-def _compiled_plan_handle(model, plan, on_mismatch, emulate_link, memory_cap, policy, learner, link_gb_s):
-    """One plan on a torch.compile'd model (compiled.py); what only the eager runtime does is refused."""
-    others = {"memory_cap": memory_cap, "policy": policy, "learn": learner, "link_gb_s": link_gb_s}
+_ONE_PLAN_COMPILED = ("regen.apply: a compiled model runs one plan; a plan set (one plan per call) needs the "
+                      "eager runtime: apply it to the module without torch.compile")
+
+
+def eager_only_arguments(on_mismatch: str, emulate_link: bool, **others) -> list[str]:
+    """The arguments given of those only the eager runtime carries out."""
     given = [name for name, value in others.items() if value is not None]
     if emulate_link:
         given.append("emulate_link")
     if on_mismatch != "dynamic":
         given.append("on_mismatch")
+    return given
+
+
+def compiled_refusal(given: list[str]) -> str:
+    return (f"regen.apply: {', '.join(given)} is for an eager model; a compiled model runs one plan, recompute "
+            f"only, carried out by the compiler")
+
+
+def _compiled_plan_handle(model, plan, on_mismatch, emulate_link, memory_cap, policy, learner, link_gb_s):
+    """One plan on a torch.compile'd model (compiled.py); what only the eager runtime does is refused."""
+    given = eager_only_arguments(on_mismatch, emulate_link, memory_cap=memory_cap, policy=policy, learn=learner,
+                                 link_gb_s=link_gb_s)
     if given:
-        raise RegenError(f"regen.apply: {', '.join(given)} is for an eager model; a compiled model runs one plan, "
-                         f"recompute only, carried out by the compiler")
+        raise RegenError(compiled_refusal(given))
     many = isinstance(plan, (list, tuple)) and len(plan) > 1
     states = [] if many else plan_states(plan)
     if many or len(states) > 1:
-        raise RegenError("regen.apply: a compiled model runs one plan; a plan set (one plan per call) needs the "
-                         "eager runtime: apply it to the module without torch.compile")
+        raise RegenError(_ONE_PLAN_COMPILED)
     return CompiledPlanHandle(model, states[0].plan)

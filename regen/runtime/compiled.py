@@ -52,6 +52,16 @@ Note [ Plans under torch.compile ]
    without such fusions, at the same step time on CPU). While the model's call runs, Inductor fuses only a
    producer with its consumers, and compiles the backward then too (not lazily at the first backward, when
    the settings are the user's again); other compiled code keeps the user's settings.
+8. Compiled under a handle. A model given to `regen.apply` eager and compiled afterwards (`model.compile()`
+   or `torch.compile(model)` inside the `with`) runs its plan the same way. torch.compile traces the eager
+   handle's hooks: the root's call out of the compiled code (torch.compiler.disable, a graph break at the start
+   and the end of the model's call) to begin and end each call as CompiledCalls does, and the other hooks
+   see no step and trace to nothing. The root keeps its class's forward (6's own forward would cost a second
+   compile), so a second instance of the class compiled in the same process can run this plan's code past a
+   graph break in the root's forward. What only the eager runtime does (a plan set, learn=True,
+   emulate_link, on_mismatch) is refused at the first compiled call. Past torch.compile's recompile limit, a
+   forward it runs eagerly is said as 4 says (a root call it runs eagerly is planned by the eager runtime).
+   Removing the handle resets torch.compile's caches, as 6 says.
 """
 
 from __future__ import annotations
@@ -318,25 +328,23 @@ def forward_of_its_own(module: nn.Module):
     return planned_forward
 
 
-class CompiledPlanHandle:
-    """What `regen.apply` returns for a compiled model and a plan: a context manager, or call `.remove()`."""
+class CompiledCalls:
+    """What carries a plan out in a compiled model's calls: the joint-graph pass, the compiler's settings while a
+    call runs (and compiles), the peak check and what is said about placement (Note [ Plans under torch.compile ]).
+    Its owner calls `begin_call()` and `end_call(output)` around each call of the model, outside compiled code."""
 
-    def __init__(self, model: nn.Module, plan: Plan, offload_swaps: bool | None = None):
+    def __init__(self, root: nn.Module, plan: Plan, offload_swaps: bool | None = None):
         """`offload_swaps`: carry swap decisions out by the compiler's offloading pass (None: on CUDA only,
         where the copies overlap compute; elsewhere they are recomputed)."""
-        root = compiled_module(model)
         if any(d.producer_name is None for d in plan.decisions):
             raise RegenError("regen.apply: this plan does not name its decisions' ops the way a compiled graph "
                              "can find them (solved by an older regen); solve it again")
         known = {name for name, _ in root.named_modules()}
         self._check_modules(known, plan)
-        self.model = model
         self.plan = plan
         self.placement = Placement()
         self._reported = False
         self._said_uncompiled = False  # a step that compiled no graph was warned
-        self._removed = False
-        self.caches = announced_caches_off(root)
         # on CUDA, the allocator's peak over a checked step (forward to the end of its backward) against the cap
         device = module_device(root)
         self.peak_check = PeakCheck(plan.memory_cap_bytes, cuda_peak_reader(device))
@@ -349,11 +357,6 @@ class CompiledPlanHandle:
         self._say_what_is_not_placed(plan, offload_swaps)
         self._pass = PlanGraphPass(plan, self.placement, known, offload_swaps=offload_swaps)
         self._outer_settings: list[dict] = []  # the compiler's settings when a call began (restored when it ends)
-        torch.compiler.reset()
-        self._hooks = self._pass_during_calls(model)
-        self._root = root
-        self._own_forward = root.__dict__.get("forward")
-        root.forward = forward_of_its_own(root)
 
     @staticmethod
     def _check_modules(names: set[str], plan: Plan) -> None:
@@ -369,37 +372,16 @@ class CompiledPlanHandle:
         if swaps and not offload_swaps:
             warnings.warn(f"regen.apply: a compiled model off CUDA recomputes what its plan would swap ({len(swaps)} "
                           f"tensors, {format_bytes(sum(d.bytes for d in swaps))}): compiled plans swap on CUDA only",
-                          CompiledPlanWarning, stacklevel=4)
+                          CompiledPlanWarning, stacklevel=6)
         outside = [d for d in plan.decisions if d.producer_module is None and d.action != ACTION_KEEP]
         if outside:
             warnings.warn(f"regen.apply: {len(outside)} of the plan's decisions to drop a tensor "
                           f"({format_bytes(sum(d.bytes for d in outside))}) are on ops outside the model (a loss "
                           f"computed in the loop); a compiled model keeps them, so its steps can pass the plan's cap "
                           f"by as much: compute the loss in the model's forward, or compile without a plan",
-                          CompiledPlanWarning, stacklevel=4)
+                          CompiledPlanWarning, stacklevel=6)
 
-    def _pass_during_calls(self, model: nn.Module) -> list:
-        """The pass is Inductor's only while this model runs (and compiles): hooks on the compiled wrapper
-        (they run outside the compiled code), or for a model compiled in place, a wrapper around its compiled
-        call. Other models compiled meanwhile never see it."""
-        if compiled_module(model) is not model:
-            return [model.register_forward_pre_hook(lambda *_: self._begin_call()),
-                    model.register_forward_hook(lambda _module, _args, out: self._end_call(out), always_call=True)]
-        compiled_call = model._compiled_call_impl
-
-        def call_under_the_plan(*args, **kwargs):
-            self._begin_call()
-            out = None
-            try:
-                out = compiled_call(*args, **kwargs)
-                return out
-            finally:
-                self._end_call(out)
-
-        model._compiled_call_impl = call_under_the_plan
-        return [compiled_call]
-
-    def _begin_call(self) -> None:
+    def begin_call(self) -> None:
         self._pass.before = torch._inductor.config.joint_custom_pre_pass
         self._outer_settings.append(_set_compiler(self._pass, self._offloading))
         if len(self._outer_settings) == 1 and torch.is_grad_enabled():  # a training step begins
@@ -408,7 +390,7 @@ class CompiledPlanHandle:
             checked = self.peak_check.step_started(step, self._steps) and self.peak_check.read_peak is not None
             self._checked = step if checked else None
 
-    def _end_call(self, output) -> None:
+    def end_call(self, output) -> None:
         if self._outer_settings:
             _restore_compiler(self._outer_settings.pop())
         self._report()
@@ -443,6 +425,54 @@ class CompiledPlanHandle:
             warnings.warn(f"regen.apply: {len(recomputed)} of the plan's swaps ({format_bytes(sum(d.bytes for d in recomputed))}) "
                           f"are recomputed: the compiler offloads no view and no non-contiguous tensor",
                           CompiledPlanWarning, stacklevel=3)
+
+
+class CompiledPlanHandle:
+    """What `regen.apply` returns for a compiled model and a plan: a context manager, or call `.remove()`."""
+
+    def __init__(self, model: nn.Module, plan: Plan, offload_swaps: bool | None = None):
+        """`offload_swaps`: as CompiledCalls takes it."""
+        root = compiled_module(model)
+        self.calls = CompiledCalls(root, plan, offload_swaps)
+        self.model = model
+        self.plan = plan
+        self._removed = False
+        self.caches = announced_caches_off(root)
+        torch.compiler.reset()
+        self._hooks = self._pass_during_calls(model)
+        self._root = root
+        self._own_forward = root.__dict__.get("forward")
+        root.forward = forward_of_its_own(root)
+
+    @property
+    def placement(self) -> Placement:
+        return self.calls.placement
+
+    @property
+    def peak_check(self) -> PeakCheck:
+        return self.calls.peak_check
+
+    def _pass_during_calls(self, model: nn.Module) -> list:
+        """The pass is Inductor's only while this model runs (and compiles): hooks on the compiled wrapper
+        (they run outside the compiled code), or for a model compiled in place, a wrapper around its compiled
+        call. Other models compiled meanwhile never see it."""
+        calls = self.calls
+        if compiled_module(model) is not model:
+            return [model.register_forward_pre_hook(lambda *_: calls.begin_call()),
+                    model.register_forward_hook(lambda _module, _args, out: calls.end_call(out), always_call=True)]
+        compiled_call = model._compiled_call_impl
+
+        def call_under_the_plan(*args, **kwargs):
+            calls.begin_call()
+            out = None
+            try:
+                out = compiled_call(*args, **kwargs)
+                return out
+            finally:
+                calls.end_call(out)
+
+        model._compiled_call_impl = call_under_the_plan
+        return [compiled_call]
 
     # ---- public ---------------------------------------------------------------------------------------
     def __enter__(self) -> "CompiledPlanHandle":

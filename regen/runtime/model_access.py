@@ -55,9 +55,13 @@ def starts_a_step(depth: int, what_runs: str) -> bool:
     raises: `what_runs` says what runs eager ops one by one ("regen plans", "dynamic mode runs")."""
     if depth > 1 or not torch.is_grad_enabled():
         return False
-    if torch._C._current_graph_task_id() != -1:
-        return False
-    if torch.compiler.is_compiling():
-        raise RegenError(f"regen.apply: the model is being run by torch.compile; {what_runs} eager "
-                         f"execution, so train the module under regen.apply without torch.compile")
-    return True
+    if torch.compiler.is_compiling():  # first: torch.compile traces no further than what it can put in a graph
+        _refuse_compile(what_runs)
+    return torch._C._current_graph_task_id() == -1
+
+
+@torch.compiler.disable
+def _refuse_compile(what_runs: str) -> None:
+    """Raised where torch.compile runs it: eagerly, in the compiled call, not inside its trace."""
+    raise RegenError(f"regen.apply: the model is being run by torch.compile; {what_runs} eager "
+                     f"execution, so train the module under regen.apply without torch.compile")

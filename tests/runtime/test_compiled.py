@@ -5,7 +5,8 @@ the built-in GPT (dropout, its loss outside the model), profiled eagerly and sol
 then trained compiled (Inductor on CPU) with and without the plan: the same losses and module buffers bit for
 bit, gradients within what a differently partitioned compiled backward rounds differently, most of the plan
 placed in the compiled graph, and the planned step's allocator-measured peak below the unplanned compiled
-step's and within the plan's cap + 5%. The refusals need no compile.
+step's and within the plan's cap + 5%. A model compiled under its (eager) handle runs the plan as one
+compiled first. The refusals need no compile, or a trace that stops at the model's first hook.
 """
 
 import copy
@@ -60,12 +61,23 @@ def _profile_and_plan(model: str = "llama"):
     return profile, solve_within_reach(profile, half, "recompute", time_limit_s=10, rel_gap=0.2)
 
 
-def _train_compiled(model: str, plan, apply_plan=regen.apply):
+def _compile(w, how: str) -> None:
+    if how == "in place":
+        w.model.compile()
+    else:
+        w.model = torch.compile(w.model)
+
+
+def _train_compiled(model: str, plan, apply_plan=regen.apply, compiled_under_the_handle: str | None = None):
     """STEPS steps of a fresh compiled model from one seed, under `apply_plan(model, plan)`: (losses, last
-    gradients, buffers, last step's peak increase, the handle)."""
+    gradients, buffers, last step's peak increase, the handle). `compiled_under_the_handle`: the plan is applied
+    to the eager model, which is then compiled ("in place" or "wrapped")."""
     w = _build(model)
-    w.model = torch.compile(w.model)
+    if compiled_under_the_handle is None:
+        w.model = torch.compile(w.model)
     handle = apply_plan(w.model, plan) if plan is not None else None
+    if compiled_under_the_handle is not None:
+        _compile(w, compiled_under_the_handle)
     losses = []
     torch.manual_seed(5)  # dropout's draws
     try:
@@ -75,8 +87,9 @@ def _train_compiled(model: str, plan, apply_plan=regen.apply):
                 measured = measure_memory(lambda: losses.append(training_step(w).detach()), collect_garbage=True)
             else:
                 losses.append(training_step(w).detach())
-        grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
-        buffers = {n: b.clone() for n, b in w.model.named_buffers()}
+        grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in w.model.named_parameters()
+                 if p.grad is not None}
+        buffers = {n.removeprefix("_orig_mod."): b.clone() for n, b in w.model.named_buffers()}
     finally:
         if handle is not None:
             handle.remove()
@@ -291,4 +304,43 @@ def test_a_compiled_step_over_the_cap_is_warned_with_the_allocators_figure():
     with regen.apply(w.model, plan) as handle:
         handle.peak_check.read_peak = lambda: next(readings)
         with pytest.warns(CapExceededWarning, match="100% over"):
+            training_step(w)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_first(model: str):
+    _, plan = _profile_and_plan(model)
+    return _train_compiled(model, plan)
+
+
+@pytest.mark.parametrize("how", ["in place", "wrapped"])
+def test_a_model_compiled_under_its_handle_runs_the_plan_as_one_compiled_first(how):
+    profile, plan = _profile_and_plan("gpt")
+    losses, grads, buffers, peak, first = _compiled_first("gpt")
+    c_losses, c_grads, c_buffers, c_peak, handle = _train_compiled("gpt", plan, compiled_under_the_handle=how)
+    assert handle.compiled is not None and handle.stats.steps == 0  # no eager step ran
+    assert all(torch.equal(a, b) for a, b in zip(losses, c_losses)), (losses, c_losses)
+    assert buffers.keys() == c_buffers.keys() and all(torch.equal(buffers[k], c_buffers[k]) for k in buffers)
+    assert grads.keys() == c_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(c_grads[k], grads[k], rtol=1e-5, atol=1e-7, msg=f"gradient of {k}")
+    assert handle.compiled.placement.placed == first.placement.placed
+    assert profile.memory_at_start_bytes + c_peak <= plan.memory_cap_bytes * (1 + CAP_TOLERANCE)
+    assert _compiler_settings() == USER_SETTINGS
+
+
+def test_what_only_the_eager_runtime_does_is_refused_when_the_model_is_compiled_under_the_handle():
+    _, plan = _profile_and_plan("gpt")
+    w = _build("gpt")
+    with regen.apply(w.model, plan, on_mismatch="raise"):
+        w.model.compile()
+        with pytest.raises(Exception, match="on_mismatch is for an eager model.*compiled under regen.apply"):
+            training_step(w)
+
+
+def test_dynamic_mode_refuses_a_model_compiled_under_it():
+    w = _build("gpt")
+    with regen.apply(w.model, memory_cap="64MiB"):
+        w.model.compile()
+        with pytest.raises(Exception, match="being run by torch.compile; dynamic mode runs eager"):
             training_step(w)
