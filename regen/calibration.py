@@ -64,7 +64,7 @@ MIN_ROUNDS, MAX_ROUNDS = 2, 3
 STEPS_PER_BLOCK = 3
 SETTLED_FRACTION = 0.05  # rounds agree when each plan's extra time spreads less than this x the step
 BUDGET_S = 60.0  # rounds after MIN_ROUNDS stop once the calibration has taken this long
-SOLVE_STEPS = 8  # a calibration solve's time limit, in the profile's steps...
+SOLVE_STEPS = 4  # a calibration solve's time limit, in the profile's steps...
 SOLVE_MIN_S, SOLVE_MAX_S = 1.0, 20.0  # ... within these
 # the gap each calibration plan is solved to: the recompute plan's as the plans users solve are (regions and
 # recipes mixed as theirs are: what a recompute costs beyond its charge depends on that mix), the swap plan's
