@@ -329,6 +329,22 @@ def test_a_model_compiled_under_its_handle_runs_the_plan_as_one_compiled_first(h
     assert _compiler_settings() == USER_SETTINGS
 
 
+def test_a_model_compiled_under_its_handle_is_not_served_code_compiled_for_another_instance():
+    """torch.compile shares compiled code among a class's instances: one compiled before the handle was made
+    (a Trainer's earlier run, say) would otherwise run in place of the plan's."""
+    _, plan = _profile_and_plan("gpt")
+    *_, first = _compiled_first("gpt")
+    other = _build("gpt")
+    other.model.compile()
+    training_step(other)  # the class's code compiled without a plan
+    w = _build("gpt")
+    with regen.apply(w.model, plan) as handle:
+        w.model.compile()
+        training_step(w)
+        assert handle.compiled.placement.graphs >= 1
+        assert handle.compiled.placement.placed == first.placement.placed
+
+
 def test_what_only_the_eager_runtime_does_is_refused_when_the_model_is_compiled_under_the_handle():
     _, plan = _profile_and_plan("gpt")
     w = _build("gpt")
