@@ -36,8 +36,9 @@ call raises `PlanMismatchError`; with `"keep"` it warns and runs unplanned. With
 plan for it, used from the first call after it is solved.
 
 The first planned step of a plan also hashes the forward ops and compares the result with `plan.fingerprint`.
-A mismatch found within a step raises `PlanMismatchError` (also under "dynamic": a step cannot change mode
-once it has begun), or with `on_mismatch="keep"` warns and keeps every later tensor of that step.
+A mismatch found within a step raises `PlanMismatchError` under `on_mismatch="raise"`; otherwise it warns and
+the step keeps every later tensor (a step cannot change mode once it has begun; Note [ A step that leaves its
+plan ]).
 
 What a step verified and recorded comes back to the handle when its forward ends (`StepFindings`) and
 shapes the later steps (docs/internals.md "Pack-order fast path"): once a step is verified, later steps
@@ -94,6 +95,16 @@ from regen.runtime.window_hooks import WindowHooks
 
 
 ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
+
+# NOTE [ A step that leaves its plan ]
+# A step can find that its ops are not its plan's only once it has begun (the call matched the plan's): a
+# model whose first forward builds modules or buffers (BigBird at a short sequence swaps its attention
+# modules for full attention in its first call, which the profile's warm-up hid), or a branch on the data.
+# A step cannot turn to dynamic mode midway, so under on_mismatch="dynamic" it runs the rest unplanned,
+# keeping what it saves from there (warned: it can pass the cap), as "keep" does; "raise" raises. The call's
+# later steps keep the plan (a first forward differs once), until MAX_DIVERGED_STEPS of them have left it:
+# from then on that call runs in dynamic mode.
+MAX_DIVERGED_STEPS = 2
 
 
 def _checked_plan_states(model: nn.Module, plan: Plan | str | Path | list | None, on_mismatch: str,
@@ -169,14 +180,14 @@ class RegenHandle:
         self._hooks += self.window_hooks.add(states)
 
     def _give_context(self, state: PlanState) -> None:
-        """What the plan's steps get; a mismatch found mid-step raises under on_mismatch="dynamic" (a step
-        cannot change mode once it has begun)."""
+        """What the plan's steps get (a mismatch found mid-step: Note [ A step that leaves its plan ])."""
         state.context = StepContext(
-            index=state.index, on_mismatch="raise" if self.on_mismatch == "dynamic" else self.on_mismatch,
+            index=state.index, on_mismatch=self.on_mismatch,
             stats=self.stats, pause_tracker=self.tracker.pause, engine_for=self.engine_for, pool=self.pool,
             forward_ended=functools.partial(self._forward_ended, state), tracking_done=self._pop_tracker_for,
             track=self._track,
-            released=self._step_released, drops_held=self._drops_held)
+            released=self._step_released, drops_held=self._drops_held,
+            diverged=functools.partial(self._diverged, state))
 
     # ---- public ---------------------------------------------------------------------------------------
     def __enter__(self) -> "RegenHandle":
@@ -257,12 +268,12 @@ class RegenHandle:
             new = add_plan(self.plan_states, plan)
             self._give_context(new)
             self._hooks += self.region_hooks.add([new]) + self.window_hooks.add([new])
-        state = self._plan_for(args, kwargs)
+        state, left_plan = self._plan_for(args, kwargs)
         if state is None:  # no plan of the set fits this call: unplanned ("keep") or dynamic
             self.current = None
             self._pop_tracker(force=False)
             if self.on_mismatch == "dynamic":
-                self.fallback.run(args, kwargs)
+                self.fallback.run(args, kwargs, why=left_plan)
             return
         self.fallback.planned_step_begins()
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
@@ -279,16 +290,25 @@ class RegenHandle:
             self._pop_tracker(force=False)
         stacks.push_hooks(step, step.pack_fn, step.unpack_fn)
 
-    def _plan_for(self, args: tuple, kwargs: dict) -> PlanState | None:
-        """The plan of the set this call runs under; None when none fits and on_mismatch is "keep" (with a
-        warning) or "dynamic" (the fallback's step)."""
+    @staticmethod
+    def _diverged(state: PlanState) -> None:
+        """One of `state`'s steps left its plan mid-step (Note [ A step that leaves its plan ])."""
+        state.diverged_steps += 1
+
+    def _plan_for(self, args: tuple, kwargs: dict) -> tuple[PlanState | None, str | None]:
+        """The plan of the set this call runs under, or None when none fits and on_mismatch is "keep" (with a
+        warning) or "dynamic" (the fallback's step); and, for a call whose plan its steps keep leaving (Note
+        [ A step that leaves its plan ]), why it runs in dynamic mode."""
         dynamic = self.on_mismatch == "dynamic"
         state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic,
                                 trainable=self.trainable)
+        left_plan = None
+        if dynamic and state is not None and state.diverged_steps >= MAX_DIVERGED_STEPS:
+            state, left_plan = None, f"{state.diverged_steps} steps of this call left its plan mid-step"
         if dynamic and self._any_rank is not None and self._any_rank(state is None):
             state = None  # every rank runs the same kind of step (a planned step's collectives need them all)
         if state is not None:
-            return state
+            return state, None
         if self.on_mismatch == "raise":
             raise PlanMismatchError(f"regen.apply: {problem}, or pass on_mismatch='dynamic' to run such steps in "
                                     f"dynamic mode or 'keep' to run them unplanned")
@@ -297,9 +317,9 @@ class RegenHandle:
             self.stats.unplanned_steps += 1
             warnings.warn(f"regen.apply: {problem}; running this step unplanned (on_mismatch='keep')",
                           PlanMismatchWarning, stacklevel=4)
-            return None
+            return None, None
         self.stats.dynamic_steps += 1
-        return None
+        return None, left_plan
 
     def _post_hook(self, module, args, output):
         if torch.compiler.is_compiling():
@@ -435,7 +455,9 @@ def apply(model: nn.Module, plan: Plan | str | Path | list | None = None, on_mis
     with its call; plan_set.py). A call no plan fits runs, with `on_mismatch="dynamic"` (default), in
     dynamic mode under the smallest cap of the set (a notice the first time per call signature); with
     `"raise"` it raises PlanMismatchError; with `"keep"` it warns and runs unplanned. A mismatch found
-    mid-step (a planned call whose ops differ from the plan's) raises, or with "keep" runs unplanned.
+    mid-step (a planned call whose ops differ from the plan's) raises with "raise"; otherwise the rest of the
+    step runs unplanned, with a warning (under "dynamic", a call whose steps do so twice runs in dynamic mode
+    from then on).
     `emulate_link=True` (CPU devices only) runs the plan's swaps over an emulated host link at the plan's
     bandwidths, asynchronously, as over a GPU's link (regen.runtime.swap.emulated).
 

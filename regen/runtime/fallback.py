@@ -61,14 +61,16 @@ class DynamicFallback:
             self.learned.request(self.engine.mode.pause if self.engine is not None else contextlib.nullcontext)
         return ready
 
-    def run(self, args: tuple, kwargs: dict) -> None:
-        """Run this call as a dynamic step."""
+    def run(self, args: tuple, kwargs: dict, why: str | None = None) -> None:
+        """Run this call as a dynamic step; `why`: why its plan does not run it, when it has one (said the
+        first time, with the call)."""
         signature = call_signature(self.root, args, kwargs)
         described = describe(signature)
         if described not in self._noticed:
             self._noticed.add(described)
             learning = ", learning a plan for it" if self.learned.learning else ""
-            warnings.warn(f"regen.apply: no plan fits this call of the model ({described}); running such steps in "
+            reason = why or "no plan fits this call of the model"
+            warnings.warn(f"regen.apply: {reason} ({described}); running such steps in "
                           f"dynamic mode under the cap {format_bytes(self.cap_bytes)} (on_mismatch='dynamic'"
                           f"{learning})", PlanMismatchWarning, stacklevel=5)
         if self.engine is None:

@@ -1,7 +1,8 @@
 """What a step does when it does not match its plan: raise, or warn and run the rest unplanned.
 
-on_mismatch="raise" raises `PlanMismatchError`; "keep" warns (`PlanMismatchWarning`) and the step keeps
-every later tensor. With torch.distributed initialized, a mismatch found before backward is held until
+on_mismatch="raise" raises `PlanMismatchError`; "keep" and "dynamic" warn (`PlanMismatchWarning`) and the
+step keeps every later tensor (a step cannot turn to dynamic mode once it has begun; under "dynamic" the
+handle sends calls whose steps keep leaving their plan to dynamic mode: regen.runtime.apply). With torch.distributed initialized, a mismatch found before backward is held until
 the first unpack, where the ranks agree on it (regen/ranks.py), so all ranks raise or all go on.
 The step applies the verdicts (regen.runtime.step); this module words them and holds the deferral.
 """
@@ -18,7 +19,7 @@ from regen.runtime.tracker import regen_ops
 
 
 class PlanMismatchWarning(UserWarning):
-    """A step ran unplanned because the plan did not fit it (on_mismatch="keep")."""
+    """A step ran unplanned, or in dynamic mode, because the plan did not fit it."""
 
 
 class MismatchPolicy:
@@ -54,10 +55,18 @@ class MismatchPolicy:
         if self.on_mismatch == "raise":
             raise PlanMismatchError(f"regen.apply: {message}. Profile and solve for this model and batch "
                                     f"shape, or pass on_mismatch='keep' to run such steps unplanned")
-        if planned:
-            self.stats.unplanned_steps += 1
+        if not planned:
+            return
+        self.stats.unplanned_steps += 1
+        if self.on_mismatch == "keep":
             warnings.warn(f"regen.apply: {message}; running this step unplanned (on_mismatch='keep')",
                           PlanMismatchWarning, stacklevel=4)
+        else:
+            warnings.warn(f"regen.apply: {message}; the rest of this step runs unplanned (it keeps every tensor "
+                          f"it saves from here, over the plan's cap if it needs more). A model whose first forward "
+                          f"differs from its later ones (one that builds modules or buffers at its first call) does "
+                          f"this once; calls like this one keep their plan until a second such step, then run in "
+                          f"dynamic mode", PlanMismatchWarning, stacklevel=4)
 
     def agree(self) -> str | None:
         """At the first unpack: the message to act on when any rank's step did not match the plan, or
@@ -67,7 +76,7 @@ class MismatchPolicy:
             anywhere = self.any_rank(self.deferred is not None)
         if not anywhere:
             return None
-        if self.deferred is None and self.on_mismatch == "keep":
+        if self.deferred is None and self.on_mismatch != "raise":
             warnings.warn("regen.apply: another rank's step did not match the plan and ran unplanned there; "
                           "this rank's step followed the plan", PlanMismatchWarning, stacklevel=4)
             return None

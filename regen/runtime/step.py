@@ -81,6 +81,7 @@ class StepContext:
     track: Callable  # (step): a fast step's tracking window opens: the dispatch mode follows its ops
     released: Callable  # (step, followed_plan: bool)
     drops_held: Callable  # (step, bytes): on a watched step, the dropped storages still held as backward began
+    diverged: Callable = lambda: None  # (): the step left its plan mid-step and runs the rest unplanned
 
 
 
@@ -187,6 +188,8 @@ class Step:
             self.failed = True
             self.end_forward()
         self.mismatches.act(message, planned)
+        if planned:
+            self.ctx.diverged()
 
     # ---- pack ---------------------------------------------------------------------------------------
     def pack(self, x: torch.Tensor):

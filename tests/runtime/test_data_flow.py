@@ -62,7 +62,7 @@ def test_another_branch_on_a_fast_step_raises_even_at_a_reused_address():
         w.model.flag = False
         w.model.addresses.clear()
         with pytest.raises(PlanMismatchError, match="data flow"):
-            with regen.apply(w.model, plan) as handle:
+            with regen.apply(w.model, plan, on_mismatch="raise") as handle:
                 run_and_grads(w)
                 run_and_grads(w)
                 assert handle.plan_states[0].fast_ops is not None and handle.stats.planned_steps == 2

@@ -71,7 +71,7 @@ def test_later_step_with_other_batch_shape_raises():
     plan = PLANS["swap"](trace)
     other = other_batch(w)
     with pytest.raises(PlanMismatchError, match="verified step"):
-        with regen.apply(w.model, plan) as handle:
+        with regen.apply(w.model, plan, on_mismatch="raise") as handle:
             run_and_grads(w)
             run_and_grads(w)
             assert handle.plan_states[0].pack_sequence is not None
@@ -108,7 +108,7 @@ def test_fewer_saved_tensors_before_backward_is_a_mismatch():
         raise _Stop
 
     with pytest.raises(PlanMismatchError, match="before backward began"):
-        with regen.apply(w.model, plan) as handle:
+        with regen.apply(w.model, plan, on_mismatch="raise") as handle:
             run_and_grads(w)
             w.model.zero_grad(set_to_none=True)
             hook = w.model.blocks[0].register_forward_hook(stop)

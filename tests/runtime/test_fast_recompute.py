@@ -93,7 +93,7 @@ def test_later_step_with_other_batch_shape_raises():
     w, trace = traced("gpt")
     other = other_batch(w)
     with pytest.raises(PlanMismatchError, match="verified step"):
-        with regen.apply(w.model, PLANS["hybrid"](trace)) as handle:
+        with regen.apply(w.model, PLANS["hybrid"](trace), on_mismatch="raise") as handle:
             run_and_grads(w)
             run_and_grads(w)
             assert handle.plan_states[0].fast_ops is not None
@@ -123,7 +123,7 @@ def test_later_step_recipe_op_drift_raises():
     plan = PLANS["recompute"](trace_workload(w))
     assert any(r.name == "aten.relu.default" for r in plan.recipe_ops)
     with pytest.raises(PlanMismatchError, match="aten.relu.default"):
-        with regen.apply(w.model, plan) as handle:
+        with regen.apply(w.model, plan, on_mismatch="raise") as handle:
             run_and_grads(w)
             run_and_grads(w)
             assert handle.plan_states[0].fast_ops is not None

@@ -1,5 +1,8 @@
-"""A plan applied to another batch shape or model raises PlanMismatchError, or with
-on_mismatch="keep" warns and runs the step unplanned (same gradients as without regen)."""
+"""A plan applied to another batch shape or model raises PlanMismatchError with on_mismatch="raise", or
+warns and runs the step unplanned (same gradients as without regen); under the default ("dynamic") a call
+whose steps keep leaving their plan mid-step runs in dynamic mode."""
+
+import warnings
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ def test_other_batch_size_raises():
     plan = PLANS["hybrid"](trace)
     other = make("gpt", batch_size=2)
     with pytest.raises(PlanMismatchError, match="plan expects"):
-        with regen.apply(other.model, plan) as handle:
+        with regen.apply(other.model, plan, on_mismatch="raise") as handle:
             step(other)
     assert_nothing_left(handle, other.model)
     other.model.zero_grad(set_to_none=True)
@@ -43,7 +46,7 @@ def test_other_model_raises():
     plan = PLANS["swap"](trace)
     cnn = make("cnn")
     with pytest.raises(PlanMismatchError):
-        with regen.apply(cnn.model, plan):
+        with regen.apply(cnn.model, plan, on_mismatch="raise"):
             step(cnn)
 
 
@@ -68,7 +71,7 @@ def test_same_shapes_other_ops_caught_by_fingerprint():
     plan = PLANS["swap"](trace_workload(relu))
     assert trace_workload(tanh).num_forward_ops == plan.num_forward_ops
     with pytest.raises(PlanMismatchError, match="fingerprint"):
-        with regen.apply(tanh.model, plan):
+        with regen.apply(tanh.model, plan, on_mismatch="raise"):
             step(tanh)
     with regen.apply(relu.model, plan) as handle:  # the right model passes
         step(relu)
@@ -80,7 +83,7 @@ def test_recipe_op_name_is_checked():
     plan = PLANS["recompute"](trace)
     plan.recipe_ops[0].name = "aten.cos.default"
     with pytest.raises(PlanMismatchError, match="aten.cos.default"):
-        with regen.apply(w.model, plan):
+        with regen.apply(w.model, plan, on_mismatch="raise"):
             step(w)
 
 
@@ -119,7 +122,7 @@ def test_eval_forwards_with_grad_and_other_ops_are_a_mismatch():
     w.model.eval()
     try:
         with pytest.raises(PlanMismatchError):
-            with regen.apply(w.model, plan):
+            with regen.apply(w.model, plan, on_mismatch="raise"):
                 step(w)
         with regen.apply(w.model, plan, on_mismatch="keep") as handle:
             with pytest.warns(PlanMismatchWarning):
@@ -154,7 +157,7 @@ def test_a_forward_shorter_than_the_plan_is_a_mismatch(strategy):
     shorter = stack_workload(1)
     why = "the forward ran|the plan's recipe expects"  # a recompute plan's recipe op names may see it first
     with pytest.raises(PlanMismatchError, match=why):
-        with regen.apply(shorter.model, plan):
+        with regen.apply(shorter.model, plan, on_mismatch="raise"):
             step(shorter)
     with regen.apply(shorter.model, plan, on_mismatch="keep") as handle:
         with pytest.warns(PlanMismatchWarning, match=why):
@@ -195,7 +198,7 @@ def test_double_backward_is_a_mismatch(strategy):
     w, trace = traced("mlp")
     plan = PLANS[strategy](trace)
     with pytest.raises(PlanMismatchError, match="create_graph=True"):
-        with regen.apply(w.model, plan) as handle:
+        with regen.apply(w.model, plan, on_mismatch="raise") as handle:
             _gradient_penalty_step(w)
     assert_nothing_left(handle, w.model)
     w.model.zero_grad(set_to_none=True)
@@ -216,4 +219,69 @@ def test_double_backward_keep_warns_and_gives_the_unplanned_gradients():
     for name in reference:
         assert torch.equal(reference[name], planned[name]), name
     assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 1
+    assert_nothing_left(handle, w.model)
+
+
+class _BuiltAtFirstCall(torch.nn.Module):
+    """Sets a buffer at its first call, midway through its forward (a model that builds modules or buffers
+    at its first call, as BigBird does): the profile's warm-up step hides it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+        self.register_buffer("scale", torch.zeros(64))
+        self.built = False
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        if not self.built:
+            self.scale.fill_(0.5)
+            self.built = True
+        return self.c(torch.tanh(h * self.scale)).pow(2).mean()
+
+
+def _first_call_workload() -> Workload:
+    return Workload(name="built-at-first-call", model=_BuiltAtFirstCall(), batch=(torch.randn(256, 32),), loss_fn=None)
+
+
+def _recompute_plan(w: Workload):
+    from regen.planner import solve_within_reach
+    from regen.profiler import profile_workload
+
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    start = profile.memory_at_start_bytes
+    plan = solve_within_reach(profile, start + (profile.peak_bytes - start) // 2, "recompute", time_limit_s=30)
+    assert plan.action_counts()["recompute"] > 0 and plan.call is not None
+    return plan
+
+
+def test_a_step_that_leaves_its_plan_mid_step_runs_the_rest_unplanned_and_the_next_keep_the_plan():
+    plan = _recompute_plan(_first_call_workload())
+    reference_w = _first_call_workload()
+    reference = [run_and_grads(reference_w) for _ in range(3)]
+    w = _first_call_workload()
+    with regen.apply(w.model, plan) as handle:
+        with pytest.warns(PlanMismatchWarning, match="rest of this step runs unplanned"):
+            first = run_and_grads(w)
+        later = [run_and_grads(w) for _ in range(2)]
+    for a, b in zip(reference, [first] + later):
+        assert_same(a, b)
+    assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 2
+    assert handle.dynamic_stats.steps == 0
+    assert_nothing_left(handle, w.model)
+
+
+def test_a_call_whose_steps_keep_leaving_their_plan_runs_in_dynamic_mode():
+    plan = _recompute_plan(_first_call_workload())
+    w = _first_call_workload()
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan) as handle:
+        for k in range(4):
+            w.model.built = False  # every step builds again: its ops leave the plan's mid-step
+            said = ["rest of this step runs unplanned"] * 2 + ["2 steps of this call left its plan mid-step"]
+            with pytest.warns(PlanMismatchWarning, match=said[k]) if k < 3 else warnings.catch_warnings():
+                assert_same(reference, run_and_grads(w))
+    assert handle.stats.unplanned_steps == 2 and handle.stats.planned_steps == 0
+    assert handle.dynamic_stats.steps == 2
     assert_nothing_left(handle, w.model)
