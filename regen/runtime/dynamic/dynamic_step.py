@@ -66,7 +66,10 @@ from regen.units import format_bytes
 # the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest). The checks at packs, and at unpacks
 # and rebuilds of a step whose ops have not all made what the step before's made, keep HEADROOM_PER_OUTPUT x
 # the largest as well, and so do all of them where a host link holds memory no check can drop
-# (_backward_headroom_per_output).
+# (_backward_headroom_per_output). Where both are known in backward (every op so far made what it made the
+# step before, and the recorded step's temporaries are learned), a backward op's check keeps room for exactly
+# them and the unpacks keep no headroom: a temporary as large as the largest storage on top of them kept
+# 15% of the built-in GPT's cap unused at half its increase, and rebuilt 59 tensors a step where 36 do.
 
 
 class OverCapWarning(UserWarning):
@@ -183,13 +186,16 @@ class DynamicStep:
 
     def _backward_headroom_per_output(self) -> int:
         """The headroom at backward's unpacks and rebuilds, in multiples of the largest storage so far (Note
-        [ Room for the next op ]): one (a temporary) where every backward op's own check keeps room for exactly
+        [ Room for the next op ]): none where every backward op's own check keeps room for exactly what it made
+        the step before and its learned temporaries; one (a temporary) where it keeps room for exactly
         what it made the step before (foresight exact, cheap reads) and every byte in use is one a check can
         drop (no host link: a copy-in in flight or a copy-out not yet landed holds memory no check frees; with
         one headroom the step passed its cap by 5.5% under load); else HEADROOM_PER_OUTPUT (an output and a
         temporary). Forward keeps HEADROOM_PER_OUTPUT: one there as well took a CNN's convolution temporaries
         past its cap."""
         exact = self.foresight_exact and self.memory.cheap_reads and self.residency.swaps is None
+        if exact and self.temporaries is not None:  # every backward op's check keeps room for all it needs
+            return 0
         return 1 if exact else HEADROOM_PER_OUTPUT
 
     def _foreseen_bytes(self, phase: int, i: int, func) -> int | None:
@@ -203,13 +209,16 @@ class DynamicStep:
     def _room_for(self, phase: int, i: int, func) -> tuple[int, int]:
         """(need, headroom) of the check before op `i` of forward (`phase` 0) or backward (1) (Note [ Room for
         the next op ]): when it is the op of the step before, what it made then and one temporary as large as
-        the largest storage so far; else no figure and a headroom of HEADROOM_PER_OUTPUT x the largest (the
+        the largest storage so far (a backward op whose temporaries were learned: them, and no headroom, while
+        every op so far made what it made the step before and no host link holds memory); else no figure and a headroom of HEADROOM_PER_OUTPUT x the largest (the
         output guessed: a check that cannot keep a guess free is not over its cap)."""
         foreseen = self._foreseen_bytes(phase, i, func)
         if foreseen is None:
             return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
         if phase == 1 and self.temporaries is not None:  # what the op allocates and frees inside itself
             foreseen += self.temporaries.get(i, 0)
+            if self.foresight_exact and self.residency.swaps is None:  # all it needs, known
+                return foreseen, 0
         if self.foresight_exact:
             return foreseen, self.largest_bytes
         return max(0, foreseen - self.largest_bytes), HEADROOM_PER_OUTPUT * self.largest_bytes
