@@ -1,7 +1,8 @@
 """`regen check`: trust a plan only after seeing it give the same result on your model.
 
-Builds the workload twice from one state (weights and buffers copied), runs unplanned and planned
-training steps on the same batch from the same RNG states (torch's, Python's and NumPy's: a forward may
+Builds the workload twice from one state (weights and buffers copied), runs one step of each unplanned (a
+model's first step may differ from its later ones, as the profile's warm-up step lets it: docs/limitations.md
+"Plan mismatch"), then unplanned and planned training steps on the same batch from the same RNG states (torch's, Python's and NumPy's: a forward may
 draw a mask from `np.random`), one of each in turn (`compared_steps`, 1 by default: the step the handle
 verifies; from the second on, later steps' pack-order fast path), and compares the loss, every gradient and
 every module buffer (BatchNorm running statistics, counters) bit for bit. Both run training steps as regen
@@ -90,6 +91,13 @@ def _check(build: Callable[[], object], apply_kwargs: dict, start_bytes: Callabl
     under.model.load_state_dict(plain.model.state_dict())
     plain_caches = training_caches_off(plain.model)  # as the handle turns the other model's off
     try:
+        # the model's first step, unplanned on both, as the profile's warm-up ran it: a first forward may differ
+        # from the later ones (modules or buffers built at the first call), and a plan is of the later ones
+        under_caches = training_caches_off(under.model)
+        try:
+            _one_step(plain), _one_step(under)
+        finally:
+            under_caches.restore()
         with apply(under.model, **apply_kwargs) as handle:
             progress(f"{compared_steps} unplanned and {kind} step(s) from the same state and RNG seeds")
             for k in range(compared_steps):

@@ -89,6 +89,38 @@ COUNTING = '''
     '''
 
 
+BUILT_AT_FIRST_CALL = """
+    import torch
+    from torch import nn
+
+    class BuiltAtFirstCall(nn.Module):
+        '''Sets a buffer at its first call, midway through its forward (BigBird builds modules so).'''
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 1)
+            self.register_buffer("scale", torch.zeros(32))
+            self.built = False
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if not self.built:
+                self.scale.fill_(0.5)
+                self.built = True
+            return self.b(torch.tanh(h * self.scale)).pow(2).mean()
+
+    def build(batch_size=8):
+        torch.manual_seed(0)
+        return BuiltAtFirstCall(), torch.randn(batch_size, 16)
+    """
+
+
+def test_a_model_whose_first_forward_differs_is_checked_on_its_later_steps(tmp_cwd, capsys):
+    """The profile records a step after its warm-up; the check compares steps after one unplanned step of each."""
+    assert check_a_module(tmp_cwd, "first_call", BUILT_AT_FIRST_CALL) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
 def test_a_buffer_that_differs_fails(tmp_cwd, capsys):
     """Loss and gradients equal, one module buffer not: the check compares buffers too."""
     assert check_a_module(tmp_cwd, "counting", COUNTING) == 1

@@ -54,7 +54,9 @@ class MismatchPolicy:
         following the plan until now)."""
         if self.on_mismatch == "raise":
             raise PlanMismatchError(f"regen.apply: {message}. Profile and solve for this model and batch "
-                                    f"shape, or pass on_mismatch='keep' to run such steps unplanned")
+                                    f"shape, or pass on_mismatch='keep' to run such steps unplanned (a model whose "
+                                    f"first forward builds modules or buffers leaves its plan so in its first step "
+                                    f"only: run one step before regen.apply)")
         if not planned:
             return
         self.stats.unplanned_steps += 1
