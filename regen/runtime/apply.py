@@ -257,13 +257,7 @@ class RegenHandle:
         self._depth += 1
         if not starts_a_step(self._depth, "regen plans"):
             return
-        prev = self.current
-        if prev is not None and prev.stage != STAGE_CLOSED:
-            prev.end_forward()
-        stacks.pop_finished()  # this handle's and others' steps that pack no more
-        if prev is not None:
-            stacks.pop_hooks(prev.pack_fn)
-        self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
+        self._close_previous_step()
         for plan in self.fallback.between_steps():  # learned plans join the set (on this thread)
             new = add_plan(self.plan_states, plan)
             self._give_context(new)
@@ -294,6 +288,16 @@ class RegenHandle:
     def _diverged(state: PlanState) -> None:
         """One of `state`'s steps left its plan mid-step (Note [ A step that leaves its plan ])."""
         state.diverged_steps += 1
+
+    def _close_previous_step(self) -> None:
+        """The model's next call begins: the step before packs no more, and what it left pushed goes."""
+        prev = self.current
+        if prev is not None and prev.stage != STAGE_CLOSED:
+            prev.end_forward()
+        stacks.pop_finished()  # this handle's and others' steps that pack no more
+        if prev is not None:
+            stacks.pop_hooks(prev.pack_fn)
+        self.tracker.pop_closer(force=False)  # left pushed by the step before when it closed the forward
 
     def _plan_for(self, args: tuple, kwargs: dict) -> tuple[PlanState | None, str | None]:
         """The plan of the set this call runs under, or None when none fits and on_mismatch is "keep" (with a
@@ -337,18 +341,14 @@ class RegenHandle:
         """A call of the model compiled under this handle begins (run eagerly, outside the compiled code): the
         plan is carried out by the compiler from here (compiled.py), the eager steps before are let go."""
         if self.compiled is None:
-            refused = eager_only_arguments(on_mismatch=self.on_mismatch, emulate_link=self.emulated_link_bytes_per_s
+            refused = _eager_only_arguments(on_mismatch=self.on_mismatch, emulate_link=self.emulated_link_bytes_per_s
                                            is not None, learn=self.fallback.learned.learning or None)
             if refused or len(self.plan_states) != 1:
-                why = compiled_refusal(refused) if refused else _ONE_PLAN_COMPILED
+                why = _compiled_refusal(refused) if refused else _ONE_PLAN_COMPILED
                 raise RegenError(f"{why} (the model was compiled under regen.apply)")
             self.compiled = CompiledCalls(self.root, self.plan_states[0].plan)
-        prev, self.current = self.current, None
-        if prev is not None and prev.stage != STAGE_CLOSED:
-            prev.end_forward()
-        stacks.pop_finished()
-        if prev is not None:
-            stacks.pop_hooks(prev.pack_fn)
+        self._close_previous_step()
+        self.current = None
         self._pop_tracker(force=False)
         self.fallback.between_steps()
         self.fallback.planned_step_begins()
@@ -505,7 +505,7 @@ _ONE_PLAN_COMPILED = ("regen.apply: a compiled model runs one plan; a plan set (
                       "eager runtime: apply it to the module without torch.compile")
 
 
-def eager_only_arguments(on_mismatch: str, emulate_link: bool, **others) -> list[str]:
+def _eager_only_arguments(on_mismatch: str, emulate_link: bool, **others) -> list[str]:
     """The arguments given of those only the eager runtime carries out."""
     given = [name for name, value in others.items() if value is not None]
     if emulate_link:
@@ -515,17 +515,17 @@ def eager_only_arguments(on_mismatch: str, emulate_link: bool, **others) -> list
     return given
 
 
-def compiled_refusal(given: list[str]) -> str:
+def _compiled_refusal(given: list[str]) -> str:
     return (f"regen.apply: {', '.join(given)} is for an eager model; a compiled model runs one plan, recompute "
             f"only, carried out by the compiler")
 
 
 def _compiled_plan_handle(model, plan, on_mismatch, emulate_link, memory_cap, policy, learner, link_gb_s):
     """One plan on a torch.compile'd model (compiled.py); what only the eager runtime does is refused."""
-    given = eager_only_arguments(on_mismatch, emulate_link, memory_cap=memory_cap, policy=policy, learn=learner,
+    given = _eager_only_arguments(on_mismatch, emulate_link, memory_cap=memory_cap, policy=policy, learn=learner,
                                  link_gb_s=link_gb_s)
     if given:
-        raise RegenError(compiled_refusal(given))
+        raise RegenError(_compiled_refusal(given))
     many = isinstance(plan, (list, tuple)) and len(plan) > 1
     states = [] if many else plan_states(plan)
     if many or len(states) > 1:
