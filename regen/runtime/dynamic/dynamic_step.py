@@ -130,7 +130,7 @@ class DynamicStep:
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap,
-                                   swaps)
+                                   lambda: self.largest_bytes, swaps)
 
     # ---- ops (the handle's dispatch mode) ---------------------------------------------------------
     def forward_op(self, func, args, kwargs):
@@ -170,7 +170,6 @@ class DynamicStep:
                 if node.nbytes > self.largest_bytes:
                     self.largest_bytes = node.nbytes
                     self.residency.headroom_bytes = HEADROOM_PER_OUTPUT * node.nbytes
-                    self.residency.temporary_bytes = node.nbytes
                 if not inplace:
                     made_bytes += node.nbytes
         self.largest_upto.append(self.largest_bytes)
@@ -294,7 +293,6 @@ class DynamicStep:
         if op < len(self.largest_upto):  # Note [ Headroom in backward ]
             self.largest_bytes = self.largest_upto[op]
             self.residency.headroom_bytes = self._backward_headroom_per_output() * self.largest_bytes
-            self.residency.temporary_bytes = self.largest_bytes
         with self.pause():
             base = self.residency.materialize(obj.node)
             self.residency.prefetch(obj.node)

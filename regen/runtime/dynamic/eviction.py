@@ -47,7 +47,7 @@ from regen.runtime.recompute import replay_recipe
 
 # NOTE [ Room for a rebuild ]
 # A rebuild's check knows the bytes of the output its recipe makes, so besides them it keeps room for one
-# temporary only (`temporary_bytes`), not the output and temporary the headroom keeps where the next op's output
+# temporary only (as large as the largest storage so far), not the output and temporary the headroom keeps where the next op's output
 # is a guess. With the guess's two storages, a Jamba (its Mamba layers' scan a chain of 64 states, each read
 # by the next) rebuilt 90,000 tensors in its first step at checkpointing's peak (216 s against 0.04 s unplanned):
 # every rebuild in the chain evicted the states it had just rebuilt; with one, 1,027 (1.2 s).
@@ -63,7 +63,9 @@ class Residency:
     """The nodes a step holds, and the eviction and rebuild of them under the cap."""
 
     def __init__(self, nodes: dict, captures: dict, memory, cap_bytes: int, policy: str, stats,
-                 over_cap: Callable[[int], None], swaps=None):
+                 over_cap: Callable[[int], None], read_largest_bytes: Callable[[], int], swaps=None):
+        """`read_largest_bytes()`: the largest storage an op of the step made so far (in backward, up to the
+        forward op being unpacked): a rebuild keeps room for one temporary as large (Note [ Room for a rebuild ])."""
         self.nodes = nodes
         self.captures = captures
         self.memory = memory
@@ -77,7 +79,7 @@ class Residency:
         # kept free at every check: room for the temporaries of the next op (and where that op runs unchecked, its
         # outputs) in multiples of the largest storage an op of the step made so far (HEADROOM_PER_OUTPUT)
         self.headroom_bytes = 0
-        self.temporary_bytes = 0  # the largest storage an op of the step made so far: one temporary as large
+        self.read_largest_bytes = read_largest_bytes
         self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
         self.ran_out = False  # a check found nothing left to drop before the reserve was free
 
@@ -206,7 +208,7 @@ class Residency:
         # the inputs first, then room for this node's output: the inputs' rebuilds would use room made before them
         inputs = {key: self._materialize(self.nodes[key], pins, temps, readers, depth + 1) for key in node.inputs}
         # its output's bytes are known: room for them and for one temporary (Note [ Room for a rebuild ])
-        self.make_room(node.nbytes, headroom_bytes=self.temporary_bytes, pins=pins)
+        self.make_room(node.nbytes, headroom_bytes=self.read_largest_bytes(), pins=pins)
         result, _ = replay_recipe(node.key, list(node.chain), self.captures, inputs.__getitem__, node.shape,
                                   node.dtype)
         self.memory.track(result)
