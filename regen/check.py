@@ -2,17 +2,17 @@
 
 Builds the workload twice from one state (weights and buffers copied), runs one step of each unplanned (a
 model's first step may differ from its later ones, as the profile's warm-up step lets it: docs/limitations.md
-"Plan mismatch"), then unplanned and planned training steps on the same batch from the same RNG states (torch's, Python's and NumPy's: a forward may
-draw a mask from `np.random`), one of each in turn (`compared_steps`, 1 by default: the step the handle
-verifies; from the second on, later steps' pack-order fast path), and compares the loss, every gradient and
-every module buffer (BatchNorm running statistics, counters) bit for bit. Both run training steps as regen
-runs them: with the models' key/value caches off (regen.caches, as Hugging Face's Trainer and its gradient
-checkpointing run them; a model whose cache changes its numbers, such as Mamba2's, would otherwise differ
-from its plan by what the cache changes, not by what the plan does). Then it times
-a few more steps of each, interleaved so machine noise hits both alike, and measures each step's peak
-with the allocator (regen.measure). What users of other offloading tools were burned by (stream races
-that give silent NaN gradients, wrong recomputed metadata, statistics updated twice) is what this
-catches: any difference, or a measured peak over the cap, is a failed check.
+"Plan mismatch"), then unplanned and planned training steps on the same batch from the same RNG states
+(torch's, Python's and NumPy's: a forward may draw a mask from `np.random`), one of each in turn
+(`compared_steps`, 1 by default: the step the handle verifies; from the second on, later steps' pack-order
+fast path), and compares the loss, every gradient and every module buffer (BatchNorm running statistics,
+counters) bit for bit. Both run training steps as regen runs them: with the models' key/value caches off
+(regen.caches, as Hugging Face's Trainer and its gradient checkpointing run them; a model whose cache changes
+its numbers, such as Mamba2's, would otherwise differ from its plan by what the cache changes, not by what the
+plan does). Then it times a few more steps of each, interleaved so machine noise hits both alike, and measures
+each step's peak with the allocator (regen.measure). What users of other offloading tools were burned by
+(stream races that give silent NaN gradients, wrong recomputed metadata, statistics updated twice) is what
+this catches: any difference, or a measured peak over the cap, is a failed check.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _check(build: Callable[[], object], apply_kwargs: dict, start_bytes: Callabl
         # from the later ones (modules or buffers built at the first call), and a plan is of the later ones
         under_caches = training_caches_off(under.model)
         try:
-            _one_step(plain), _one_step(under)
+            _one_step(plain)
+            _one_step(under)
         finally:
             under_caches.restore()
         with apply(under.model, **apply_kwargs) as handle:

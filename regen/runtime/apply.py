@@ -85,7 +85,7 @@ from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
 from regen.runtime.plan_set import PlanState, add_plan, call_difference, choose, plan_states
 from regen.runtime.region_hooks import RegionHooks
 from regen.runtime.stats import RuntimeStats
-from regen.runtime.mismatch import PlanMismatchWarning
+from regen.runtime.mismatch import MAX_DIVERGED_STEPS, PlanMismatchWarning
 from regen.runtime.model_access import check_model, compiled_module, module_device, starts_a_step, unwrap_model
 from regen.runtime import stacks
 from regen.runtime.step import Step, StepContext, StepFindings
@@ -103,8 +103,7 @@ ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 # A step cannot turn to dynamic mode midway, so under on_mismatch="dynamic" it runs the rest unplanned,
 # keeping what it saves from there (warned: it can pass the cap), as "keep" does; "raise" raises. The call's
 # later steps keep the plan (a first forward differs once), until MAX_DIVERGED_STEPS of them have left it:
-# from then on that call runs in dynamic mode.
-MAX_DIVERGED_STEPS = 2
+# from then on that call runs in dynamic mode (the count and the warnings: regen/runtime/mismatch.py).
 
 
 def _checked_plan_states(model: nn.Module, plan: Plan | str | Path | list | None, on_mismatch: str,

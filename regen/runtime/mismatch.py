@@ -18,6 +18,11 @@ from regen.runtime.stats import RuntimeStats
 from regen.runtime.tracker import regen_ops
 
 
+# under on_mismatch="dynamic", a call whose steps left its plan mid-step this many times runs in dynamic mode
+# from its next step (regen/runtime/apply.py, Note [ A step that leaves its plan ])
+MAX_DIVERGED_STEPS = 2
+
+
 class PlanMismatchWarning(UserWarning):
     """A step ran unplanned, or in dynamic mode, because the plan did not fit it."""
 
@@ -67,8 +72,8 @@ class MismatchPolicy:
             warnings.warn(f"regen.apply: {message}; the rest of this step runs unplanned (it keeps every tensor "
                           f"it saves from here, over the plan's cap if it needs more). A model whose first forward "
                           f"differs from its later ones (one that builds modules or buffers at its first call) does "
-                          f"this once; calls like this one keep their plan until a second such step, then run in "
-                          f"dynamic mode", PlanMismatchWarning, stacklevel=4)
+                          f"this once; calls like this one keep their plan until {MAX_DIVERGED_STEPS} such steps, then "
+                          f"run in dynamic mode", PlanMismatchWarning, stacklevel=4)
 
     def agree(self) -> str | None:
         """At the first unpack: the message to act on when any rank's step did not match the plan, or
