@@ -22,10 +22,6 @@ DRIFTING = """
         def forward(self, x):
             CALLS[0] += 1
             return (self.fc(x).relu() + CALLS[0]).pow(2).mean()
-
-    def build(batch_size=8):
-        torch.manual_seed(0)
-        return Drifting(), torch.randn(batch_size, 16)
     """
 
 
@@ -36,10 +32,18 @@ def plan_for(tmp_path, workload_args, strategy="recompute", cap="90%"):
     return plan
 
 
-def check_a_module(tmp_cwd, module: str, source: str) -> int:
-    """`regen check`'s exit code for `module:build` (its `source` written to the working directory) under a
-    keep-all plan: regen changes nothing, so what differs is the model's own doing."""
-    (tmp_cwd / f"{module}.py").write_text(textwrap.dedent(source))
+BUILD = """
+def build(batch_size=8):
+    torch.manual_seed(0)
+    return {model}(), torch.randn(batch_size, 16)
+"""
+
+
+def check_a_module(tmp_cwd, module: str, source: str, model: str) -> int:
+    """`regen check`'s exit code for `module:build` (its `source`, defining the module class `model`, written to
+    the working directory with a `build` of it) under a keep-all plan: regen changes nothing, so what differs
+    is the model's own doing."""
+    (tmp_cwd / f"{module}.py").write_text(textwrap.dedent(source) + BUILD.format(model=model))
     args = ["--model", f"{module}:build"]
     plan = plan_for(tmp_cwd, args, strategy="keep-all", cap="100%")
     return main(["check", *args, "--plan", str(plan), "--steps", "1", "-q"])
@@ -54,7 +58,7 @@ def test_a_plan_that_gives_the_same_result_passes(tmp_path, capsys):
 
 
 def test_any_difference_fails(tmp_cwd, capsys):
-    assert check_a_module(tmp_cwd, "drifting", DRIFTING) == 1
+    assert check_a_module(tmp_cwd, "drifting", DRIFTING, "Drifting") == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "DIFFER" in out and "loss (max |difference|" in out
 
@@ -82,10 +86,6 @@ COUNTING = '''
             CALLS[0] += 1
             self.seen += CALLS[0]
             return self.fc(x).relu().pow(2).mean()
-
-    def build(batch_size=8):
-        torch.manual_seed(0)
-        return Counting(), torch.randn(batch_size, 16)
     '''
 
 
@@ -108,22 +108,18 @@ BUILT_AT_FIRST_CALL = """
                 self.scale.fill_(0.5)
                 self.built = True
             return self.b(torch.tanh(h * self.scale)).pow(2).mean()
-
-    def build(batch_size=8):
-        torch.manual_seed(0)
-        return BuiltAtFirstCall(), torch.randn(batch_size, 16)
     """
 
 
 def test_a_model_whose_first_forward_differs_is_checked_on_its_later_steps(tmp_cwd, capsys):
     """The profile records a step after its warm-up; the check compares steps after one unplanned step of each."""
-    assert check_a_module(tmp_cwd, "first_call", BUILT_AT_FIRST_CALL) == 0
+    assert check_a_module(tmp_cwd, "first_call", BUILT_AT_FIRST_CALL, "BuiltAtFirstCall") == 0
     assert "PASS" in capsys.readouterr().out
 
 
 def test_a_buffer_that_differs_fails(tmp_cwd, capsys):
     """Loss and gradients equal, one module buffer not: the check compares buffers too."""
-    assert check_a_module(tmp_cwd, "counting", COUNTING) == 1
+    assert check_a_module(tmp_cwd, "counting", COUNTING, "Counting") == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "1 DIFFER" in out and "buffer seen" in out
 
@@ -143,16 +139,12 @@ NOISY = '''
         def forward(self, x):
             keep = torch.from_numpy(numpy.random.rand(*x.shape) > 0.3)
             return (self.fc(x) * keep).relu().pow(2).mean()
-
-    def build(batch_size=8):
-        torch.manual_seed(0)
-        return Noisy(), torch.randn(batch_size, 16)
     '''
 
 
 def test_steps_that_draw_from_numpy_compare_from_the_same_numpy_state(tmp_cwd, capsys):
     """The unplanned and the planned step draw the same mask: the check seeds NumPy (and Python) as torch."""
-    assert check_a_module(tmp_cwd, "noisy", NOISY) == 0
+    assert check_a_module(tmp_cwd, "noisy", NOISY, "Noisy") == 0
     assert "PASS" in capsys.readouterr().out
 
 
@@ -190,17 +182,13 @@ CACHE_NUMERICS = """
             h = self.fc(x)
             h = h * 0.1 * 3.0 if self.config.use_cache else h * 0.3
             return h.pow(2).mean()
-
-    def build(batch_size=8):
-        torch.manual_seed(0)
-        return CacheNumerics(), torch.randn(batch_size, 16)
     """
 
 
 def test_both_steps_run_with_the_training_cache_off_as_the_plan_does(tmp_cwd, capsys):
     """regen trains with `config.use_cache` off (regen.caches): the unplanned step it compares with runs so too
     (compared with the model's own setting, a keep-all plan would differ)."""
-    assert check_a_module(tmp_cwd, "cache_numerics", CACHE_NUMERICS) == 0
+    assert check_a_module(tmp_cwd, "cache_numerics", CACHE_NUMERICS, "CacheNumerics") == 0
     assert "PASS" in capsys.readouterr().out
 
 
