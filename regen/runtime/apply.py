@@ -149,7 +149,8 @@ class RegenHandle:
         self._depth = 0
         self._removed = False
         self.compiled: CompiledCalls | None = None  # set when the model is compiled under this handle
-        torch.compiler.reset()  # code compiled before would run in place of the plan's (Note [ Plans under torch.compile ] 8)
+        # code compiled before would run in place of the plan's (Note [ Plans under torch.compile ] 8)
+        torch.compiler.reset()
         device = module_device(self.root)
         swapping = [s.plan for s in states if s.index.swap_bytes]
         self.emulated_link_bytes_per_s = _emulated_link(states, device) if emulate_link else None

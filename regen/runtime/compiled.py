@@ -60,8 +60,9 @@ Note [ Plans under torch.compile ]
    compile), so code compiled for another instance of the class would serve this one, and this plan's code
    another instance compiled while the handle is applied, past a graph break in the root's forward (a
    Trainer's compiled GPT-2 ran its first Trainer's code, and placed nothing): making the eager handle
-   resets torch.compile's caches too (every compiled function of the process; nothing when none is). What only the eager runtime does (a plan set, learn=True,
-   emulate_link, on_mismatch) is refused at the first compiled call. Past torch.compile's recompile limit, a
+   resets torch.compile's caches too (every compiled function of the process; nothing when none is). What
+   only the eager runtime does (a plan set, learn=True, emulate_link, on_mismatch) is refused at the first
+   compiled call. Past torch.compile's recompile limit, a
    forward it runs eagerly is said as 4 says (a root call it runs eagerly is planned by the eager runtime).
    Removing the handle resets torch.compile's caches, as 6 says.
 """

@@ -2,7 +2,8 @@
 
 on_mismatch="raise" raises `PlanMismatchError`; "keep" and "dynamic" warn (`PlanMismatchWarning`) and the
 step keeps every later tensor (a step cannot turn to dynamic mode once it has begun; under "dynamic" the
-handle sends calls whose steps keep leaving their plan to dynamic mode: regen.runtime.apply). With torch.distributed initialized, a mismatch found before backward is held until
+handle sends calls whose steps keep leaving their plan to dynamic mode: regen.runtime.apply). With
+torch.distributed initialized, a mismatch found before backward is held until
 the first unpack, where the ranks agree on it (regen/ranks.py), so all ranks raise or all go on.
 The step applies the verdicts (regen.runtime.step); this module words them and holds the deferral.
 """

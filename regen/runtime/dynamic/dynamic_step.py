@@ -209,8 +209,9 @@ class DynamicStep:
         """(need, headroom) of the check before op `i` of forward (`phase` 0) or backward (1) (Note [ Room for
         the next op ]): when it is the op of the step before, what it made then and one temporary as large as
         the largest storage so far (a backward op whose temporaries were learned: them, and no headroom, while
-        every op so far made what it made the step before and no host link holds memory); else no figure and a headroom of HEADROOM_PER_OUTPUT x the largest (the
-        output guessed: a check that cannot keep a guess free is not over its cap)."""
+        every op so far made what it made the step before and no host link holds memory); else no figure and a
+        headroom of HEADROOM_PER_OUTPUT x the largest (the output guessed: a check that cannot keep a guess free
+        is not over its cap)."""
         foreseen = self._foreseen_bytes(phase, i, func)
         if foreseen is None:
             return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
