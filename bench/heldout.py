@@ -254,11 +254,13 @@ def check_dynamic_rows(name: str, autocast: str | None, why: str) -> list[str]:
     from regen.check import check_dynamic
     from regen.runtime.dynamic.cap_memory import model_storages
 
+    w = _workload(name, autocast)
+    start = sum(model_storages(w.model).values())  # dynamic mode's start: the parameters and buffers
     increase = _checkpointing_increase(name, autocast)
     at = "checkpointing's peak"
     if increase is None:
-        increase, at = _peak_increase(_workload(name, autocast)) // 2, "half the unplanned increase"
-    cap = sum(model_storages(_workload(name, autocast).model).values()) + increase
+        increase, at = _peak_increase(w) // 2, "half the unplanned increase"
+    cap = start + increase
     report = check_dynamic(lambda: _workload(name, autocast), cap, timed_steps=1, compared_steps=STEPS)
     return [_row(name, f"dynamic mode @ {at} ({why})", "-", report, cap)]
 
