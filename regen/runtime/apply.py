@@ -75,7 +75,7 @@ from regen.call_signature import TrainableCount
 from regen.caches import announced_caches_off
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import Plan
-from regen.runtime.compiled import CompiledCalls, CompiledPlanHandle
+from regen.runtime.compiled import CompiledCalls, CompiledPlanHandle, reset_compiled_code
 from regen.runtime.dynamic.engine import DynamicStats
 from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
@@ -150,7 +150,7 @@ class RegenHandle:
         self._removed = False
         self.compiled: CompiledCalls | None = None  # set when the model is compiled under this handle
         # code compiled before would run in place of the plan's (Note [ Plans under torch.compile ] 8)
-        torch.compiler.reset()
+        reset_compiled_code()
         device = module_device(self.root)
         swapping = [s.plan for s in states if s.index.swap_bytes]
         self.emulated_link_bytes_per_s = _emulated_link(states, device) if emulate_link else None
@@ -222,7 +222,7 @@ class RegenHandle:
         if not self.live_steps:
             _close_engines(self.engines)
         if self.compiled is not None:  # the next steps compile without the plan
-            torch.compiler.reset()
+            reset_compiled_code()
 
     @property
     def active_steps(self) -> int:

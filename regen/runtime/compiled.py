@@ -91,6 +91,17 @@ from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
 from regen.units import format_bytes
 
 
+def reset_compiled_code() -> None:
+    """torch.compiler.reset() (every compiled function of the process: Note [ Plans under torch.compile ] 6, 8),
+    when torch.compile has compiled a frame since the last reset: with nothing compiled there is nothing to
+    forget, and a reset then still set a spawned DDP worker aborting at its exit ("terminate called without an
+    active exception": 2 of 24 runs of tests/runtime/test_robustness.py's gloo pair, none of 24 without it)."""
+    from torch._dynamo import convert_frame
+
+    if getattr(convert_frame, "FRAME_COUNTER", 1):  # a torch without the counter: reset
+        torch.compiler.reset()
+
+
 class CompiledPlanWarning(UserWarning):
     """Some of a plan's decisions could not be placed in a compiled model's graphs."""
 
@@ -441,7 +452,7 @@ class CompiledPlanHandle:
         self.plan = plan
         self._removed = False
         self.caches = announced_caches_off(root)
-        torch.compiler.reset()
+        reset_compiled_code()
         self._hooks = self._pass_during_calls(model)
         self._root = root
         self._own_forward = root.__dict__.get("forward")
@@ -498,7 +509,7 @@ class CompiledPlanHandle:
                 hook.remove()
             else:
                 self.model._compiled_call_impl = hook
-        torch.compiler.reset()
+        reset_compiled_code()
         self.caches.restore()
 
     @property
