@@ -29,8 +29,11 @@ The cap is 50% (--cap-fraction) of the unplanned step's peak increase at --max-l
 step's start (the plan: the profile's memory at start; dynamic mode: the model's parameters and
 buffers, its own start figure on CPU). Steps are forward and backward only (no optimizer step), so every
 variant sees the same weights and its gradients are compared bit for bit with its reference's
-(`exact`). Tokens/s counts real tokens (padding excluded) over the timed steps; the peak is the highest
-per-step peak the allocator saw (regen.measure), in a second, measured pass. Figures on a shared,
+(`exact`). Tokens/s counts real tokens (padding excluded) over the timed steps, every step but the first
+--warmup-steps (default 1: a step time is the steady state's; dynamic mode's first step also records its
+backward's temporaries on CPU, a plan's first step has none of that) whose mean time is printed apart
+("warm-up ms"); the peak is the highest per-step peak the allocator saw (regen.measure), every step's, in a second,
+measured pass. Figures on a shared,
 loaded machine are only comparable side by side, within one run.
 
 With `--min-len` equal to `--max-len` every step has the plan's shape: `pad-plan` is then the MILP plan
@@ -131,10 +134,10 @@ def bucket_of(length, buckets):
     return next(b for b in buckets if b >= length)
 
 
-def run_variant(model, data, pad_to, context, device):
-    """(tokens/s, highest per-step absolute peak, gradients per step); `pad_to(length)`: the padded length,
-    or None for no padding."""
-    grads, seconds, tokens, peak = [], 0.0, 0, 0
+def run_variant(model, data, pad_to, context, device, warmup_steps):
+    """(tokens/s over the steps after the first `warmup_steps`, the warm-up steps' seconds, highest per-step
+    absolute peak, gradients per step); `pad_to(length)`: the padded length, or None for no padding."""
+    grads, seconds, tokens, peak, warmup_s = [], 0.0, 0, 0, 0.0
     cuda = device.startswith("cuda")
     model.zero_grad(set_to_none=True)
     start = sum(model_storages(model).values())
@@ -148,15 +151,18 @@ def run_variant(model, data, pad_to, context, device):
             grads.append(one_step(model, idx, targets, seed=k))
             if cuda:
                 torch.cuda.synchronize()
-            seconds += time.perf_counter() - t0
-            tokens += real
+            if k < warmup_steps:
+                warmup_s += time.perf_counter() - t0
+            else:
+                seconds += time.perf_counter() - t0
+                tokens += real
             # gradients dropped first: the measured increase is over the model's own memory, as `start` counts it
             # (left, the step before's gradients would be in the baseline and freed by the step's zero_grad)
             model.zero_grad(set_to_none=True)
             # the profiler's garbage collected now, not inside the next timed step
             m = measure_memory(lambda: one_step(model, idx, targets, seed=k), device, collect_garbage=True)
             peak = max(peak, m.peak_bytes if cuda else start + m.peak_increase_bytes)
-    return tokens / seconds, peak, grads, handle
+    return tokens / seconds, warmup_s, peak, grads, handle
 
 
 def same(a, b):
@@ -177,7 +183,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt", choices=["gpt", *CAUSAL_LMS],
                     help="the built-in GPT, or a causal LM of regen.zoo at bench size (defaults as shipped)")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="steps per variant, warm-up steps included")
+    ap.add_argument("--warmup-steps", type=int, default=1, help="untimed first steps of each variant")
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -186,6 +193,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--link-ratio", type=float, default=0.9, help="dynamic-swap's emulated link (CPU device)")
     args = ap.parse_args()
+    if not 0 <= args.warmup_steps < args.steps:
+        ap.error("--warmup-steps: at least 0 and fewer than --steps")
     keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     buckets = sorted(args.buckets or [args.max_len * k // 4 for k in range(1, 5)])
     if buckets[-1] < args.max_len:
@@ -228,14 +237,16 @@ def main():
         link = {"emulate_link": True, "link_gb_s": link_gb_s}
         print(f"dynamic-swap: an emulated link of {link_gb_s:.2f} GB/s (link ratio {args.link_ratio} at length "
               f"{args.max_len}; the copy threads' CPU comes out of the same 2 cores: emulation only)")
-    print(f"{'variant':14s} {'tokens/s':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
+    print(f"{'variant':14s} {'tokens/s':>10s} {'warm-up ms':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
     for name, pad_to, context, reference in variants:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rate, peak, grads, handle = run_variant(model, data, pad_to, context, args.device)
+            rate, warmup_s, peak, grads, handle = run_variant(model, data, pad_to, context, args.device,
+                                                              args.warmup_steps)
         results[name] = grads
         exact = "-" if reference is None else ("yes" if same(grads, results[reference]) else "NO")
-        print(f"{name:14s} {rate:10.0f} {peak / 2**20:9.2f} {exact:>6s}  {describe_stats(handle)}")
+        first = f"{warmup_s / args.warmup_steps * 1e3:10.1f}" if args.warmup_steps else f"{'-':>10s}"
+        print(f"{name:14s} {rate:10.0f} {first} {peak / 2**20:9.2f} {exact:>6s}  {describe_stats(handle)}")
 
 
 def describe_stats(handle) -> str:
