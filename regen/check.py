@@ -13,6 +13,13 @@ plan does). Then it times a few more steps of each, interleaved so machine noise
 each step's peak with the allocator (regen.measure). What users of other offloading tools were burned by
 (stream races that give silent NaN gradients, wrong recomputed metadata, statistics updated twice) is what
 this catches: any difference, or a measured peak over the cap, is a failed check.
+
+A difference is only the plan's when the model itself is reproducible: one that draws randomness the seeds
+above do not fix (`torch.seed()`, which reseeds from the operating system: Hugging Face's Reformer does, in
+every training forward; its own generator; os.urandom) differs from itself. So when the planned steps differ,
+a third copy from the same starting state runs the same unplanned steps, and what it gives differently from
+the first is the report's `unreproducible`: then the check is inconclusive, not failed (bit-for-bit equality
+cannot judge such a model), and says so.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class CheckReport:
     """What `regen check` compared and measured."""
 
     differences: list[str] = field(default_factory=list)  # "loss", "gradient of fc.weight", "buffer bn.running_mean"
+    # when there are differences: what a second unplanned run from the same state and seeds gave differently
+    # from the first (the model is not reproducible; see the module doc); empty when it gave the same
+    unreproducible: list[str] = field(default_factory=list)
     compared_tensors: int = 0
     unplanned_peak_bytes: int = 0  # on the plan's absolute scale (memory at start + measured increase)
     planned_peak_bytes: int = 0
@@ -55,6 +65,11 @@ class CheckReport:
     @property
     def passed(self) -> bool:
         return not self.differences and self.within_cap
+
+    @property
+    def conclusive(self) -> bool:
+        """Bit-for-bit comparison could judge the plan: the unplanned model reproduced its own results."""
+        return not self.unreproducible
 
 
 def check_plan(build: Callable[[], object], plan: Plan, timed_steps: int = DEFAULT_TIMED_STEPS,
@@ -88,27 +103,63 @@ def _check(build: Callable[[], object], apply_kwargs: dict, start_bytes: Callabl
     from regen.runtime import apply
 
     plain, under = build(), build()
-    under.model.load_state_dict(plain.model.state_dict())
+    # on the host: a third copy may need it (_unreproducible), and the device holds two models already
+    initial_state = {name: t.detach().to("cpu", copy=True) for name, t in plain.model.state_dict().items()}
+    under.model.load_state_dict(initial_state)
     plain_caches = training_caches_off(plain.model)  # as the handle turns the other model's off
+    plain_steps = []
     try:
-        # the model's first step, unplanned on both, as the profile's warm-up ran it: a first forward may differ
-        # from the later ones (modules or buffers built at the first call), and a plan is of the later ones
-        under_caches = training_caches_off(under.model)
-        try:
-            _one_step(plain)
-            _one_step(under)
-        finally:
-            under_caches.restore()
+        _one_step(plain)  # its first step (see _first_step), its caches off already
+        _first_step(under)
         with apply(under.model, **apply_kwargs) as handle:
             progress(f"{compared_steps} unplanned and {kind} step(s) from the same state and RNG seeds")
             for k in range(compared_steps):
-                _compare_one_step(plain, under, report, "" if k == 0 else f"step {k}: ")
+                plain_steps.append(_compare_one_step(plain, under, report, _step_label(k)))
             progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
             _time_and_measure(plain, under, start_bytes(under.model), timed_steps, report)
             report.planned_steps = steps_run(handle.stats)
     finally:
         plain_caches.restore()
+    if report.differences:
+        progress("the steps differ: is the unplanned model reproducible? the same unplanned steps on a third copy")
+        report.unreproducible = _unreproducible(build, initial_state, plain_steps)
     return report
+
+
+def _step_label(k: int) -> str:
+    """How a difference of the k-th compared step (from 0) is named."""
+    return "" if k == 0 else f"step {k}: "
+
+
+def _first_step(workload) -> None:
+    """The model's first step, unplanned, with its caches off, as the profile's warm-up ran it: a first forward
+    may differ from the later ones (modules or buffers built at the first call), and a plan is of the later
+    ones."""
+    from regen.caches import training_caches_off
+
+    caches = training_caches_off(workload.model)
+    try:
+        _one_step(workload)
+    finally:
+        caches.restore()
+
+
+def _unreproducible(build: Callable[[], object], initial_state: dict, plain_steps: list) -> list[str]:
+    """What a third copy of the workload, from `initial_state`, gives differently from the unplanned steps
+    `plain_steps` (their (loss, gradients, buffers)) over the same steps and seeds."""
+    from regen.caches import training_caches_off
+
+    again = build()
+    again.model.load_state_dict(initial_state)
+    caches = training_caches_off(again.model)
+    differences: list[str] = []
+    try:
+        _one_step(again)  # its first step, as the others ran it
+        for k, first in enumerate(plain_steps):
+            _compare_results(first, _one_step(again), differences, _step_label(k))
+    finally:
+        caches.restore()
+    return differences
 
 
 def _one_step(workload) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -126,16 +177,24 @@ def _one_step(workload) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str
     return loss, grads, buffers
 
 
-def _compare_one_step(plain, planned, report: CheckReport, label: str = "") -> None:
-    loss_a, grads_a, buffers_a = _one_step(plain)
-    loss_b, grads_b, buffers_b = _one_step(planned)
+def _compare_one_step(plain, planned, report: CheckReport, label: str = "") -> tuple:
+    """One step of each from the same seeds, compared into `report`; the unplanned step's results."""
+    first = _one_step(plain)
+    report.compared_tensors += _compare_results(first, _one_step(planned), report.differences, label)
+    return first
+
+
+def _compare_results(first: tuple, second: tuple, differences: list[str], label: str) -> int:
+    """Two steps' (loss, gradients, buffers) compared bit for bit, what differs appended to `differences`;
+    the number of tensors compared."""
+    (loss_a, grads_a, buffers_a), (loss_b, grads_b, buffers_b) = first, second
     pairs = [("loss", loss_a, loss_b)]
     pairs += [(f"gradient of {n}", grads_a.get(n), grads_b.get(n)) for n in sorted(grads_a.keys() | grads_b.keys())]
     pairs += [(f"buffer {n}", buffers_a.get(n), buffers_b.get(n)) for n in sorted(buffers_a.keys() | buffers_b.keys())]
     for what, a, b in pairs:
-        report.compared_tensors += 1
         if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-            report.differences.append(label + what + _how_far(a, b))
+            differences.append(label + what + _how_far(a, b))
+    return len(pairs)
 
 
 def _how_far(a: torch.Tensor | None, b: torch.Tensor | None) -> str:
@@ -186,6 +245,12 @@ def report_lines(report: CheckReport) -> list[str]:
         f"{result}",
     ]
     lines += [f"               {d}" for d in report.differences[:10]]
+    if not report.conclusive:
+        lines += [f"               but the unplanned model does not reproduce itself: a second unplanned run from the "
+                  f"same state and seeds differs from the first in {len(report.unreproducible)} "
+                  f"({', '.join(report.unreproducible[:3])}); it draws randomness the seeds do not fix (torch.seed(), "
+                  f"a generator of its own), so bit-for-bit comparison cannot judge the plan"]
+    verdict = "PASS" if report.passed else ("FAIL" if report.conclusive else "INCONCLUSIVE")
     lines += [
         f"  peak memory  unplanned {format_bytes(report.unplanned_peak_bytes)}, planned "
         f"{format_bytes(report.planned_peak_bytes)} (measured by the allocator); cap "
@@ -193,6 +258,6 @@ def report_lines(report: CheckReport) -> list[str]:
         f"  step time    measured: planned {report.planned_step_s / report.unplanned_step_s:.2f}x of unplanned "
         f"({report.planned_step_s * 1e3:.1f} vs {report.unplanned_step_s * 1e3:.1f} ms); predicted by the plan: "
         f"{report.predicted_step_s / report.baseline_step_s:.2f}x",
-        f"  verdict      {'PASS' if report.passed else 'FAIL'}",
+        f"  verdict      {verdict}",
     ]
     return lines

@@ -177,7 +177,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = check_plan(build, plan, timed_steps=args.steps, progress=say)
     print(f"regen check: plan {args.plan} ({plan.strategy}) on {spec}")
     print("\n".join(report_lines(report)))
-    return 0 if report.passed else 1
+    if report.passed:
+        return 0
+    return 1 if report.conclusive else 3
 
 
 # ---- solve -------------------------------------------------------------------------------------
@@ -353,7 +355,9 @@ def _add_check_command(sub) -> None:
                        description="Build the workload, run one unplanned and one planned step on the same batch "
                                    "and RNG state, compare loss, gradients and module buffers bit for bit, and "
                                    "print measured against planned peak memory and step time. Exit 1 on any "
-                                   "difference or a peak over the cap.")
+                                   "difference or a peak over the cap; 3 when the steps differ but the model does "
+                                   "not reproduce its own unplanned results either (a third copy runs them again: "
+                                   "it draws randomness the seeds do not fix), so the check cannot judge.")
     c.add_argument("--plan", required=True, help="the plan file to check")
     _add_workload_options(c)
     c.add_argument("--steps", type=int, default=3, help="timed steps of each, interleaved (default 3)")
