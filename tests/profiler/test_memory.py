@@ -1,6 +1,7 @@
 """The profile's memory timeline against the allocator, and base + live saved tensors against the timeline."""
 
 import pytest
+import torch
 
 from regen.measure import measure_memory
 from torch.utils._pytree import tree_flatten
@@ -75,3 +76,47 @@ def test_base_plus_live_saved_tensors_reproduces_the_timeline(name, profiled):
     assert all(op.memory_peak_bytes >= op.memory_after_bytes for op in profile.ops)
     assert profile.peak_bytes == max(op.memory_peak_bytes for op in profile.ops)
     assert profile.peak_bytes >= start + profile.candidate_bytes
+
+
+class _Side(torch.nn.Module):
+    """A branch whose output the loss never reads: a module's call (its backward hooks) and ops that save their
+    own outputs (softmax, tanh)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 512)
+
+    def forward(self, x):
+        return self.fc(x).softmax(-1).tanh()
+
+
+class _WithAnUnusedBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.side = torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 64), _Side()
+
+    def forward(self, x):
+        self.side(x)  # computed, never used (a model's output a classification head does not read)
+        return self.down(self.up(x).relu()).pow(2).mean()
+
+
+def test_what_the_loss_does_not_use_is_freed_when_the_forward_lets_go_of_it():
+    """Backward never runs the unused branch's nodes, so the step frees what they saved once the forward drops
+    the branch; the recorded step did so too, not at the step's end (its pack hooks and module hooks made
+    each such node hold itself)."""
+    from regen.profiler import profile_workload
+    from regen.workloads import Workload
+
+    def build():
+        torch.manual_seed(0)
+        return Workload(name="unused", model=_WithAnUnusedBranch(), batch=(torch.randn(256, 64),), loss_fn=None)
+
+    profile = profile_workload(build(), device="cpu", repeats=1, warmup_steps=1, progress=None)
+    w = build()
+    training_step(w)
+    w.model.zero_grad(set_to_none=True)
+    measured = measure_memory(lambda: training_step(w)).peak_increase_bytes
+    recorded = profile.peak_bytes - profile.memory_at_start_bytes
+    side_saved = 2 * 256 * 512 * 4  # the softmax's and the tanh's outputs: held to the end, over the peak
+    assert side_saved > 0.1 * measured
+    assert abs(recorded - measured) <= 0.02 * measured
