@@ -6,7 +6,8 @@
 Modules: capture (dispatch mode + saved-tensor hooks, following docs/internals.md), modules (each op's
 module path, each submodule call's extent), memory (per-op memory: CUDA allocator counters, or live
 storages on CPU), park (saved tensors held in host memory while a step that does not fit is recorded),
-liveness (the probe step: until when something other than autograd holds each saved storage), outside_state
+accumulation (the recorded backward's gradient sums as the step runs them, in place where it can), liveness
+(the probe step: until when something other than autograd holds each saved storage), outside_state
 (in that step, the module calls that leave state behind besides their output), bandwidth (host<->device
 probe), environment (device, versions, static memory), record (the phases of a profile). `regen show` is regen.show.
 """

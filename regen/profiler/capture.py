@@ -57,6 +57,7 @@ from regen.formats.profile import (
 )
 from regen.profiler.gathered import GatheredStorages
 from regen.profiler.memory import MemoryTracker
+from regen.profiler.accumulation import EngineSums, takeover_candidates
 from regen.profiler.park import ParkHandle, ParkStore
 from regen.profiler.saved import RawEntry, saved_records
 
@@ -99,6 +100,7 @@ class _RawOp:
     is_view: bool = False
     module: str | None = None
     private_generator: bool = False
+    summed_in_place: bool = False  # an engine sum the step runs in place (accumulation.py): no rise in it
 
 
 @dataclass
@@ -159,6 +161,10 @@ class StepRecorder:
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
         self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
         self.current_module: Callable[[], str | None] = lambda: None  # the op's module path (profiler/modules.py)
+        self.engine_sums: EngineSums | None = None  # set while backward runs (accumulation.py)
+        # (op index, the storage its output could have taken over): checked at the next op (Note [ Sums the
+        # engine runs in place ])
+        self._takeovers: list[tuple[int, StorageInfo]] = []
         self.gathered = GatheredStorages(tracker)
         # Storages that exist before the step: their bytes are the memory at start (CPU bookkeeping).
         for kind, tensors, permanent in ((KIND_PARAMETER, parameters, True), (KIND_BUFFER, buffers, True),
@@ -239,7 +245,19 @@ class StepRecorder:
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
         self._level_before_op = level
+        self._settle_takeovers()
         return index
+
+    def _settle_takeovers(self) -> None:
+        """An engine sum whose first argument nothing held once it returned ran in place in the step itself: no
+        rise in it (Note [ Sums the engine runs in place ] 2)."""
+        for index, info in self._takeovers:
+            if info.ref is not None and info.ref.expired():
+                op = self.ops[index]
+                op.memory_peak_rel_bytes = op.memory_before_rel_bytes
+                op.new_bytes = 0
+                op.summed_in_place = True
+        self._takeovers.clear()
 
     def after_op(self, index: int, func, args, kwargs, out) -> None:
         inputs = _tensors_in(args, kwargs)
@@ -284,6 +302,11 @@ class StepRecorder:
                 if info is not None:
                     self.gathered.gathered(info)
         peak = self.tracker.after_op(new_storages)
+        if self.engine_sums is not None and self.engine_sums.active:
+            for t in takeover_candidates(func, args, out):
+                info = self._live_storage(t.untyped_storage().data_ptr())
+                if info is not None:
+                    self._takeovers.append((index, info))
         self.ops.append(_RawOp(
             name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
             memory_peak_rel_bytes=peak, memory_before_rel_bytes=self._level_before_op,
@@ -364,6 +387,7 @@ class StepRecorder:
         level = self.tracker.before_op()
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
+        self._settle_takeovers()
         late = self.tracker.mid_step_allocations()  # (first op, bytes): counted at start, allocated later
         start = self.tracker.start_bytes() - sum(nbytes for _, nbytes in late)
         late_bytes = list(accumulate(sum(nbytes for first, nbytes in late if first == i) for i in range(len(self.ops))))
@@ -373,7 +397,7 @@ class StepRecorder:
             base = start + late_bytes[i]
             after = base + raw.memory_after_rel_bytes
             peak = base + raw.memory_peak_rel_bytes
-            if i in in_op_peaks:
+            if i in in_op_peaks and not raw.summed_in_place:  # the allocator saw the new storage it made
                 peak = max(peak, base + raw.memory_before_rel_bytes + max(raw.new_bytes, in_op_peaks[i]))
             peak = max(peak, after)
             ops.append(OpRecord(index=i, name=raw.name, phase=raw.phase, time_s=0.0, inputs=raw.inputs,

@@ -57,6 +57,7 @@ from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, Workloa
 from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory,
                                    op_fingerprint)
 from regen.heap import give_back_freed_host_memory
+from regen.profiler.accumulation import EngineSums
 from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
 from regen.ranks import rank_agreement
 from regen.profiler.capture import (
@@ -461,7 +462,9 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
                     # the output is held until backward ends, as a typical loop does (forward_with_output)
                     loss, output = forward_with_output(workload)
                     recorder.phase = PHASE_BACKWARD
-                    _backward(workload, loss)
+                    recorder.engine_sums = EngineSums()
+                    with recorder.engine_sums.watching(loss):  # Note [ Sums the engine runs in place ]
+                        _backward(workload, loss)
                     del loss, output
                 except WorkloadError:
                     if recorder.internal_error is not None:  # regen's bug, not the workload's: keep its traceback
