@@ -122,6 +122,15 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def only_held_by_us(t: torch.Tensor) -> bool:
+    """Nothing but `t` holds its storage (no other tensor on it, a view's base included; the temporary storage
+    object counts one)."""
+    return _storage_use_count(t.untyped_storage()._cdata) <= 2
+
+
 def tensor_outputs(out) -> list:
     """Flatten an op's return value into its list of outputs (slot order); non-tensors become None."""
     if isinstance(out, torch.Tensor):

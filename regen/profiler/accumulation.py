@@ -15,21 +15,22 @@ from contextlib import contextmanager
 
 import torch
 
+from regen.opinfo import only_held_by_us, storage_key
+
 # NOTE [ Sums the engine runs in place ]
 # 1. The engine's sums run after a node's apply and its post-hooks, before the next node starts (its
 #    pre-hooks). `EngineSums` puts a pre-hook and a post-hook on every node of the loss's graph while the
 #    recorded backward runs, and `active` is true in between.
 # 2. There, an `aten.add.Tensor` (`old + new`) whose output has the shape and dtype of `old`, dense,
-#    non-overlapping and alone on its storage (no view's base beside it; `takeover_candidates`), with grad
+#    non-overlapping and alone on its storage (no view's base beside it; `takeover_candidate`), with grad
 #    mode off, would have run in place (`old.add_(new)`; the engine never sums into `new`) if the engine held
-#    `old` alone: the recorder checks that at the next op, where a storage
-#    nothing else held is already gone, and then records the op with no rise in it (its output took over
-#    the argument's storage). The memory after it is the same either way.
+#    `old` alone: the recorder checks that at the next op, where a storage nothing else held is already gone,
+#    and then records the op with no rise in it (its output took over `old`'s storage). The memory after it
+#    is the same either way.
 # 3. Everything else the engine sums under the mode as it would without: a part held elsewhere too (a grad
 #    a node passes on twice, a hook's) is summed out of place in both, and stays recorded so.
 
 _ADD = torch.ops.aten.add.Tensor
-_storage_use_count = torch._C._storage_Use_Count
 
 
 class EngineSums:
@@ -72,27 +73,24 @@ def _graph_nodes(root) -> list:
     return list(seen)
 
 
-def takeover_candidates(func, args, out) -> list[torch.Tensor]:
+def takeover_candidate(func, args, out) -> torch.Tensor | None:
     """The argument of an engine sum whose storage its output could have taken over (Note [ Sums the engine
     runs in place ] 2): the part already in the buffer, the sum's first argument (the engine computes
-    `old + new`, and only ever sums into `old`), when it is dense and alone on its storage and grad mode is
-    off; empty for any other op."""
+    `old + new`, and only ever sums into `old`), when it is dense over all of its storage and the only tensor
+    on it and grad mode is off; None for any other op."""
     if func is not _ADD or len(args) < 2 or not isinstance(out, torch.Tensor) or torch.is_grad_enabled():
-        return []
+        return None
     old, new = args[0], args[1]
     if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
-        return []
-    if old.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
-        return []
-    if old.shape != out.shape or old.dtype != out.dtype or not _fills_its_storage(old):
-        return []
-    return [old]
+        return None
+    if storage_key(old) == storage_key(new) or old.shape != out.shape or old.dtype != out.dtype:
+        return None
+    if not (only_held_by_us(old) and _fills_its_storage(old)):
+        return None
+    return old
 
 
 def _fills_its_storage(t: torch.Tensor) -> bool:
-    """Dense and non-overlapping over all of its storage, and the only tensor on it (a view's base holds the
-    storage too): what the engine needs to sum into it in place."""
-    storage = t.untyped_storage()
-    return (_storage_use_count(storage._cdata) <= 2  # this tensor's and `storage`'s own reference
-            and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+    """Dense and non-overlapping over all of its storage."""
+    return (t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
             and all(stride or size <= 1 for size, stride in zip(t.shape, t.stride())))

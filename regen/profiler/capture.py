@@ -57,7 +57,7 @@ from regen.formats.profile import (
 )
 from regen.profiler.gathered import GatheredStorages
 from regen.profiler.memory import MemoryTracker
-from regen.profiler.accumulation import EngineSums, takeover_candidates
+from regen.profiler.accumulation import EngineSums, takeover_candidate
 from regen.profiler.park import ParkHandle, ParkStore
 from regen.profiler.saved import RawEntry, saved_records
 
@@ -162,9 +162,9 @@ class StepRecorder:
         self.unmatched_activation_inputs = 0  # activation storages met through a tensor object never seen
         self.current_module: Callable[[], str | None] = lambda: None  # the op's module path (profiler/modules.py)
         self.engine_sums: EngineSums | None = None  # set while backward runs (accumulation.py)
-        # (op index, the storage its output could have taken over): checked at the next op (Note [ Sums the
-        # engine runs in place ])
-        self._takeovers: list[tuple[int, StorageInfo]] = []
+        # (op index, the storage its output could have taken over) of the op just recorded, settled at the next
+        # op (Note [ Sums the engine runs in place ])
+        self._takeover: tuple[int, StorageInfo] | None = None
         self.gathered = GatheredStorages(tracker)
         # Storages that exist before the step: their bytes are the memory at start (CPU bookkeeping).
         for kind, tensors, permanent in ((KIND_PARAMETER, parameters, True), (KIND_BUFFER, buffers, True),
@@ -245,19 +245,21 @@ class StepRecorder:
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
         self._level_before_op = level
-        self._settle_takeovers()
+        self._settle_takeover()
         return index
 
-    def _settle_takeovers(self) -> None:
+    def _settle_takeover(self) -> None:
         """An engine sum whose first argument nothing held once it returned ran in place in the step itself: no
         rise in it (Note [ Sums the engine runs in place ] 2)."""
-        for index, info in self._takeovers:
-            if info.ref is not None and info.ref.expired():
-                op = self.ops[index]
-                op.memory_peak_rel_bytes = op.memory_before_rel_bytes
-                op.new_bytes = 0
-                op.summed_in_place = True
-        self._takeovers.clear()
+        if self._takeover is None:
+            return
+        index, info = self._takeover
+        self._takeover = None
+        if info.ref is not None and info.ref.expired():
+            op = self.ops[index]
+            op.memory_peak_rel_bytes = op.memory_before_rel_bytes
+            op.new_bytes = 0
+            op.summed_in_place = True
 
     def after_op(self, index: int, func, args, kwargs, out) -> None:
         inputs = _tensors_in(args, kwargs)
@@ -303,10 +305,10 @@ class StepRecorder:
                     self.gathered.gathered(info)
         peak = self.tracker.after_op(new_storages)
         if self.engine_sums is not None and self.engine_sums.active:
-            for t in takeover_candidates(func, args, out):
-                info = self._live_storage(t.untyped_storage().data_ptr())
-                if info is not None:
-                    self._takeovers.append((index, info))
+            old = takeover_candidate(func, args, out)
+            info = self._live_storage(opinfo.storage_key(old)) if old is not None else None
+            if info is not None:
+                self._takeover = (index, info)
         self.ops.append(_RawOp(
             name=opinfo.op_name(func), phase=self.phase, inputs=input_ids, outputs=output_ids,
             memory_peak_rel_bytes=peak, memory_before_rel_bytes=self._level_before_op,
@@ -387,7 +389,7 @@ class StepRecorder:
         level = self.tracker.before_op()
         if self.ops:
             self.ops[-1].memory_after_rel_bytes = level
-        self._settle_takeovers()
+        self._settle_takeover()
         late = self.tracker.mid_step_allocations()  # (first op, bytes): counted at start, allocated later
         start = self.tracker.start_bytes() - sum(nbytes for _, nbytes in late)
         late_bytes = list(accumulate(sum(nbytes for first, nbytes in late if first == i) for i in range(len(self.ops))))

@@ -18,14 +18,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from regen.allocator import allocated_bytes_reader
 from regen.opinfo import storage_key
 
-_storage_use_count = torch._C._storage_Use_Count
-
-
-def only_held_by_us(t: torch.Tensor) -> bool:
-    """Nothing but `t` holds its storage (the temporary storage object counts one)."""
-    return _storage_use_count(t.untyped_storage()._cdata) <= 2
-
-
 def new_storage_bytes(t: torch.Tensor, args) -> int:
     """The bytes of `t`'s storage unless it is the storage of a tensor among `args` (a view, an in-place write)."""
     key = storage_key(t)

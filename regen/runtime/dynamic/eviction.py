@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from regen.errors import RegenError
-from regen.runtime.dynamic.cap_memory import only_held_by_us
+from regen.opinfo import only_held_by_us
 from regen.runtime.dynamic.nodes import TensorNode
 from regen.runtime.dynamic.policy import lowest
 from regen.runtime.dynamic.swaps import AHEAD_FRACTION

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from regen.runtime.dynamic.cap_memory import only_held_by_us
+from regen.opinfo import only_held_by_us
 from regen.runtime.swap import CopyIn, HostPool, new_engine
 from regen.runtime.tracker import regen_ops
 
