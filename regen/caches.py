@@ -41,7 +41,8 @@ CACHE_NOTICE = ("the model's key/value cache is off for training steps (config.u
 
 @dataclass
 class CachesOff:
-    """The configs whose `use_cache` was turned off, to be put back by `restore()`."""
+    """The configs whose `use_cache` was turned off, to be put back by `restore()` (or at the end of a `with`
+    block: `with training_caches_off(model): ...`)."""
 
     configs: list = field(default_factory=list)
 
@@ -53,6 +54,12 @@ class CachesOff:
         for config in self.configs:
             config.use_cache = True
         self.configs = []
+
+    def __enter__(self) -> "CachesOff":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 def training_caches_off(model: nn.Module) -> CachesOff:

@@ -106,11 +106,11 @@ def _check(build: Callable[[], object], apply_kwargs: dict, start_bytes: Callabl
     # on the host: a third copy may need it (_unreproducible), and the device holds two models already
     initial_state = {name: t.detach().to("cpu", copy=True) for name, t in plain.model.state_dict().items()}
     under.model.load_state_dict(initial_state)
-    plain_caches = training_caches_off(plain.model)  # as the handle turns the other model's off
     plain_steps = []
-    try:
-        _one_step(plain)  # its first step (see _first_step), its caches off already
-        _first_step(under)
+    with training_caches_off(plain.model):  # as the handle turns the other model's off
+        _one_step(plain)  # the first step of each, unplanned, as the profile's warm-up ran it (module doc)
+        with training_caches_off(under.model):
+            _one_step(under)
         with apply(under.model, **apply_kwargs) as handle:
             progress(f"{compared_steps} unplanned and {kind} step(s) from the same state and RNG seeds")
             for k in range(compared_steps):
@@ -118,8 +118,6 @@ def _check(build: Callable[[], object], apply_kwargs: dict, start_bytes: Callabl
             progress(f"timing {timed_steps} steps of each, interleaved, and measuring their peaks")
             _time_and_measure(plain, under, start_bytes(under.model), timed_steps, report)
             report.planned_steps = steps_run(handle.stats)
-    finally:
-        plain_caches.restore()
     if report.differences:
         progress("the steps differ: is the unplanned model reproducible? the same unplanned steps on a third copy")
         report.unreproducible = _unreproducible(build, initial_state, plain_steps)
@@ -131,19 +129,6 @@ def _step_label(k: int) -> str:
     return "" if k == 0 else f"step {k}: "
 
 
-def _first_step(workload) -> None:
-    """The model's first step, unplanned, with its caches off, as the profile's warm-up ran it: a first forward
-    may differ from the later ones (modules or buffers built at the first call), and a plan is of the later
-    ones."""
-    from regen.caches import training_caches_off
-
-    caches = training_caches_off(workload.model)
-    try:
-        _one_step(workload)
-    finally:
-        caches.restore()
-
-
 def _unreproducible(build: Callable[[], object], initial_state: dict, plain_steps: list) -> list[str]:
     """What a third copy of the workload, from `initial_state`, gives differently from the unplanned steps
     `plain_steps` (their (loss, gradients, buffers)) over the same steps and seeds."""
@@ -151,14 +136,11 @@ def _unreproducible(build: Callable[[], object], initial_state: dict, plain_step
 
     again = build()
     again.model.load_state_dict(initial_state)
-    caches = training_caches_off(again.model)
     differences: list[str] = []
-    try:
+    with training_caches_off(again.model):
         _one_step(again)  # its first step, as the others ran it
         for k, first in enumerate(plain_steps):
             _compare_results(first, _one_step(again), differences, _step_label(k))
-    finally:
-        caches.restore()
     return differences
 
 
