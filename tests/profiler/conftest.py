@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from regen.measure import measure_memory
 from regen.profiler import profile_workload
-from regen.workloads import build_workload
+from regen.workloads import build_workload, training_step
 
 SMALL_ARGS = {
     "mlp": {"in_features": 64, "hidden": 128, "depth": 3},
@@ -52,3 +53,19 @@ def _build_small_fixture():
 @pytest.fixture(name="profile_small", scope="session")
 def _profile_small_fixture():
     return profile_small
+
+
+def peak_increases(build) -> tuple[int, int]:
+    """(the profile's recorded peak increase, the allocator's measured one after a warm-up step) of the workload
+    `build()` returns, a fresh one for each."""
+    profile = profile_workload(build(), device="cpu", repeats=1, warmup_steps=1, progress=None)
+    w = build()
+    training_step(w)
+    w.model.zero_grad(set_to_none=True)
+    measured = measure_memory(lambda: training_step(w)).peak_increase_bytes
+    return profile.peak_bytes - profile.memory_at_start_bytes, measured
+
+
+@pytest.fixture(name="peak_increases", scope="session")
+def _peak_increases_fixture():
+    return peak_increases

@@ -3,10 +3,8 @@
 import torch
 from torch import nn
 
-from regen.measure import measure_memory
-from regen.profiler import profile_workload
 from regen.profiler import accumulation
-from regen.workloads import Workload, training_step
+from regen.workloads import Workload
 
 
 class Scan(nn.Module):
@@ -25,29 +23,17 @@ class Scan(nn.Module):
         return s.pow(2).mean()
 
 
-def _workload() -> Workload:
+def _scan() -> Workload:
     torch.manual_seed(0)
     return Workload(name="scan", model=Scan(), batch=(torch.randn(8, 32, 64),), loss_fn=None)
 
 
-def _recorded_increase() -> int:
-    profile = profile_workload(_workload(), device="cpu", repeats=1, warmup_steps=1, progress=None)
-    return profile.peak_bytes - profile.memory_at_start_bytes
-
-
-def _measured_increase() -> int:
-    w = _workload()
-    training_step(w)
-    w.model.zero_grad(set_to_none=True)
-    return measure_memory(lambda: training_step(w)).peak_increase_bytes
-
-
-def test_the_recorded_peak_is_the_steps_own_where_the_engine_sums_gradients(monkeypatch):
-    measured = _measured_increase()
-    assert abs(_recorded_increase() - measured) <= 0.02 * measured
+def test_the_recorded_peak_is_the_steps_own_where_the_engine_sums_gradients(monkeypatch, peak_increases):
+    recorded, measured = peak_increases(_scan)
+    assert abs(recorded - measured) <= 0.02 * measured
     # recorded as the dispatch mode runs the sums (out of place), the peak is a gradient too high
     monkeypatch.setattr(accumulation.EngineSums, "_node_ended", lambda self, grad_inputs, grad_outputs: None)
-    assert _recorded_increase() >= measured + 8 * 32 * 64 * 4 // 2
+    assert peak_increases(_scan)[0] >= measured + 8 * 32 * 64 * 4 // 2
 
 
 class TiedLM(nn.Module):
@@ -65,15 +51,10 @@ class TiedLM(nn.Module):
         return self.out(self.embed(ids).tanh()).logsumexp(-1).mean()
 
 
-def test_a_sum_the_step_runs_out_of_place_is_recorded_so():
+def test_a_sum_the_step_runs_out_of_place_is_recorded_so(peak_increases):
     def build():
         torch.manual_seed(0)
         return Workload(name="tied", model=TiedLM(), batch=(torch.randint(0, 4096, (2, 16)),), loss_fn=None)
 
-    profile = profile_workload(build(), device="cpu", repeats=1, warmup_steps=1, progress=None)
-    w = build()
-    training_step(w)
-    w.model.zero_grad(set_to_none=True)
-    measured = measure_memory(lambda: training_step(w)).peak_increase_bytes
-    recorded = profile.peak_bytes - profile.memory_at_start_bytes
+    recorded, measured = peak_increases(build)
     assert abs(recorded - measured) <= 0.02 * measured

@@ -100,23 +100,17 @@ class _WithAnUnusedBranch(torch.nn.Module):
         return self.down(self.up(x).relu()).pow(2).mean()
 
 
-def test_what_the_loss_does_not_use_is_freed_when_the_forward_lets_go_of_it():
+def test_what_the_loss_does_not_use_is_freed_when_the_forward_lets_go_of_it(peak_increases):
     """Backward never runs the unused branch's nodes, so the step frees what they saved once the forward drops
     the branch; the recorded step did so too, not at the step's end (its pack hooks and module hooks made
     each such node hold itself)."""
-    from regen.profiler import profile_workload
     from regen.workloads import Workload
 
     def build():
         torch.manual_seed(0)
         return Workload(name="unused", model=_WithAnUnusedBranch(), batch=(torch.randn(256, 64),), loss_fn=None)
 
-    profile = profile_workload(build(), device="cpu", repeats=1, warmup_steps=1, progress=None)
-    w = build()
-    training_step(w)
-    w.model.zero_grad(set_to_none=True)
-    measured = measure_memory(lambda: training_step(w)).peak_increase_bytes
-    recorded = profile.peak_bytes - profile.memory_at_start_bytes
+    recorded, measured = peak_increases(build)
     side_saved = 2 * 256 * 512 * 4  # the softmax's and the tanh's outputs: held to the end, over the peak
     assert side_saved > 0.1 * measured
     assert abs(recorded - measured) <= 0.02 * measured
