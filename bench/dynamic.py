@@ -32,9 +32,8 @@ variant sees the same weights and its gradients are compared bit for bit with it
 (`exact`). Tokens/s counts real tokens (padding excluded) over the timed steps, every step but the first
 --warmup-steps (default 1: a step time is the steady state's; dynamic mode's first step also records its
 backward's temporaries on CPU, a plan's first step has none of that) whose mean time is printed apart
-("warm-up ms"); the peak is the highest per-step peak the allocator saw (regen.measure), every step's, in a second,
-measured pass. Figures on a shared,
-loaded machine are only comparable side by side, within one run.
+("warm-up ms"); the peak is the highest per-step peak the allocator saw (regen.measure), every step's, in a
+second, measured pass. Figures on a shared, loaded machine are only comparable side by side, within one run.
 
 With `--min-len` equal to `--max-len` every step has the plan's shape: `pad-plan` is then the MILP plan
 itself, next to dynamic mode's overhead at the same cap.
@@ -245,8 +244,8 @@ def main():
                                                               args.warmup_steps)
         results[name] = grads
         exact = "-" if reference is None else ("yes" if same(grads, results[reference]) else "NO")
-        first = f"{warmup_s / args.warmup_steps * 1e3:10.1f}" if args.warmup_steps else f"{'-':>10s}"
-        print(f"{name:14s} {rate:10.0f} {first} {peak / 2**20:9.2f} {exact:>6s}  {describe_stats(handle)}")
+        warmup_ms = f"{warmup_s / args.warmup_steps * 1e3:10.1f}" if args.warmup_steps else f"{'-':>10s}"
+        print(f"{name:14s} {rate:10.0f} {warmup_ms} {peak / 2**20:9.2f} {exact:>6s}  {describe_stats(handle)}")
 
 
 def describe_stats(handle) -> str:
