@@ -83,9 +83,10 @@ from regen.profiler.park import ParkingHooks, ParkStore
 from regen.workloads import Workload, call_arguments, forward_with_output, training_step
 
 OPTIMIZER_LR = 0.0  # see the module docstring: a real AdamW step that leaves the weights unchanged
-# what regen profile's caller measures of its runtime: (device, timed_forward or None) -> RuntimeCosts, where
-# timed_forward(context) runs one step of the workload with `context` around its forward (regen.runtime.self_timing)
-RuntimeProbe = Callable[[torch.device, Callable | None], RuntimeCosts]
+# what regen profile's caller measures of its runtime: (device, timed_forward or None, plain forward times) ->
+# RuntimeCosts, where timed_forward(context) runs one step of the workload with `context` around its forward and
+# returns the forward's seconds, and the plain forward times are the plain steps' (regen.runtime.self_timing)
+RuntimeProbe = Callable[[torch.device, Callable | None, list[float]], RuntimeCosts]
 MAX_WARMUP_STEPS = 12  # warm-up steps taken to fill `warmup_s`, at most
 # the plain step time and the summed op times disagree (a busy machine) when they differ by this factor
 # and by this much; then both are measured again, up to MAX_TIMING_ATTEMPTS times in all
@@ -182,7 +183,7 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
     say("measuring host<->device bandwidth" + (" and the runtime's own costs" if runtime_probe else ""))
     bandwidth = bandwidth or measure_bandwidth(dev)
     # the probe times forwards of this workload too, unless a step does not fit (parked)
-    runtime_costs = (runtime_probe(dev, None if timer.park else timer.forward_time_under)
+    runtime_costs = (runtime_probe(dev, None if timer.park else timer.forward_time_under, timer.forward_times_s)
                      if runtime_probe is not None else None)
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
     notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)"

@@ -67,6 +67,34 @@ def test_the_workload_probe_stops_at_its_time_budget_after_one_pair(monkeypatch)
     assert len(calls) == 2 < 2 * costs.FORWARD_PROBE_PAIRS
 
 
+def test_the_dispatch_figure_is_not_lowered_by_plain_forwards_slowed_by_what_came_before():
+    """Plain forwards that come first after other work run slow (NOTE [ The workload's dispatch figure ]): two of
+    the three pairs' plain forwards here, which made the median of pair differences read 0. The least tracked
+    forward less the least plain one, the profile's plain forwards among them, reads the tracker's cost."""
+    from contextlib import nullcontext
+
+    from regen.runtime.self_timing import FORWARD_PROBE_PAIRS, WORKLOAD_METHOD
+
+    settled_s, per_op_s, slow_plain_s = 20e-3, 6e-6, iter([26e-3, 25e-3])
+    counted = []
+
+    def timed_forward(context) -> float:
+        with context:
+            y = torch.ones(8)
+            for _ in range(100):
+                y = y.add(1)
+        if isinstance(context, nullcontext):
+            return next(slow_plain_s, settled_s)
+        counted.append(context.step.count)
+        return settled_s + context.step.count * per_op_s
+
+    assert FORWARD_PROBE_PAIRS == 3
+    costs = measure_runtime_costs(torch.device("cpu"), timed_forward, plain_forward_times_s=[20.5e-3, settled_s])
+    assert costs.method.endswith(WORKLOAD_METHOD)
+    assert counted and counted[0] >= 100
+    assert abs(costs.dispatch_op_s - per_op_s) < 0.01 * per_op_s
+
+
 def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
     """The swap figure includes what swaps cost a computing thread: an engine whose copy-in issue takes
     2 ms of the compute thread (off the calls-alone probe's tiny tensors) measures about that per swap."""
