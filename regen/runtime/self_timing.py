@@ -10,8 +10,9 @@ since the runtime's work per op grows with the op's arguments and outputs:
 * `dispatch_op_s`: one forward op's round trip through the `ForwardTracker` (paid by every forward op
   until the last tracked one, on steps of a plan with per-tensor recipes). Given the profiled
   workload's forward (`timed_forward`, as `regen profile` passes it), it is measured there: plain
-  forwards and forwards under the tracker, interleaved, the difference of their medians per counted op
-  (a real forward's ops, with grad and autograd's bookkeeping, cost the mode more than tiny ones do);
+  forwards and forwards under the tracker, interleaved, the least tracked one less the least plain one
+  (the profile's plain steps' forwards among them) per counted op (a real forward's ops, with grad and
+  autograd's bookkeeping, cost the mode more than tiny ones do; NOTE [ The workload's dispatch figure ]);
 * `capture_op_s`: what a tracked forward op adds: its name checked, its arguments captured, the
   storages it wrote noted;
 * `replay_op_s`: one recipe op replayed in backward, beyond the op itself;
