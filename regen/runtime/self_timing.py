@@ -89,11 +89,12 @@ def measure_runtime_costs(device: torch.device,
                           plain_forward_times_s: Sequence[float] = ()) -> RuntimeCosts:
     """The runtime's per-event costs on `device` (see the module doc). `timed_forward(context)`: one
     training step of the profiled workload with `context` entered around its forward; returns the
-    forward's seconds; `plain_forward_times_s`: the workload's plain forwards timed before (the profile's plain
-    steps'), more plain readings for the dispatch figure. Each figure is the median of interleaved repeats; a figure whose repeats spread
-    more than MAX_SPREAD, or that is out of its bound (formats.profile.RUNTIME_COST_BOUNDS_S), is measured
-    again, up to PROBE_ATTEMPTS times, keeping its steadiest reading; one still out of bounds falls back
-    to its default with a note (NOTE [ Bounds of the runtime's own costs ])."""
+    forward's seconds; `plain_forward_times_s`: the workload's plain forwards timed before (the profile's
+    plain steps'), more plain readings for the dispatch figure. Each figure is the median of interleaved
+    repeats; a figure whose repeats spread more than MAX_SPREAD, or that is out of its bound
+    (formats.profile.RUNTIME_COST_BOUNDS_S), is measured again, up to PROBE_ATTEMPTS times, keeping its
+    steadiest reading; one still out of bounds falls back to its default with a note (NOTE [ Bounds of the
+    runtime's own costs ])."""
     readings: dict[str, Reading] = {}
     # the ops' figures and the swap's are measured apart, so only an unsettled group is measured again
     pending: dict[str, Callable[[], dict[str, Reading]]] = {
