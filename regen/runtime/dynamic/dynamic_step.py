@@ -4,7 +4,7 @@ A step begins at a training forward (the handle's root pre-hook) and stays in fo
 included, until backward begins. Its dispatch mode (handle.py) hands it every counted op:
 
 * forward: the op is captured (`recompute.capture_op`: arguments the step produced become `Ref`s, written
-  buffers `Scratch` copies, random ops keep their RNG state), timed with `time.perf_counter`, and each
+  buffers `Scratch` copies, random ops keep their RNG state), timed with `op_clock` (time.perf_counter), and each
   storage it wrote gets a node (nodes.py) in the step's writer map;
 * backward: the op's outputs are counted as memory in use on CPU (cap_memory.py), and each op gets room for
   what it made in the step before (Note [ Room for the next op ]); a forward op too.
@@ -37,6 +37,9 @@ from regen.runtime.saved_entries import Untracked
 from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
 from regen.runtime.peak_check import PEAK_TOLERANCE
+
+# what a forward op's rebuild cost is timed with: wall time (on CUDA, the launch's), the policy's costs (policy.py)
+op_clock = time.perf_counter
 from regen.units import format_bytes
 
 
@@ -145,9 +148,9 @@ class DynamicStep:
             node = nodes.get(key)
             if node is not None:
                 node.last_access = clock
-        start = time.perf_counter()
+        start = op_clock()
         out = func(*args, **kwargs)
-        op_time_s = time.perf_counter() - start
+        op_time_s = op_clock() - start
         outs = op_outputs(func, args, kwargs, out)
         written = written_outputs(func, args, kwargs, outs)
         made_bytes = 0
