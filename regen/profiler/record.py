@@ -22,7 +22,8 @@ Phases, in order (each announced through `progress`):
 6. a check that the plain step time and the summed op times agree: when they are far apart (another
    process ran during one of them), a warning, and phases 2 and 5 again (at most 3 times in all; a
    disagreement that persists is kept and noted in the profile);
-7. the bandwidth probe, and the caller's probe of what regen's runtime adds per event (`runtime_probe`).
+7. the caller's probe of what regen's runtime adds per event (`runtime_probe`: it times the workload's forward
+   too, so it comes right after phase 5's last plain step), and the bandwidth probe.
 
 The profile also records how the step called the model (`Profile.call`, regen.call_signature): a batch
 tensor that requires grad (a GAN's discriminator in the generator's step) makes autograd save more.
@@ -180,11 +181,12 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
     for op, time_s in zip(capture.ops, op_times_s):
         op.time_s = time_s
 
-    say("measuring host<->device bandwidth" + (" and the runtime's own costs" if runtime_probe else ""))
-    bandwidth = bandwidth or measure_bandwidth(dev)
-    # the probe times forwards of this workload too, unless a step does not fit (parked)
+    say(("measuring the runtime's own costs and " if runtime_probe else "measuring ") + "host<->device bandwidth")
+    # the probe times forwards of this workload too, unless a step does not fit (parked): first, right after the
+    # op timing's last plain step (regen.runtime.self_timing, NOTE [ The workload's dispatch figure ])
     runtime_costs = (runtime_probe(dev, None if timer.park else timer.forward_time_under, timer.forward_times_s)
                      if runtime_probe is not None else None)
+    bandwidth = bandwidth or measure_bandwidth(dev)
     say(f"assembling the profile: {len(capture.ops)} ops, {len(capture.saved_tensors)} saved tensors")
     notes.append(f"optimizer: torch.optim.AdamW (lr={OPTIMIZER_LR}: real kernels and state, weights unchanged)"
                  if optimizer_step else "optimizer: none (the step alone)")

@@ -33,8 +33,8 @@ Figures are medians over interleaved repeats of their batches (every figure's ba
 load that comes and goes hits a round's figures alike), floored at zero, each with its spread; an
 unsteady or out-of-bounds figure is measured again and, still out of bounds, charged its default with
 a warning (NOTE [ Bounds of the runtime's own costs ] in formats/profile.py). The probe takes about 0.5 s, plus,
-when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while they
-take less than FORWARD_PROBE_BUDGET_S (at least one pair: on a large model, where regen's per-op work
+when the workload is given, up to FORWARD_PROBE_PAIRS pairs of its forward+backward steps while the next
+pair ends within FORWARD_PROBE_BUDGET_S (at least one pair: on a large model, where regen's per-op work
 matters least, the probe stays short).
 """
 
@@ -80,7 +80,7 @@ SWAP_PROBE_GAP_S = 0.5e-3  # ... as many as take this long, twice between swaps 
 SWAP_PROBE_PASSES = 5  # timed pairs of passes (with and without swaps), after one untimed pair
 MATMULS_PER_BATCH = 20  # matmuls per timed batch when sizing the gap
 FORWARD_PROBE_PAIRS = 3  # plain and tracked forwards of the workload, interleaved, at most...
-FORWARD_PROBE_BUDGET_S = 1.0  # ... while they have taken less than this (a large model's steps: one pair)
+FORWARD_PROBE_BUDGET_S = 1.0  # ... while the next pair ends within this (a large model's steps: one pair)
 WORKLOAD_METHOD = "; dispatch measured on the profiled workload's forward"
 
 
@@ -95,6 +95,9 @@ def measure_runtime_costs(device: torch.device,
     (formats.profile.RUNTIME_COST_BOUNDS_S), is measured again, up to PROBE_ATTEMPTS times, keeping its
     steadiest reading; one still out of bounds falls back to its default with a note (NOTE [ Bounds of the
     runtime's own costs ])."""
+    # the workload's steps first, right after the profile's last plain step (NOTE [ The workload's dispatch
+    # figure ]); they are the costly part: timed once, and checked against the tiny tensors' figure below
+    on_workload = _dispatch_on_workload(timed_forward, plain_forward_times_s) if timed_forward is not None else None
     readings: dict[str, Reading] = {}
     # the ops' figures and the swap's are measured apart, so only an unsettled group is measured again
     pending: dict[str, Callable[[], dict[str, Reading]]] = {
@@ -110,8 +113,6 @@ def measure_runtime_costs(device: torch.device,
         pending = unsettled
         if not pending:
             break
-    # the workload's steps are the costly part: timed once, and checked against the tiny tensors' figure
-    on_workload = _dispatch_on_workload(timed_forward, plain_forward_times_s) if timed_forward is not None else None
     method, notes = METHOD, []
     if on_workload is not None and on_workload.value_s <= _workload_dispatch_bound_s(readings["dispatch_op_s"]):
         readings["dispatch_op_s"], method = on_workload, METHOD + WORKLOAD_METHOD
@@ -130,7 +131,10 @@ def measure_runtime_costs(device: torch.device,
 # Load and cold caches only add time, so each side's least forward is its steadiest reading: the least tracked
 # forward less the least plain one, the plain ones including the profile's plain steps (settled, spread over its
 # phases), which also makes one pair enough on a large model. A tracked forward that came first after other work
-# reads high, never low: a recipe is then charged more, not less, than it costs.
+# reads high, never low: a recipe is then charged more, not less, than it costs. So the probe times the workload
+# first, right after the profile's last plain step (no other work between), and with the profile's plain
+# forwards given its first tracked forward needs no plain one before it: a 32-layer decoder's profile is then
+# timed under the tracker once, half a second, instead of a plain and a tracked forward+backward.
 
 # NOTE [ The workload's dispatch figure against the tiny tensors' ]
 # On the workload's own forward the dispatch mode costs more per op than on tiny tensors without grad
@@ -348,23 +352,34 @@ def _landed(engine, events) -> None:
 def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float],
                           plain_forward_times_s: Sequence[float] = ()) -> "Reading | None":
     """Seconds the tracker adds per counted forward op of the workload (NOTE [ The workload's dispatch
-    figure ]): pairs of forwards, plain then under the tracker, up to FORWARD_PROBE_PAIRS while within
-    FORWARD_PROBE_BUDGET_S (one at least); the least tracked forward less the least plain one, these pairs'
-    and `plain_forward_times_s` (the profile's plain steps' forwards), per op. None if it counted none."""
+    figure ]): pairs of forwards, plain then under the tracker, up to FORWARD_PROBE_PAIRS while the next one
+    ends within FORWARD_PROBE_BUDGET_S (one at least; the first pair's plain forward is the profile's last plain
+    step when `plain_forward_times_s` are given); the least tracked forward less the least plain one, these
+    pairs' and `plain_forward_times_s` (the profile's plain steps' forwards), per op. None if it counted none."""
     tracker = ForwardTracker()
     step = tracker.step = _ProbeStep()
     plain_s, tracked_s = list(plain_forward_times_s), []
-    t0 = time.perf_counter()
-    while len(tracked_s) < FORWARD_PROBE_PAIRS and (not tracked_s or time.perf_counter() - t0 < FORWARD_PROBE_BUDGET_S):
-        plain_s.append(timed_forward(nullcontext()))
+    forwards, t0 = 0, time.perf_counter()
+    while len(tracked_s) < FORWARD_PROBE_PAIRS and (not tracked_s or _another_pair_fits(t0, forwards)):
+        if tracked_s or not plain_forward_times_s:  # the first pair's plain forward: the profile's last step
+            plain_s.append(timed_forward(nullcontext()))
         step.count = 0
         tracked_s.append(timed_forward(tracker))
+        forwards = len(tracked_s) + len(plain_s) - len(plain_forward_times_s)
         if not step.count:
             return None
     least_plain_s = min(plain_s)
     added_s = [(t - least_plain_s) / step.count for t in tracked_s]
     spread = Reading.of("dispatch_op_s", added_s).spread
     return Reading(max(0.0, min(added_s)), spread)
+
+
+def _another_pair_fits(t0: float, forwards: int) -> bool:
+    """Whether one more pair of forwards, each as long as the `forwards` so far took on average, ends within
+    FORWARD_PROBE_BUDGET_S of `t0` (a model whose forward+backward takes a third of the budget or more is timed
+    under the tracker once)."""
+    spent_s = time.perf_counter() - t0
+    return spent_s + 2 * spent_s / forwards <= FORWARD_PROBE_BUDGET_S
 
 
 def _per_unit(batch: Callable[[], None], sync: Callable[[], None], units: int) -> float:

@@ -67,6 +67,25 @@ def test_the_workload_probe_stops_at_its_time_budget_after_one_pair(monkeypatch)
     assert len(calls) == 2 < 2 * costs.FORWARD_PROBE_PAIRS
 
 
+def test_the_workload_probe_starts_no_pair_that_would_end_past_its_budget(monkeypatch):
+    """Pairs of 60 ms against a 150 ms budget: a third would end at 180 ms, so two are timed, not three (a large
+    model whose pair takes 0.9 s of the 1-s budget is timed for one pair, not two: half a second of its profile)."""
+    from regen.runtime import self_timing as costs
+
+    monkeypatch.setattr(costs, "FORWARD_PROBE_BUDGET_S", 0.15)
+    calls = []
+
+    def forward_of_30_ms(context) -> float:
+        calls.append(type(context))
+        with context:
+            torch.ones(4).add(1)
+        time.sleep(0.03)  # a loaded machine only sleeps longer: fewer pairs, never more
+        return 0.03
+
+    measure_runtime_costs(torch.device("cpu"), forward_of_30_ms)
+    assert 2 <= len(calls) <= 4 < 2 * costs.FORWARD_PROBE_PAIRS
+
+
 def test_the_dispatch_figure_is_not_lowered_by_plain_forwards_slowed_by_what_came_before():
     """Plain forwards that come first after other work run slow (NOTE [ The workload's dispatch figure ]): two of
     the three pairs' plain forwards here, which made the median of pair differences read 0. The least tracked
