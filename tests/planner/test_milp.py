@@ -338,3 +338,23 @@ def test_without_a_heuristic_plan_the_solver_starts_from_any_feasible_one():
     under = Model(graph, int(profile.peak_bytes * 0.3), MilpOptions())  # builds, but no plan fits
     with pytest.raises(CapInfeasible):
         feasible_values(under, 30)
+
+
+def test_a_milp_plan_that_simulates_slower_than_the_warm_start_gives_way_to_it(small_transformer, monkeypatch):
+    """The simulator judges time as it judges the peak (Note [ The faster of the MILP's plan and the warm start ]):
+    a MILP plan under the cap but slower than the warm start, here a recompute plan solved for a lower cap, is
+    replaced by the warm start, with a note saying why."""
+    from regen.planner.milp import search
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.7)
+    slow = solve_model(Model(graph, int(small_transformer.peak_bytes * 0.5), MilpOptions(allow_swap=False)), 30)
+    assert simulate(graph, slow.choices).fits(cap)
+    monkeypatch.setattr(search, "_solve_and_repair", lambda *args, **kwargs: (slow, None))
+    result = search.plan_with_milp(graph, cap, True, True, 30, 0.01, lambda m: None)
+    slow_s = simulate(graph, slow.choices).step_time_s
+    assert result.choices is not slow.choices
+    assert simulate(graph, result.choices).step_time_s < slow_s
+    assert simulate(graph, result.choices).fits(cap)
+    assert any(n.startswith("the MILP's plan simulates slower than the warm start") for n in result.notes)
+    assert result.report.status == "heuristic"
