@@ -37,6 +37,17 @@ from regen.runtime.storage_views import Geometry
 from regen.runtime.swap import CopyIn, CopyOut, SwapQueue
 
 
+# NOTE [ A handle that dies in forward ]
+# Autograd frees a node's saved entries when nothing refers to the node any more, which can happen in forward:
+# `torch.topk(x, k)[1]` drops the values, so topk's backward node and its saved indices go at once, and the gather
+# that reads the indices then saves the same storage again (a DeepSeek-V3 router). So:
+#   1. a planned storage whose handles all died while the step's packs are still matched is released only when
+#      the matching ends (`matching_ended`): a later pack of the same storage takes it up again as it stands
+#      (dropped with its recipe captured, or its copy-out under way), never a released one;
+#   2. a handle that dies before its unpack counts as that unpack done (`used`): the use will never come, so a
+#      rebuilt or restored storage still goes after its last real use, not at the step's release.
+
+
 class PlannedStorage:
     """One storage of one step: what the runtime did with it and what it still owes."""
 
@@ -102,7 +113,7 @@ class Saved:
 
     def __del__(self):
         try:
-            self.table.handle_died(self.ps)
+            self.table.handle_died(self.ps, self.unpacked)
         except Exception:  # interpreter shutdown; never raise from a finaliser
             pass
 
@@ -127,6 +138,8 @@ class PlannedStorages:
         # on a checked step (`watch_drops`): storage key -> (weak reference, bytes) of each storage dropped for
         # recompute, to count those something else still holds when backward begins
         self.dropped: dict[int, tuple[StorageWeakRef, int]] | None = None
+        self.matching = True  # packs are still matched to the plan's (Note [ A handle that dies in forward ])
+        self._dead_while_matching: list[PlannedStorage] = []
 
     def watch_drops(self) -> None:
         """Count, on this step, the dropped storages still held when backward begins (`held_bytes`)."""
@@ -297,14 +310,29 @@ class PlannedStorages:
         ps.storage = None
 
     # ---- lifetime ---------------------------------------------------------------------------------
-    def handle_died(self, ps: PlannedStorage) -> None:
-        """Autograd freed a `Saved` of this planned storage."""
+    def handle_died(self, ps: PlannedStorage, unpacked: bool) -> None:
+        """Autograd freed a `Saved` of this planned storage (`unpacked`: after its unpack). Note [ A handle
+        that dies in forward ]."""
         ps.live -= 1
         self.live -= 1
+        if not unpacked:  # its unpack will never come: one use fewer to wait for
+            self.used(ps)
         if ps.live == 0 and not ps.released:
-            self._release(ps)
+            if self.matching:
+                self._dead_while_matching.append(ps)
+            else:
+                self._release(ps)
         if self.live <= 0:
             self._handles_gone()
+
+    def matching_ended(self) -> None:
+        """The step's packs are matched no more (its forward is closed): the planned storages whose handles all
+        died before are released now (Note [ A handle that dies in forward ])."""
+        self.matching = False
+        for ps in self._dead_while_matching:
+            if ps.live == 0 and not ps.released:
+                self._release(ps)
+        self._dead_while_matching = []
 
     def _release(self, ps: PlannedStorage) -> None:
         ps.released = True

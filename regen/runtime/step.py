@@ -155,6 +155,7 @@ class Step:
         self.ops.end_forward()
         self.matcher = None
         self.ctx.stats.copy_outs_held_at_end_forward += self.swaps.held_copy_outs()
+        self.storages.matching_ended()
         self.ctx.forward_ended(self, findings, in_pack_hook)
         self._maybe_release()
 

@@ -300,3 +300,44 @@ def test_a_users_saved_tensor_hooks_around_steps_are_popped_as_the_user_meant(ar
     user_packs.clear()
     step(w)  # no hook of the user's left to see this step's saved tensors
     assert not user_packs
+
+
+# ---- a router that drops topk's values: its indices saved twice, the first save freed in forward ----------------
+class DroppedValuesRouter(nn.Module):
+    """`torch.topk(...)[1]`, as a mixture of experts' router writes it (DeepSeek-V3's): topk's values go at once,
+    and with them its backward node and the indices it saved; the gather then saves the same indices again."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        scores = self.proj(x).sigmoid()
+        indices = torch.topk(scores, 2, dim=-1, sorted=False)[1]
+        weights = scores.gather(-1, indices)
+        return self.out(x) * weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("action", ["recompute", "swap"])
+def test_a_storage_saved_again_after_its_first_save_was_freed_in_forward(action):
+    """Note [ A handle that dies in forward ] (regen.runtime.planned_storages): the indices' planned storage is not
+    released when topk's node goes in forward, so the gather's save of them is rebuilt or restored in backward,
+    exactly, on every step."""
+    from handmade import build_plan, trace_workload
+
+    torch.manual_seed(0)
+    w = Workload("router", DroppedValuesRouter(), (torch.randn(64, 16),), lambda out, batch: out.square().mean())
+    trace = trace_workload(w)
+    topk = next(op.index for op in trace.ops if op.name == "aten.topk.default")
+    assert (topk, 1) in trace.candidates
+    gather = next(op.index for op in trace.ops if op.name == "aten.gather.default")
+    # the router's tensors only: the model's output is held by the loop through backward (dropping it frees nothing)
+    plan = build_plan(trace, lambda i, c: action if c.key[0] <= gather else "keep", action)
+    assert next(d for d in plan.decisions if d.producer_op == topk and d.output_slot == 1).action == action
+    reference = [run_and_grads(w, seed=k) for k in range(3)]
+    with regen.apply(w.model, plan, on_mismatch="raise", emulate_link=action == "swap") as handle:
+        planned = [run_and_grads(w, seed=k) for k in range(3)]
+        assert handle.stats.planned_steps == 3
+    for a, b in zip(reference, planned):
+        assert_same(a, b)
