@@ -118,6 +118,11 @@ def _video(batch_size: int) -> dict:
 
 
 # name -> (model class, config class, config keys, batch)
+# multi-head latent attention (a low-rank key/value projection) and a routed mixture of experts after one dense layer
+_LATENT_MOE = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH, first_k_dense_replace=1,
+                   n_group=1, topk_group=1)
+
 HELD_OUT = {
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", _llama_like(head_dim=16, sliding_window=32), _tokens),
     "cohere": ("CohereForCausalLM", "CohereConfig", _llama_like(), _tokens),
@@ -305,6 +310,50 @@ HELD_OUT = {
                  dict(num_input_channels=3, context_length=SEQ, prediction_length=SEQ // 4, patch_length=8,
                       patch_stride=8, d_model=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       ffn_dim=2 * WIDTH), _time_series),
+    # a fourth set: decoders released in transformers 5.x (mixtures of experts, latent attention, hybrids of
+    # attention with state-space or convolution layers)
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", _llama_like(**_LATENT_MOE), _tokens),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", _llama_like(**_LATENT_MOE), _tokens),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig",
+                 _llama_like(head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH,
+                             first_k_dense_replace=1, n_group=1, topk_group=1), _tokens),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", _llama_like(head_dim=16, pad_token_id=0), _tokens),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",
+                _llama_like(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=32), _tokens),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", _llama_like(pad_token_id=0), _tokens),
+    "ernie4_5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", _llama_like(head_dim=16), _tokens),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig",
+                     _llama_like(moe_num_experts=4, moe_k=2, moe_intermediate_size=WIDTH), _tokens),
+    "hunyuan_dense": ("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", _llama_like(head_dim=16), _tokens),
+    "hunyuan_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config",
+                    _llama_like(head_dim=16, num_experts=4, moe_topk=2), _tokens),
+    "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", _llama_like(sliding_window=32), _tokens),
+    "arcee": ("ArceeForCausalLM", "ArceeConfig", _llama_like(), _tokens),
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", _llama_like(sliding_window=32), _tokens),
+    "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig", _llama_like(head_dim=16), _tokens),
+    "apertus": ("ApertusForCausalLM", "ApertusConfig", _llama_like(), _tokens),
+    "dots1": ("Dots1ForCausalLM", "Dots1Config",
+              _llama_like(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH,
+                          first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1), _tokens),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", _llama_like(sliding_window=32), _tokens),
+    "vaultgemma": ("VaultGemmaForCausalLM", "VaultGemmaConfig", _llama_like(head_dim=16, sliding_window=32),
+                   _tokens),
+    "flex_olmo": ("FlexOlmoForCausalLM", "FlexOlmoConfig",
+                  _llama_like(num_experts=4, num_experts_per_tok=2, pad_token_id=0), _tokens),
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", _llama_like(), _tokens),
+    "bamba": ("BambaForCausalLM", "BambaConfig",
+              _llama_like(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, attn_layer_indices=[1]), _tokens),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                         _llama_like(num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+                                     mamba_d_state=16, layer_types=["mamba", "attention"]), _tokens),
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                   _llama_like(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH,
+                               shared_expert_intermediate_size=WIDTH, linear_num_key_heads=4,
+                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                               layer_types=["linear_attention", "full_attention"]), _tokens),
+    "nanochat": ("NanoChatForCausalLM", "NanoChatConfig", _llama_like(), _tokens),
+    "jais2": ("Jais2ForCausalLM", "Jais2Config", _llama_like(), _tokens),
+    "doge": ("DogeForCausalLM", "DogeConfig", _llama_like(), _tokens),
 }
 
 
