@@ -123,6 +123,10 @@ _LATENT_MOE = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nop
                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH, first_k_dense_replace=1,
                    n_group=1, topk_group=1)
 
+# the sizes of every kind of decoder (experts, latent attention, sliding windows), for configs that read some of them
+_ANY_DECODER = dict(_LATENT_MOE, head_dim=16, num_experts=4, num_local_experts=4, n_shared_experts=1, sliding_window=32,
+                    pad_token_id=0, rope_theta=10000.0)
+
 HELD_OUT = {
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", _llama_like(head_dim=16, sliding_window=32), _tokens),
     "cohere": ("CohereForCausalLM", "CohereConfig", _llama_like(), _tokens),
@@ -354,6 +358,40 @@ HELD_OUT = {
     "nanochat": ("NanoChatForCausalLM", "NanoChatConfig", _llama_like(), _tokens),
     "jais2": ("Jais2ForCausalLM", "Jais2Config", _llama_like(), _tokens),
     "doge": ("DogeForCausalLM", "DogeConfig", _llama_like(), _tokens),
+    # a fifth set: more decoders of transformers 5.25, each config given the sizes of every kind a decoder reads
+    # (_ANY_DECODER: it keeps those it knows), or only the common ones where those do not fit it
+    "deepseekv4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", _llama_like(), _tokens),
+    "glm4moelite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", _llama_like(), _tokens),
+    "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "minimaxm2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", _llama_like(**_ANY_DECODER), _tokens),
+    "mistral4": ("Mistral4ForCausalLM", "Mistral4Config", _llama_like(**_ANY_DECODER), _tokens),
+    "mimov2flash": ("MiMoV2FlashForCausalLM", "MiMoV2FlashConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "minicpm3": ("MiniCPM3ForCausalLM", "MiniCPM3Config", _llama_like(**_ANY_DECODER), _tokens),
+    "nemotronh": ("NemotronHForCausalLM", "NemotronHConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "olmohybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "lfm3": ("Lfm3ForCausalLM", "Lfm3Config", _llama_like(**_ANY_DECODER), _tokens),
+    "hyv3": ("HYV3ForCausalLM", "HYV3Config", _llama_like(**_ANY_DECODER), _tokens),
+    "bitnet": ("BitNetForCausalLM", "BitNetConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "afmoe": ("AfmoeForCausalLM", "AfmoeConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "cohere2moe": ("Cohere2MoeForCausalLM", "Cohere2MoeConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "exaonemoe": ("ExaoneMoeForCausalLM", "ExaoneMoeConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "granitemoeshared": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "granitemoeswa": ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "graniteswa": ("GraniteSWAForCausalLM", "GraniteSWAConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "diffllama": ("DiffLlamaForCausalLM", "DiffLlamaConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "laguna": ("LagunaForCausalLM", "LagunaConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "laramini": ("LaraMiniForCausalLM", "LaraMiniConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "zaya": ("ZayaForCausalLM", "ZayaConfig", _llama_like(), _tokens),
+    "solaropen": ("SolarOpenForCausalLM", "SolarOpenConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "ergo": ("ErgoForCausalLM", "ErgoConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "dory": ("DoryForCausalLM", "DoryConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "flint": ("FlintForCausalLM", "FlintConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "kolibri1": ("Kolibri1ForCausalLM", "Kolibri1Config", _llama_like(**_ANY_DECODER), _tokens),
+    "hrmtext": ("HrmTextForCausalLM", "HrmTextConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "mellum": ("MellumForCausalLM", "MellumConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "minicpm5moe": ("MiniCPM5MoeForCausalLM", "MiniCPM5MoeConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "cwm": ("CwmForCausalLM", "CwmConfig", _llama_like(**_ANY_DECODER), _tokens),
+    "ministral3": ("Ministral3ForCausalLM", "Ministral3Config", _llama_like(**_ANY_DECODER), _tokens),
 }
 
 
