@@ -10,7 +10,6 @@ start figure, memory.py) plus the measured increase.
 
 import dataclasses
 import itertools
-import time
 import warnings
 
 import pytest
