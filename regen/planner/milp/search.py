@@ -119,8 +119,9 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
                               time_limit_s=time_limit_s)
         return StrategyResult(choices=result.choices, report=report, predicted_step_time_s=result.objective_s,
                               predicted_peak_bytes=result.predicted_peak_bytes, notes=notes)
-    if warm is None:
-        raise AssertionError("internal error: no plan passed the simulator under the cap")
+    if warm is None:  # a loaded machine can leave the MILP without a plan that passes, and no heuristic fits
+        raise SolverError(f"no plan under the cap within the time limit of {time_limit_s:g} s ({fallback}, and no "
+                          f"heuristic plan fits it); raise time_limit_s or the memory cap")
     notes.append(fallback + "; the warm-start plan is used instead")
     say(notes[-1])
     sim = simulate(graph, warm)
