@@ -37,10 +37,10 @@ from regen.runtime.saved_entries import Untracked
 from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
 from regen.runtime.peak_check import PEAK_TOLERANCE
+from regen.units import format_bytes
 
 # what a forward op's rebuild cost is timed with: wall time (on CUDA, the launch's), the policy's costs (policy.py)
 op_clock = time.perf_counter
-from regen.units import format_bytes
 
 
 # NOTE [ Headroom in backward ]
