@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # plan_choices.py, shared by the planner's and the runtime's tests
+sys.path.insert(0, os.path.dirname(__file__))  # plan_choices.py and plans.py, shared by the packages' tests
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -99,6 +99,7 @@ def _run(plan, emulate_link: bool, autocast: bool):
 
 
 def _profile(autocast: bool):
+    from plans import fixed_runtime_costs
     from regen.profiler import profile_workload
     from regen.workloads import Workload
 
@@ -108,6 +109,7 @@ def _profile(autocast: bool):
     for op in profile.ops:  # the same op times on any machine load, so the same plans every run
         op.time_s = OP_TIME_S
     profile.step_time_s = STEP_TIME_S  # and the same link: a link ratio scales the step time
+    profile.runtime_costs = fixed_runtime_costs()  # and the same charges for what regen adds
     return profile
 
 

@@ -19,6 +19,7 @@ from regen.errors import InfeasibleCapError, RegenError
 from regen.measure import measure_memory
 
 CAP_FRACTION = 0.5
+LINK_RATIO = 0.5  # copy time of every saved tensor over the step time
 CAP_TOLERANCE = 0.05
 SIMULATOR_TOLERANCE = 0.10
 WORKLOADS = ["mlp", "cnn", "gpt", "hf-gpt2", "hf-bert"]
@@ -45,26 +46,25 @@ def _solve(profile, strategy):
     from regen.planner import solve
 
     cap = int(profile.peak_bytes * CAP_FRACTION)
-    # the profile's own (memcpy) bandwidth, given explicitly: a CPU profile without a link plans no swaps
-    bandwidth_gb_s = profile.device.d2h_bytes_per_s / 1e9
+    link = {"link_ratio": LINK_RATIO}  # a CPU profile without a link plans no swaps
     try:
         return solve(profile, memory_cap_bytes=cap, strategy=strategy, time_limit_s=30,
-                     bandwidth_gb_s=bandwidth_gb_s), None
+                     **link), None
     except InfeasibleCapError as exc:
         if exc.smallest_feasible_cap_bytes is None:
             raise
         note = (f"{strategy} cannot reach 50% of the unplanned peak; using its smallest cap "
                 f"{exc.smallest_feasible_cap_bytes} B ({exc.smallest_feasible_cap_bytes / profile.peak_bytes:.0%})")
         return solve(profile, memory_cap_bytes=exc.smallest_feasible_cap_bytes, strategy=strategy,
-                      time_limit_s=30, bandwidth_gb_s=bandwidth_gb_s), note
+                      time_limit_s=30, **link), note
 
 
 @functools.lru_cache(maxsize=None)
 def _profiled_plan(name, strategy):
-    from regen.profiler import profile_workload
+    from plans import profile as fixed_profile  # fixed times: the same plans on a busy machine
 
     w = make(name)
-    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    profile = fixed_profile(w)
     plan, note = _solve(profile, strategy)
     return w, profile, plan, note
 

@@ -1,4 +1,5 @@
-"""Plans for the stack tests: tiny models, so each profile and solve takes a fraction of a second."""
+"""Profiles and plans for the tests that need plans the same on any machine: op times and runtime costs
+fixed from the graph, tiny models, so each profile and solve takes a fraction of a second."""
 
 from __future__ import annotations
 
@@ -19,17 +20,23 @@ def fixed_times(prof):
     step's time their sum, and fixed runtime costs (1 us per tracked, captured or replayed op and per recipe,
     50 us of the compute thread's time per swap): what a plan chooses then depends on the graph, not on how
     loaded the machine was while it was profiled."""
-    from regen.formats.profile import RuntimeCosts
-
     sizes = {t.id: t.bytes for t in prof.tensors}
     for op in prof.ops:
         moved = sum(sizes.get(x, 0) for x in list(op.inputs) + list(op.outputs))
         op.time_s = 1e-6 * (1 + moved / 1024)
     prof.step_time_s = sum(op.time_s for op in prof.ops)
     prof.forward_time_s = sum(op.time_s for op in prof.ops[:prof.num_forward_ops])
-    prof.runtime_costs = RuntimeCosts(dispatch_op_s=1e-6, capture_op_s=1e-6, replay_op_s=1e-6, recipe_s=1e-6,
-                                      method="fixed for the tests", swap_s=50e-6)
+    prof.runtime_costs = fixed_runtime_costs()
     return prof
+
+
+def fixed_runtime_costs():
+    """Runtime costs for the tests (1 us per tracked, captured or replayed op and per recipe, 50 us of the
+    compute thread's time per swap), in place of what the profile's probe measured on this machine."""
+    from regen.formats.profile import RuntimeCosts
+
+    return RuntimeCosts(dispatch_op_s=1e-6, capture_op_s=1e-6, replay_op_s=1e-6, recipe_s=1e-6,
+                        method="fixed for the tests", swap_s=50e-6)
 
 
 def solve_halfway(prof, strategy: str, link_ratio: float | None = None, fraction: float = 0.5):
