@@ -8,7 +8,8 @@ time, as a model of its own with every other candidate fixed at the incumbent (`
 regen.planner.milp.submodel), keeping each improvement, while the LP relaxation (a valid lower bound;
 regen.planner.milp.relaxation) solves on the other core; once it has, the blocks where the plan
 differs most from the LP solution go first, and the sweeps stop when the plan is within the gap of the
-bound or the time is up.
+bound or the time is up. On a model of repeated layers (regen.planner.milp.twins) the blocks are cut at
+the layers' boundaries and each improvement is proposed to the block's twin layers (Note [ Twin layers ]).
 docs/milp.md describes the search; regen.planner.milp.search decides when it runs.
 """
 
@@ -26,6 +27,7 @@ from regen.planner.milp.model import Model
 from regen.planner.milp.relaxation import Relaxation, lp_disagreement
 from regen.planner.milp.submodel import RowwiseModel, SubModel, restrict
 from regen.planner.milp.solution import MilpResult, read_choices, result_from_values, warm_start_values
+from regen.planner.milp.twins import Proposal, Twins, find_twins, layer_blocks, pattern, propose
 from regen.planner.result import Choice
 from regen.units import format_duration
 
@@ -141,6 +143,7 @@ class _Search:
     window_steps: dict[int, set[int]]  # candidate -> the steps of its copy windows
     by_step: dict[int, list[int]]  # step -> candidates with a copy window there
     rel_gap: float
+    twins: Twins | None = None  # the model's twin layers (regen.planner.milp.twins)
     best_obj: float = math.inf
     solution: object | None = None  # every column of the best solution (numpy, integers rounded)
     activity: object | None = None  # every row's activity at `solution`
@@ -202,10 +205,11 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     report = _SweepProgress(model, progress)
     while search.solution is not None and time.perf_counter() < deadline:
         guide.poll()
-        blocks = _sweep_blocks(order, block_candidates, sweeps, guide.priority)
+        blocks = _sweep_blocks(search, order, block_candidates, sweeps, guide.priority)
         guided = guide.priority is not None
         sweep_start_obj = search.best_obj
         report.sweep(sweeps + 1, len(blocks))
+        settled: set[tuple] = set()  # patterns of this sweep's blocks already solved (Note [ Twin layers ])
         while blocks:
             report.now(len(blocks), search.best_obj, guide.bound)
             remaining = deadline - time.perf_counter()
@@ -217,7 +221,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
             if not guided:  # back soon to see whether the bound has come
                 limit_s = min(limit_s, UNGUIDED_BLOCK_TIME_S)
             search.stop_at_objective = guide.target_objective
-            _solve_block(search, set(blocks.pop(0)), limit_s)
+            _solve_block_and_twins(search, blocks.pop(0), limit_s, settled)
         sweeps += 1
         if reached():
             break
@@ -278,7 +282,7 @@ def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) 
         for s in window_steps[i]:
             by_step.setdefault(s, []).append(i)
     search = _Search(full=full, variables=variables, shared=shared, owned=owned, copies=copies,
-                     window_steps=window_steps, by_step=by_step, rel_gap=rel_gap)
+                     window_steps=window_steps, by_step=by_step, rel_gap=rel_gap, twins=find_twins(model))
     # the warm plan's discrete values; its continuous ones come from _solve_warm_plan
     search.solution = np.zeros(len(variables))
     by_name = {v.name: v for v in variables}
@@ -300,20 +304,79 @@ def _solve_warm_plan(search: _Search, deadline: float) -> None:
         search.solution = None
 
 
-def _sweep_blocks(order: list[int], block_candidates: int, sweeps: int,
+def _sweep_blocks(search: _Search, order: list[int], block_candidates: int, sweeps: int,
                   priority: dict[int, float] | None) -> list[list[int]]:
-    """The blocks of one sweep. Every other sweep shifts the block boundaries by half a block, so no
-    pair of neighbours is always split; with a priority, the most promising blocks come first (the
-    time may run out mid-sweep)."""
-    shift = (block_candidates // 2) if sweeps % 2 else 0
-    cuts = [0] + list(range(shift or block_candidates, len(order), block_candidates)) + [len(order)]
-    blocks = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    """The blocks of one sweep: cut at the twin layers' boundaries when the model has them, else every
+    `block_candidates`. Every other sweep shifts the boundaries by half a block, so no pair of neighbours
+    is always split; with a priority, the most promising blocks come first (the time may run out
+    mid-sweep)."""
+    if search.twins is not None:
+        blocks = layer_blocks(search.twins, order, block_candidates, sweeps)
+    else:
+        shift = (block_candidates // 2) if sweeps % 2 else 0
+        cuts = [0] + list(range(shift or block_candidates, len(order), block_candidates)) + [len(order)]
+        blocks = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
     return _by_priority(blocks, priority) if priority is not None else blocks
 
 
 def _by_priority(blocks: list[list[int]], priority: dict[int, float]) -> list[list[int]]:
     """The blocks where the plan differs most from the LP solution first."""
     return sorted(blocks, key=lambda blk: -sum(priority.get(i, 0.0) for i in blk))
+
+
+# NOTE [ Twin layers ]
+# 1. A block's improvement is a proposal for its twins, never an assumption: its action values are copied
+#    onto every twin it does not overlap, the rows of fixed columns only are checked at the copied values,
+#    and the rest (continuous columns, shared ones, the changed twins' copy-window binaries) is solved
+#    again; the result replaces the incumbent only if it is better.
+# 2. Within one sweep, a block whose pattern (twins.pattern: positions, twin groups, action values) was
+#    solved already is skipped: the same sub-problem, up to its place in the step.
+# 3. Most proposals are refused (the improvement spent the slack under the cap that its twins would need
+#    as well); refusal costs one LP-sized sub-solve, a tenth of a block's.
+
+
+def _solve_block_and_twins(search: _Search, block: list[int], time_limit_s: float, settled: set[tuple]) -> None:
+    """Solve the block unless a twin of it with the same actions was solved this sweep; when it improves,
+    propose its actions to its twins (Note [ Twin layers ])."""
+    if search.twins is None:
+        _solve_block(search, set(block), time_limit_s)
+        return
+    if pattern(search.twins, search.solution, block) in settled:
+        return
+    before = search.best_obj
+    _solve_block(search, set(block), time_limit_s)
+    if search.best_obj < before:
+        proposal = propose(search.twins, search.solution, block)
+        if proposal is not None:
+            _try_proposal(search, proposal, time_limit_s)
+    key = pattern(search.twins, search.solution, block)
+    if key is not None:
+        settled.add(key)
+
+
+def _try_proposal(search: _Search, proposal: Proposal, time_limit_s: float) -> bool:
+    """Take the proposal if, with its changed twins' copy windows, the continuous columns and the shared
+    ones solved again, it is a plan (every row holds) that improves on the best."""
+    import numpy as np
+
+    full = search.full
+    free = search.shared | ~full.is_integer
+    free[proposal.windows] = True
+    activity = full.activity(proposal.values)
+    touched = np.bincount(full.row_of_nonzero, weights=free[full.index], minlength=full.lp.num_row_) > 0
+    fixed_rows = ~touched  # rows the sub-model leaves out: they must hold at the proposal's values
+    tol = 1e-6
+    if np.any(activity[fixed_rows] < full.row_lower[fixed_rows] - tol) or \
+            np.any(activity[fixed_rows] > full.row_upper[fixed_rows] + tol):
+        return False
+    old = search.solution, search.activity
+    search.solution, search.activity = proposal.values, activity
+    before = search.best_obj
+    _run_sub_model(search, np.flatnonzero(free), time_limit_s, start=False)
+    if not search.best_obj < before:
+        search.solution, search.activity = old
+        return False
+    return True
 
 
 def _solve_block(search: _Search, free_candidates: set[int], time_limit_s: float) -> None:
