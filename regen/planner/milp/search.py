@@ -103,15 +103,16 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
         first = _FirstModel.build(graph, cap, options, deadline, time_limit_s)
     except CapInfeasible:
         first = None
-    warm = warm_start(graph, cap, allow_swap, allow_recompute, time_limit_s, say)
+    start = warm_start(graph, cap, allow_swap, allow_recompute, time_limit_s, say)
+    warm = start.choices if start is not None else None
     if first is None:  # Note [ The simulator over the MILP's rows ]
-        if warm is None:
+        if start is None:
             raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
         result, fallback = None, MILP_ROWS_INFEASIBLE
     else:
         result, fallback = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
-        if result is not None and warm is not None:
-            fallback = _slower_than_warm(graph, result.choices, warm)
+        if result is not None and start is not None:
+            fallback = _slower_than_warm(graph, result.choices, start.sim)
             result = None if fallback else result
     if result is not None:
         report = SolverReport(name="highs", status=result.status, objective_s=result.objective_s,
@@ -119,22 +120,21 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
                               time_limit_s=time_limit_s)
         return StrategyResult(choices=result.choices, report=report, predicted_step_time_s=result.objective_s,
                               predicted_peak_bytes=result.predicted_peak_bytes, notes=notes)
-    if warm is None:  # a loaded machine can leave the MILP without a plan that passes, and no heuristic fits
+    if start is None:  # a loaded machine can leave the MILP without a plan that passes, and no heuristic fits
         raise SolverError(f"no plan under the cap within the time limit of {time_limit_s:g} s ({fallback}, and no "
                           f"heuristic plan fits it); raise time_limit_s or the memory cap")
     notes.append(fallback + "; the warm-start plan is used instead")
     say(notes[-1])
-    sim = simulate(graph, warm)
-    report = SolverReport(name="heuristic", status="heuristic", objective_s=sim.step_time_s, bound_s=None,
+    report = SolverReport(name="heuristic", status="heuristic", objective_s=start.sim.step_time_s, bound_s=None,
                           gap=None, solve_time_s=0.0, time_limit_s=time_limit_s)
-    return StrategyResult(choices=warm, report=report, predicted_step_time_s=sim.step_time_s,
-                          predicted_peak_bytes=sim.peak_bytes, notes=notes)
+    return StrategyResult(choices=start.choices, report=report, predicted_step_time_s=start.sim.step_time_s,
+                          predicted_peak_bytes=start.sim.peak_bytes, notes=notes)
 
 
-def _slower_than_warm(graph: PlanningGraph, choices: dict[int, Choice], warm: dict[int, Choice]) -> str | None:
-    """Why the warm start is the plan instead of the MILP's `choices` (Note [ The faster of the MILP's plan and
-    the warm start ]), or None when the MILP's plan simulates at least as fast."""
-    milp_s, warm_s = simulate(graph, choices).step_time_s, simulate(graph, warm).step_time_s
+def _slower_than_warm(graph: PlanningGraph, choices: dict[int, Choice], warm: SimulationResult) -> str | None:
+    """Why the warm start (simulated as `warm`) is the plan instead of the MILP's `choices` (Note [ The faster of
+    the MILP's plan and the warm start ]), or None when the MILP's plan simulates at least as fast."""
+    milp_s, warm_s = simulate(graph, choices).step_time_s, warm.step_time_s
     if warm_s >= milp_s:
         return None
     unit = graph.time_unit
@@ -233,8 +233,17 @@ def is_large(graph: PlanningGraph, allow_swap: bool) -> bool:
     return decidable_count(graph) > (SWAP_BLOCK_IMPROVE_MIN_CANDIDATES if allow_swap else BLOCK_IMPROVE_MIN_CANDIDATES)
 
 
+@dataclass
+class WarmStart:
+    """The plan the search starts from, and the simulator's view of it."""
+
+    name: str
+    choices: dict[int, Choice]
+    sim: SimulationResult
+
+
 def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
-               say: Say) -> dict[int, Choice] | None:
+               say: Say) -> WarmStart | None:
     """The greedy plan, per-block checkpointing (when the profile has regions), or for hybrid the
     recompute-only greedy's or (up to RECOMPUTE_WARM_START_MAX_CANDIDATES) the recompute-only MILP's
     plan, whichever is the fastest under the cap (with its host pool within the host memory cap), so the
@@ -256,11 +265,11 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
         if not within_host_cap(graph, choices):
             continue  # the final check would refuse it (the greedy plans do not see the host pool)
         sim = simulate(graph, choices)
-        if sim.fits(cap) and (best is None or sim.step_time_s < best[0]):
-            best = (sim.step_time_s, name, choices)
-    say("warm start: " + (f"{best[1]} plan, {format_duration(best[0], graph.time_unit)}" if best
+        if sim.fits(cap) and (best is None or sim.step_time_s < best.sim.step_time_s):
+            best = WarmStart(name, choices, sim)
+    say("warm start: " + (f"{best.name} plan, {format_duration(best.sim.step_time_s, graph.time_unit)}" if best
                           else "none found under the cap"))
-    return best[2] if best else None
+    return best
 
 
 def within_host_cap(graph: PlanningGraph, choices: dict[int, Choice]) -> bool:
