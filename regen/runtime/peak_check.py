@@ -44,8 +44,8 @@ class CapExceededWarning(RuntimeWarning):
 
 def over_cap_message(measured_bytes: int, cap_bytes: int) -> str | None:
     """The warning for a planned step that peaked at `measured_bytes` under a cap of `cap_bytes`, or None
-    when it is within the cap + PEAK_TOLERANCE."""
-    if measured_bytes <= cap_bytes * (1 + PEAK_TOLERANCE):
+    when it is within the cap + PEAK_TOLERANCE, or when the plan names no cap (0: a plan made by hand)."""
+    if cap_bytes <= 0 or measured_bytes <= cap_bytes * (1 + PEAK_TOLERANCE):
         return None
     return (f"regen.apply: a planned step peaked at {measured_bytes} B of device memory, "
             f"{measured_bytes / cap_bytes - 1:.0%} over the plan's cap of {cap_bytes} B: something the plan does "
@@ -79,7 +79,7 @@ class PeakCheck:
         """regen's own count: a checked step's storages dropped for recompute that something else still held
         when backward began (`held_bytes`) were counted as freed by its plan, whose peak was
         `predicted_peak_bytes`; warn (once per handle) when the two together are over the cap + tolerance."""
-        if not held_bytes or self.warned:
+        if not held_bytes or self.warned or self.cap_bytes <= 0:  # 0: a plan made by hand names no cap
             return False
         counted = predicted_peak_bytes + held_bytes
         if counted <= self.cap_bytes * (1 + PEAK_TOLERANCE):

@@ -105,6 +105,9 @@ def test_the_peak_check_warns_once_with_the_figures():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check.observe(1_400_000)  # over, but said once already
+        no_cap = PeakCheck(0, read_peak=None)  # a plan made by hand names no cap: nothing to check against
+        assert over_cap_message(1, 0) is None and not no_cap.observe(1_000)
+        assert not no_cap.observe_drops_held(held_bytes=1_000, predicted_peak_bytes=1_000)
 
 
 def test_a_checked_step_is_compared_with_its_own_plans_cap():
