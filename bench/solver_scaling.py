@@ -1,10 +1,12 @@
 """Solve time and optimality gap against size: regen's MILP on synthetic transformer-shaped profiles.
 
     .venv/bin/python bench/solver_scaling.py [--sizes 100 300 1000 3000] [--time-limit 30] [--cap 0.5]
-                                             [--rel-gap 0.01]
+                                             [--rel-gap 0.01] [--module-calls]
 
 Profiles come from regen.graphs.synthetic.transformer_profile (about 15 candidates per layer); the
-cap is a fraction of the unplanned peak. The solver stops at --rel-gap (default: the planner's
+cap is a fraction of the unplanned peak. With --module-calls each layer is recorded as a module call, as
+`regen profile` records a model's layers: the planner then has regions (a layer replayed whole) and twin
+layers (docs/milp.md "Twin layers"). The solver stops at --rel-gap (default: the planner's
 DEFAULT_REL_GAP, 1%) or the time limit. Target on 2 cores: 3,000 candidates to a 1% gap within 30 s
 (107 take about 15 s: small graphs get longer copy windows, docs/milp.md).
 """
@@ -27,12 +29,14 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=0.5, help="cap as a fraction of the unplanned peak")
     parser.add_argument("--strategy", default="hybrid")
     parser.add_argument("--rel-gap", type=float, default=DEFAULT_REL_GAP, help="stopping relative gap")
+    parser.add_argument("--module-calls", action="store_true", help="record each layer as a module call")
     args = parser.parse_args()
     print(f"time limit {args.time_limit:g} s, stopping gap {100 * args.rel_gap:g}%, cap {100 * args.cap:g}% of peak")
     print(f"{'cands':>6} {'ops':>6} {'binaries':>9} {'solve_s':>8} {'status':>10} {'gap_%':>7} "
           f"{'overhead_%':>10} {'sim_peak/cap':>12}")
     for size in args.sizes:
-        profile = transformer_profile(n_layers=max(1, round(size / CANDIDATES_PER_LAYER)))
+        profile = transformer_profile(n_layers=max(1, round(size / CANDIDATES_PER_LAYER)),
+                                      module_calls=args.module_calls)
         cap = int(profile.peak_bytes * args.cap)
         info = {}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from regen.formats.profile import (KIND_ACTIVATION, KIND_PARAMETER, PHASE_BACKWARD, PHASE_FORWARD, DeviceInfo,
-                                   OpRecord, Profile, SavedEntry, SavedTensor, StaticMemory, TensorRecord,
+                                   ModuleCall, OpRecord, Profile, SavedEntry, SavedTensor, StaticMemory, TensorRecord,
                                    op_fingerprint)
 
 FLOAT32_BYTES = 4
@@ -48,6 +48,7 @@ class ProfileBuilder:
         self.source = source
         self.tensors: list[TensorRecord] = []
         self.ops: list[BuilderOp] = []
+        self.calls: list[tuple[str, int, int, list[int]]] = []  # (module, first op, last op, argument tensors)
 
     # ---- tensors and ops --------------------------------------------------------------------
     def external(self, nbytes: int, kind: str = KIND_PARAMETER, shape: list[int] | None = None) -> int:
@@ -91,6 +92,10 @@ class ProfileBuilder:
                                   outs, unpacks_of=of_list))
         return outs
 
+    def module_call(self, module: str, first_op: int, last_op: int, inputs: list[int]) -> None:
+        """A call of submodule `module` (its path, e.g. "blocks.3") over forward ops first_op..last_op."""
+        self.calls.append((module, first_op, last_op, list(inputs)))
+
     # ---- profile ----------------------------------------------------------------------------
     def build(self) -> Profile:
         num_fwd = sum(1 for op in self.ops if op.phase == PHASE_FORWARD)
@@ -109,8 +114,20 @@ class ProfileBuilder:
             optimizer_step_time_s=0.0, memory_at_start_bytes=self.start_bytes, peak_bytes=peak_bytes,
             fingerprint=op_fingerprint(op_records, self.tensors), ops=op_records, tensors=list(self.tensors),
             saved_entries=entries, saved_tensors=sorted(saved.values(), key=lambda s: s.id),
-            notes=[self.source],
+            notes=[self.source], module_calls=_module_calls(self.calls, entries),
         )
+
+
+def _module_calls(calls: list[tuple[str, int, int, list[int]]], entries: list[SavedEntry]) -> list[ModuleCall]:
+    """The calls as the profiler records them: each module's n-th call, with the saved entries packed inside."""
+    out, seen = [], {}
+    for module, first, last, inputs in calls:
+        inside = [e.index for e in entries if first <= e.pack_after_op <= last]
+        out.append(ModuleCall(module=module, call=seen.get(module, 0), first_op=first, last_op=last, inputs=inputs,
+                              first_entry=inside[0] if inside else len(entries), num_entries=len(inside),
+                              depth=module.count(".") + 1))
+        seen[module] = seen.get(module, 0) + 1
+    return out
 
 
 def _saved_entries(ops: list[BuilderOp], tensors: list[TensorRecord], num_fwd: int) -> list[SavedEntry]:

@@ -30,8 +30,9 @@ def _matmul_s(flops: float) -> float:
 
 
 def transformer_profile(n_layers: int = 4, batch: int = 8, seq: int = 512, d_model: int = 1024, n_head: int = 16,
-                        copy_bytes_per_s: float = DEFAULT_COPY_BYTES_PER_S) -> Profile:
-    """A GPT-shaped training step with `n_layers` blocks (about 15 candidates each)."""
+                        copy_bytes_per_s: float = DEFAULT_COPY_BYTES_PER_S, module_calls: bool = False) -> Profile:
+    """A GPT-shaped training step with `n_layers` blocks (about 15 candidates each); with `module_calls`,
+    each block is recorded as a call of `blocks.k`, as the profiler records a model's layers."""
     tokens = batch * seq
     act = tokens * d_model * FLOAT32_BYTES
     scores = batch * n_head * seq * seq * FLOAT32_BYTES
@@ -43,7 +44,8 @@ def transformer_profile(n_layers: int = 4, batch: int = 8, seq: int = 512, d_mod
     mm = lambda k, n_out: _matmul_s(2 * tokens * k * n_out)  # noqa: E731
     _, (x,) = b.forward("aten.embedding.default", _elementwise_s(act), [emb, idx], [act], saves=[idx])
     fwd = []  # (forward op, name, backward out sizes) in order, for the mirrored backward
-    for _ in range(n_layers):
+    for layer in range(n_layers):
+        block_first_op, block_input = len(b.ops), x
         w_qkv, w_proj = b.external(3 * d_model * d_model * 4), b.external(d_model * d_model * 4)
         w_fc, w_out = b.external(4 * d_model * d_model * 4), b.external(4 * d_model * d_model * 4)
         ln1_op, (ln1, m1, r1) = b.forward("aten.native_layer_norm.default", _elementwise_s(act), [x],
@@ -68,7 +70,9 @@ def transformer_profile(n_layers: int = 4, batch: int = 8, seq: int = 512, d_mod
                                  saves=[ln2])
         ge_op, (ge,) = b.forward("aten.gelu.default", _elementwise_s(4 * act), [fc], [4 * act], saves=[fc])
         fo_op, (fo,) = b.forward("aten.addmm.default", mm(4 * d_model, d_model), [ge, w_out], [act], saves=[ge])
-        _, (x,) = b.forward("aten.add.Tensor", _elementwise_s(act), [x2, fo], [act])
+        last_op, (x,) = b.forward("aten.add.Tensor", _elementwise_s(act), [x2, fo], [act])
+        if module_calls:
+            b.module_call(f"blocks.{layer}", block_first_op, last_op, [block_input])
         fwd += [(ln1_op, "aten.native_layer_norm_backward.default", [act, d_model * 8]),
                 (qkv_op, "aten.mm.default", [act, 3 * d_model * d_model * 4]),
                 (sc_op, "aten.bmm.default", [3 * act]),

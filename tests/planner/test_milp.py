@@ -358,3 +358,21 @@ def test_a_milp_plan_that_simulates_slower_than_the_warm_start_gives_way_to_it(s
     assert simulate(graph, result.choices).fits(cap)
     assert any(n.startswith("the MILP's plan simulates slower than the warm start") for n in result.notes)
     assert result.report.status == "heuristic"
+
+
+def test_the_block_plan_stands_when_the_full_milp_from_it_ends_worse():
+    """HiGHS stops within the gap of its own bound, which can leave it above the block search's plan it started
+    from: that plan is then the result, judged against the higher bound."""
+    from regen.planner.milp.search import better_of
+    from regen.planner.milp.solution import MilpResult
+
+    block = MilpResult(choices={0: "block"}, objective_s=1.00, bound_s=0.98, gap=0.02, status="time_limit",
+                       solve_time_s=5.0, predicted_peak_bytes=10)
+    full = MilpResult(choices={0: "full"}, objective_s=1.01, bound_s=0.995, gap=0.0149, status="time_limit",
+                      solve_time_s=9.0, predicted_peak_bytes=10)
+    kept = better_of(block, full, rel_gap=0.01)
+    assert kept.choices == {0: "block"} and kept.bound_s == 0.995 and kept.gap == pytest.approx(0.005)
+    assert kept.status == "optimal" and kept.solve_time_s == 9.0
+    better = MilpResult(choices={0: "full"}, objective_s=0.99, bound_s=0.985, gap=0.005, status="optimal",
+                        solve_time_s=9.0, predicted_peak_bytes=10)
+    assert better_of(block, better, rel_gap=0.01) is better

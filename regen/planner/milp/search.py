@@ -15,7 +15,7 @@ is an InfeasibleCapError naming the smallest feasible cap found (`smallest_feasi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from regen.errors import InfeasibleCapError, SolverError
@@ -200,6 +200,8 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
                 raise SolverError(f"the solver (highs) stopped without a feasible plan within the time limit of "
                                   f"{time_limit_s:g} s; raise time_limit_s or the memory cap") from exc
             return None, MILP_TIMED_OUT
+        if block_plan is not None:
+            result = better_of(block_plan, result, options.rel_gap)
         sim = simulate(graph, result.choices)
         if sim.fits(cap):
             return result, None
@@ -207,6 +209,19 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)
     return None, MILP_PLANS_OVER_CAP
+
+
+def better_of(block_plan: MilpResult, full: MilpResult, rel_gap: float) -> MilpResult:
+    """The full MILP's result, or the block search's plan it started from when that is better (HiGHS stops
+    within the gap of its own bound, which can be above the plan it was given), judged against the higher of
+    the two bounds."""
+    if not block_plan.objective_s < full.objective_s:
+        return full
+    bounds = [b for b in (block_plan.bound_s, full.bound_s) if b is not None]
+    bound = max(bounds) if bounds else None
+    gap = None if bound is None or block_plan.objective_s <= 0 else max(0.0, 1 - bound / block_plan.objective_s)
+    return replace(block_plan, bound_s=bound, gap=gap, solve_time_s=full.solve_time_s,
+                   status="optimal" if gap is not None and gap <= rel_gap else full.status)
 
 
 def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> dict[str, float] | None:

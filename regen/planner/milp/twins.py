@@ -192,13 +192,3 @@ def layer_blocks(twins: Twins, order: list[int], block_candidates: int, sweeps: 
         edges = [a + (b - a) * q // pieces for q in range(pieces + 1)]
         blocks += [order[x:y] for x, y in zip(edges, edges[1:]) if y > x]
     return blocks
-
-
-def pattern(twins: Twins, solution: np.ndarray, block: list[int]) -> tuple | None:
-    """What makes two blocks the same sub-problem up to their place in the step: their candidates' positions
-    relative to the first layer, their layers' twin groups and their action values; None outside the layers."""
-    if any(i not in twins.layer_of for i in block):
-        return None
-    first = min(twins.layer_of[i] for i in block)
-    return tuple((twins.layer_of[i] - first, twins.group[twins.layer_of[i]], twins.position[i],
-                  solution[twins.columns[i]].round().astype(np.int8).tobytes()) for i in block)
