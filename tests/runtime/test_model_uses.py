@@ -342,3 +342,37 @@ def test_a_storage_saved_again_after_its_first_save_was_freed_in_forward(action)
         assert handle.stats.planned_steps == 3
     for a, b in zip(reference, planned):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("action", ["recompute", "swap"])
+def test_a_handle_that_died_in_forward_counts_as_its_unpack_done(action, monkeypatch):
+    """Note [ A handle that dies in forward ], rule 2: topk's save of the indices dies in forward, so the rebuilt or
+    restored storage goes at the gather's unpack, its last real use, not only when the gather's handle dies."""
+    from handmade import build_plan, trace_workload
+    from regen.runtime.planned_storages import PlannedStorages
+
+    torch.manual_seed(0)
+    w = Workload("router", DroppedValuesRouter(), (torch.randn(64, 16),), lambda out, batch: out.square().mean())
+    trace = trace_workload(w)
+    topk = next(op.index for op in trace.ops if op.name == "aten.topk.default")
+    gather = next(op.index for op in trace.ops if op.name == "aten.gather.default")
+    plan = build_plan(trace, lambda i, c: action if c.key[0] <= gather else "keep", action)
+    events: list[str] = []
+    died, drop = PlannedStorages.handle_died, PlannedStorages._drop_device_copy
+
+    def handle_died(self, ps, unpacked):
+        if ps.key == (topk, 1):
+            events.append(f"died {'after' if unpacked else 'before'} its unpack")
+        died(self, ps, unpacked)
+
+    def drop_device_copy(self, ps):
+        if ps.key == (topk, 1) and ps.storage is not None:
+            events.append("storage dropped")
+        drop(self, ps)
+
+    monkeypatch.setattr(PlannedStorages, "handle_died", handle_died)
+    monkeypatch.setattr(PlannedStorages, "_drop_device_copy", drop_device_copy)
+    with regen.apply(w.model, plan, on_mismatch="raise", emulate_link=action == "swap") as handle:
+        run_and_grads(w)
+        assert handle.stats.planned_steps == 1
+    assert events == ["died before its unpack", "storage dropped", "died after its unpack"]
