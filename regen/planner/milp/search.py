@@ -282,8 +282,8 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
         sim = simulate(graph, choices)
         if sim.fits(cap) and (best is None or sim.step_time_s < best.sim.step_time_s):
             best = WarmStart(name, choices, sim)
-    say("warm start: " + (f"{best.name} plan, {format_duration(best.sim.step_time_s, graph.time_unit)}" if best
-                          else "none found under the cap"))
+    say("warm start: " + (f"{best.name} plan, {format_duration(best.sim.step_time_s, graph.time_unit)} (profiled op "
+                          f"times)" if best else "none found under the cap"))
     return best
 
 
