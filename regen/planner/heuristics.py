@@ -80,19 +80,31 @@ def checkpoint_blocks(graph: PlanningGraph) -> dict[int, Choice]:
     return choices
 
 
-def block_regions(graph: PlanningGraph) -> list:
-    """The regions of the model's repeated blocks: calls of the modules `P.0`, `P.1`, ... of the parent
-    path P with the most such children (the shallowest on a tie), as regen.models.repeated_blocks
-    finds the longest ModuleList."""
-    groups: dict[str, list] = {}
-    for r in graph.regions:
-        parent, _, last = r.call.module.rpartition(".")
+def repeated_parent(modules: list[str]) -> str | None:
+    """The parent path P with the most numbered children `P.0`, `P.1`, ... among `modules` (module paths),
+    the shallowest on a tie, as regen.models.repeated_blocks finds the longest ModuleList; None when no
+    path ends in a number."""
+    children: dict[str, set[str]] = {}
+    for m in modules:
+        parent, _, last = m.rpartition(".")
         if last.isdigit():
-            groups.setdefault(parent, []).append(r)
-    if not groups:
-        return []
-    parent = max(groups, key=lambda p: (len({r.call.module for r in groups[p]}), -p.count(".")))
-    return groups[parent]
+            children.setdefault(parent, set()).add(m)
+    if not children:
+        return None
+    return max(children, key=lambda p: (len(children[p]), -p.count(".")))
+
+
+def block_regions(graph: PlanningGraph) -> list:
+    """The regions of the model's repeated blocks: calls of the modules `P.0`, `P.1`, ... of the
+    `repeated_parent` among the regions' modules."""
+    parent = repeated_parent([r.call.module for r in graph.regions])
+    return [r for r in graph.regions if parent is not None and numbered_child_of(r.call.module, parent)]
+
+
+def numbered_child_of(module: str, parent: str) -> bool:
+    """`module` is `parent.<number>`."""
+    head, _, last = module.rpartition(".")
+    return head == parent and last.isdigit()
 
 
 def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_recompute: bool = True,

@@ -306,10 +306,10 @@ def _solve_warm_plan(search: _Search, deadline: float) -> None:
 
 def _sweep_blocks(search: _Search, order: list[int], block_candidates: int, sweeps: int,
                   priority: dict[int, float] | None) -> list[list[int]]:
-    """The blocks of one sweep: from the second sweep on, cut at the twin layers' boundaries when the model has
-    them, else every `block_candidates`. Every other sweep shifts the boundaries by half a block, so no pair of neighbours
-    is always split; with a priority, the most promising blocks come first (the time may run out
-    mid-sweep)."""
+    """The blocks of one sweep: from the second sweep on, cut at the twin layers' boundaries when the model
+    has them, else every `block_candidates`. Every other sweep shifts the boundaries by half a block, so no
+    pair of neighbours is always split; with a priority, the most promising blocks come first (the time may
+    run out mid-sweep)."""
     if search.twins is not None and sweeps > 0:
         blocks = layer_blocks(search.twins, order, block_candidates, sweeps - 1)
     else:
@@ -335,9 +335,9 @@ def _by_priority(blocks: list[list[int]], priority: dict[int, float]) -> list[li
 #    block can gain depends on the slack around it, which the blocks before it have just changed (skipping
 #    such blocks stopped a 10,000-candidate search after 20 of its 668 blocks).
 # 4. Layer blocks and proposals start with the second sweep: the first, by plain blocks, lets every layer
-#    reach its own optimum given the others. A copy made before that imposes one layer's choice on layers not yet improved, and the slack it
-#    spends uniformly can trap the search (a synthetic 3,000-candidate transformer: 1791 ms of op time against
-#    1773 without proposals).
+#    reach its own optimum given the others. A copy made before that imposes one layer's choice on layers not
+#    yet improved, and the slack it spends uniformly can trap the search (a synthetic 3,000-candidate
+#    transformer: 1791 ms of op time against 1773 without proposals).
 
 
 def _solve_block_and_twins(search: _Search, block: list[int], time_limit_s: float, proposals: bool) -> None:
@@ -351,9 +351,10 @@ def _solve_block_and_twins(search: _Search, block: list[int], time_limit_s: floa
             _try_proposal(search, proposal, time_limit_s)
 
 
-def _try_proposal(search: _Search, proposal: Proposal, time_limit_s: float) -> bool:
+def _try_proposal(search: _Search, proposal: Proposal, time_limit_s: float) -> None:
     """Take the proposal if, with its changed twins' copy windows, the continuous columns and the shared
-    ones solved again, it is a plan (every row holds) that improves on the best."""
+    ones solved again, it is a plan (every row holds) that improves on the best; else leave the best as it
+    was."""
     import numpy as np
 
     full = search.full
@@ -365,15 +366,13 @@ def _try_proposal(search: _Search, proposal: Proposal, time_limit_s: float) -> b
     tol = 1e-6
     if np.any(activity[fixed_rows] < full.row_lower[fixed_rows] - tol) or \
             np.any(activity[fixed_rows] > full.row_upper[fixed_rows] + tol):
-        return False
+        return
     old = search.solution, search.activity
     search.solution, search.activity = proposal.values, activity
     before = search.best_obj
     _run_sub_model(search, np.flatnonzero(free), time_limit_s, start=False)
     if not search.best_obj < before:
         search.solution, search.activity = old
-        return False
-    return True
 
 
 def _solve_block(search: _Search, free_candidates: set[int], time_limit_s: float) -> None:

@@ -2,30 +2,28 @@
 the same variables in the MILP, position by position, so that a plan found for one layer can be tried on
 every other at once (the block search's proposals, regen.planner.milp.blocks).
 
-Layers are the calls of the modules `P.0`, `P.1`, ... of the parent path P with the most such children
-(the shallowest on a tie), as regen.planner.heuristics.block_regions finds the repeated blocks, taken from
-the profile's module calls (a layer need not be a region). A candidate belongs to the layer whose call
-made it. Two layers are twins when their candidates, in producer order, agree one by one in what shapes
-their action columns: the producer's offset inside the call, the bytes, the recipe options, the swap,
-the "rebuilt with" options (by the other candidate's layer offset and position) and the regions inside
-the layer that may rebuild it. Twins' action columns are then listed in the same order (`columns`), so
-copying one layer's actions onto its twin's is a plan that differs only there. Their copy windows need
-not agree (a window ends where the profiled op times say a copy must be done, and those vary from layer
-to layer): the binaries of a window are the caller's to choose again. Whether it is a better plan, or a plan at all, is for the caller to judge:
-the copy is a proposal, never an assumption.
+Layers are the calls of the modules `P.0`, `P.1`, ... of regen.planner.heuristics.repeated_parent over the
+profile's module calls (a layer need not be a region). A candidate belongs to the layer whose call made it.
+Two layers are twins when their candidates, in producer order, agree one by one in what shapes their action
+columns: the producer's offset inside the call, the bytes, the recipe options, the swap, the "rebuilt with"
+options (by the other candidate's layer offset and position) and the regions inside the layer that may
+rebuild it. Twins' action columns are then listed in the same order (`columns`), so copying one layer's
+actions onto its twin's is a plan that differs only there. Their copy windows need not agree (a window ends
+where the profiled op times say a copy must be done, and those vary from layer to layer): the binaries of a
+window are the caller's to choose again. Whether the copy is a better plan, or a plan at all, is for the
+caller to judge: it is a proposal, never an assumption.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from regen.planner.heuristics import numbered_child_of, repeated_parent
 from regen.planner.milp.model import CandidateVars, Model
 
-_NUMBERED = re.compile(r"(.+)\.(\d+)$")
 MIN_TWIN_LAYERS = 3  # fewer repeated layers gain nothing from proposals
 
 
@@ -49,91 +47,89 @@ class Twins:
         return self.members[j][self.position[candidate]]
 
 
+@dataclass
+class _Layout:
+    """Where candidates and regions sit among the layers: what twin keys are read from."""
+
+    layer_of: dict[int, int]
+    position: dict[int, int]
+    region_at: dict[int, tuple[int, int, int]]  # region index -> (layer, first op, last op: offsets in the layer)
+
+    def rebuilt_key(self, other: int, option: int, k: int) -> tuple:
+        """A "rebuilt with" option of a candidate of layer k, as its twins hold it."""
+        if other not in self.layer_of:
+            return (1, other, option, 0)  # outside the layers: only the very same candidate matches
+        return (0, self.layer_of[other] - k, self.position[other], option)
+
+    def region_key(self, region: int, k: int) -> tuple:
+        """A region that may rebuild a candidate of layer k, as its twins see it."""
+        at = self.region_at.get(region)
+        if at is None or at[0] != k:
+            return (1, region, 0)  # outside the layer: only the very same region matches
+        return (0, at[1], at[2])
+
+    def shape(self, v: CandidateVars, layer_first_op: int) -> tuple:
+        """What twin candidates share: everything that decides their action columns and what they mean."""
+        k = self.layer_of[v.c.index]
+        return (v.c.producer - layer_first_op, v.c.bytes, len(v.rec), v.swap is not None,
+                tuple(sorted(self.rebuilt_key(r, option, k) for r, option, _ in v.rebuilt_with)),
+                tuple(sorted(self.region_key(r, k) for r, _ in v.regions)))
+
+    def action_columns(self, v: CandidateVars) -> np.ndarray:
+        """The candidate's action columns in twin order: recipes, "rebuilt with" and region options by their
+        keys, swap."""
+        k = self.layer_of[v.c.index]
+        rebuilt = [x for _, _, x in sorted(v.rebuilt_with, key=lambda o: self.rebuilt_key(o[0], o[1], k))]
+        regions = [x for _, x in sorted(v.regions, key=lambda o: self.region_key(o[0], k))]
+        cols = list(v.rec) + rebuilt + regions + ([v.swap] if v.swap is not None else [])
+        return np.array([x.index for x in cols], dtype=np.int64)
+
+
 def find_twins(model: Model) -> Twins | None:
-    """The model's twin layers, or None when fewer than MIN_TWIN_LAYERS layers have a twin."""
+    """The model's twin layers, or None when fewer than MIN_TWIN_LAYERS layers have a twin (the model's
+    columns must be numbered: regen.planner.milp.highs.to_highs_lp)."""
     calls = _layer_calls(model)
     if len(calls) < MIN_TWIN_LAYERS:
         return None
     firsts = [c.first_op for c in calls]
 
-    def layer(op: int) -> int | None:
-        k = bisect.bisect_right(firsts, op) - 1
-        return k if k >= 0 and op <= calls[k].last_op else None
+    def layer(first_op: int, last_op: int) -> int | None:
+        k = bisect.bisect_right(firsts, first_op) - 1
+        return k if k >= 0 and last_op <= calls[k].last_op else None
 
     members: list[list[int]] = [[] for _ in calls]
     for i in sorted(model.vars, key=lambda i: (model.vars[i].c.producer, i)):
-        k = layer(model.vars[i].c.producer)
+        k = layer(model.vars[i].c.producer, model.vars[i].c.producer)
         if k is not None:
             members[k].append(i)
-    layer_of = {i: k for k, ms in enumerate(members) for i in ms}
-    position = {i: p for ms in members for p, i in enumerate(ms)}
-    regions = [sorted(((rv.region.call.first_op - calls[k].first_op, rv.region.call.last_op - calls[k].first_op), rv)
-                      for rv in model.regions.values() if layer(rv.region.call.first_op) == k
-                      and rv.region.call.last_op <= calls[k].last_op) for k in range(len(calls))]
-    region_key = {id(rv): key for rs in regions for key, rv in rs}
-    region_layer = {rv.region.index: k for k, rs in enumerate(regions) for _, rv in rs}
-
-    def shape(i: int) -> tuple:
-        v = model.vars[i]
-        return _candidate_shape(v, calls[layer_of[i]].first_op, layer_of, position, region_layer, region_key,
-                                model)
-
-    signatures = [(tuple(shape(i) for i in ms), tuple(key for key, _ in regions[k])) for k, ms in enumerate(members)]
+    region_at = {}
+    for r in model.regions:
+        call = model.regions[r].region.call
+        k = layer(call.first_op, call.last_op)
+        if k is not None:
+            region_at[r] = (k, call.first_op - firsts[k], call.last_op - firsts[k])
+    layout = _Layout(layer_of={i: k for k, ms in enumerate(members) for i in ms},
+                     position={i: p for ms in members for p, i in enumerate(ms)}, region_at=region_at)
+    signatures = [(tuple(layout.shape(model.vars[i], firsts[k]) for i in ms),
+                   tuple(sorted(at[1:] for at in region_at.values() if at[0] == k)))
+                  for k, ms in enumerate(members)]
     group_of: dict[tuple, int] = {}
     group = [group_of.setdefault(sig, len(group_of)) for sig in signatures]
     if max(np.bincount(group)) < MIN_TWIN_LAYERS:
         return None
-    columns = {i: _discrete_columns(model.vars[i], layer_of, position, region_layer, region_key, model)
-               for ms in members for i in ms}
+    columns = {i: layout.action_columns(model.vars[i]) for i in layout.layer_of}
     window_columns = {i: np.array([x.index for x in list(model.vars[i].od.values()) + list(model.vars[i].is_.values())],
-                                  dtype=np.int64) for i in columns}
-    return Twins(layer_of=layer_of, position=position, group=group, columns=columns, window_columns=window_columns,
-                 members=members)
+                                  dtype=np.int64) for i in layout.layer_of}
+    return Twins(layer_of=layout.layer_of, position=layout.position, group=group, columns=columns,
+                 window_columns=window_columns, members=members)
 
 
 def _layer_calls(model: Model) -> list:
     """The calls of the repeated blocks, in forward order."""
-    groups: dict[str, list] = {}
-    for c in model.graph.profile.module_calls:
-        m = _NUMBERED.match(c.module)
-        if m:
-            groups.setdefault(m.group(1), []).append(c)
-    if not groups:
-        return []
-    parent = max(groups, key=lambda p: (len({c.module for c in groups[p]}), -p.count(".")))
-    return sorted(groups[parent], key=lambda c: c.first_op)
-
-
-def _candidate_shape(v: CandidateVars, layer_first_op: int, layer_of, position, region_layer, region_key,
-                     model: Model) -> tuple:
-    """What twin candidates share: everything that decides their columns and what those columns mean."""
-    c = v.c
-    k = layer_of[c.index]
-    return (c.producer - layer_first_op, c.bytes, len(v.rec), v.swap is not None,
-            tuple(sorted(_rebuilt_key(ri, kk, k, layer_of, position) for ri, kk, _ in v.rebuilt_with)),
-            tuple(sorted(_region_key(ri, k, region_layer, region_key, model) for ri, _ in v.regions)))
-
-
-def _rebuilt_key(other: int, option: int, k: int, layer_of, position) -> tuple:
-    if other not in layer_of:
-        return (1, other, option, 0)  # outside the layers: only the very same candidate matches
-    return (0, layer_of[other] - k, position[other], option)
-
-
-def _region_key(region: int, k: int, region_layer, region_key, model: Model) -> tuple:
-    if region not in region_layer or region_layer[region] != k:
-        return (1, region, 0)  # outside the layer: only the very same region matches
-    return (0, *region_key[id(model.regions[region])])
-
-
-def _discrete_columns(v: CandidateVars, layer_of, position, region_layer, region_key, model: Model) -> np.ndarray:
-    """The candidate's action columns in twin order: recipes, "rebuilt with" and region options by their
-    keys, swap."""
-    k = layer_of[v.c.index]
-    rebuilt = [x for _, _, x in sorted(v.rebuilt_with, key=lambda o: _rebuilt_key(o[0], o[1], k, layer_of, position))]
-    regions = [x for _, x in sorted(v.regions, key=lambda o: _region_key(o[0], k, region_layer, region_key, model))]
-    cols = list(v.rec) + rebuilt + regions + ([v.swap] if v.swap is not None else [])
-    return np.array([x.index for x in cols], dtype=np.int64)
+    calls = model.graph.profile.module_calls
+    parent = repeated_parent([c.module for c in calls])
+    return sorted((c for c in calls if parent is not None and numbered_child_of(c.module, parent)),
+                  key=lambda c: c.first_op)
 
 
 @dataclass
