@@ -350,7 +350,8 @@ def test_a_milp_plan_that_simulates_slower_than_the_warm_start_gives_way_to_it(s
     cap = int(small_transformer.peak_bytes * 0.7)
     slow = solve_model(Model(graph, int(small_transformer.peak_bytes * 0.5), MilpOptions(allow_swap=False)), 30)
     assert simulate(graph, slow.choices).fits(cap)
-    monkeypatch.setattr(search, "_solve_and_repair", lambda *args, **kwargs: (slow, None))
+    slow_sim = simulate(graph, slow.choices)
+    monkeypatch.setattr(search, "_solve_and_repair", lambda *args, **kwargs: (slow, slow_sim, None))
     result = search.plan_with_milp(graph, cap, True, True, 30, 0.01, lambda m: None)
     slow_s = simulate(graph, slow.choices).step_time_s
     assert result.choices is not slow.choices

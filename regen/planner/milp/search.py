@@ -30,7 +30,7 @@ from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
 from regen.planner.milp.relaxation import Relaxation
-from regen.planner.milp.solution import MilpResult, solve_model
+from regen.planner.milp.solution import MilpResult, relative_gap, solve_model
 from regen.planner.residency import host_pool_bytes, lower_bound_peak
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, simulate
@@ -110,9 +110,9 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
             raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
         result, fallback = None, MILP_ROWS_INFEASIBLE
     else:
-        result, fallback = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
+        result, sim, fallback = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
         if result is not None and start is not None:
-            fallback = _slower_than_warm(graph, result.choices, start.sim)
+            fallback = _slower_than_warm(graph, sim, start.sim)
             result = None if fallback else result
     if result is not None:
         report = SolverReport(name="highs", status=result.status, objective_s=result.objective_s,
@@ -131,10 +131,10 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
                           predicted_peak_bytes=start.sim.peak_bytes, notes=notes)
 
 
-def _slower_than_warm(graph: PlanningGraph, choices: dict[int, Choice], warm: SimulationResult) -> str | None:
-    """Why the warm start (simulated as `warm`) is the plan instead of the MILP's `choices` (Note [ The faster of
-    the MILP's plan and the warm start ]), or None when the MILP's plan simulates at least as fast."""
-    milp_s, warm_s = simulate(graph, choices).step_time_s, warm.step_time_s
+def _slower_than_warm(graph: PlanningGraph, milp: SimulationResult, warm: SimulationResult) -> str | None:
+    """Why the warm start is the plan instead of the MILP's (Note [ The faster of the MILP's plan and the warm
+    start ]; both as the simulator ran them), or None when the MILP's plan simulates at least as fast."""
+    milp_s, warm_s = milp.step_time_s, warm.step_time_s
     if warm_s >= milp_s:
         return None
     unit = graph.time_unit
@@ -163,12 +163,12 @@ class _FirstModel:
 
 def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, Choice] | None,
                       deadline: float, time_limit_s: float, say: Say, notes: list[str],
-                      lower: int) -> tuple[MilpResult | None, str | None]:
-    """The first MILP plan that passes the simulator, with repair rounds, and None; (None, why) when none
-    does and the warm start stands in (why: one of the fallback reasons above)."""
+                      lower: int) -> tuple[MilpResult | None, SimulationResult | None, str | None]:
+    """The first MILP plan that passes the simulator, with repair rounds, its simulation and None; (None,
+    None, why) when none does and the warm start stands in (why: one of the fallback reasons above)."""
     graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
-    block_plan = None  # large graphs: the block search's plan, kept if the full MILP then finds none
+    block_plan, block_sim = None, None  # large graphs: the block search's plan, kept if the full MILP ends worse
     large = is_large(graph, options.allow_swap)
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
         try:
@@ -180,35 +180,37 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             if round_ == 0 and warm is not None and large:
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
                                                              say, first.relaxation, first.lp)
-                if result is not None and simulate(graph, result.choices).fits(cap):
-                    block_plan = result
+                sim = simulate(graph, result.choices) if result is not None else None
+                if sim is not None and sim.fits(cap):
+                    block_plan, block_sim = result, sim
                     if not go_on or not time_for_full_solve(deadline, time_limit_s):
-                        return result, None
+                        return result, sim, None
                 elif not time_for_full_solve(deadline, time_limit_s):
-                    return None, MILP_TIMED_OUT
+                    return None, None, MILP_TIMED_OUT
             remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
             result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=start, progress=say,
                                  warm_values=warm_values)
         except CapInfeasible:
             if round_ == 0 and warm is None:
                 raise_infeasible(graph, cap, options.allow_swap, options.allow_recompute, time_limit_s, say, lower)
-            return None, MILP_ROWS_INFEASIBLE  # Note [ The simulator over the MILP's rows ]
+            return None, None, MILP_ROWS_INFEASIBLE  # Note [ The simulator over the MILP's rows ]
         except SolverError as exc:
             if block_plan is not None:
-                return block_plan, None
+                return block_plan, block_sim, None
             if warm is None:  # the time limit asked for, not what was left of it for this last solve
                 raise SolverError(f"the solver (highs) stopped without a feasible plan within the time limit of "
                                   f"{time_limit_s:g} s; raise time_limit_s or the memory cap") from exc
-            return None, MILP_TIMED_OUT
+            return None, None, MILP_TIMED_OUT
         if block_plan is not None:
             result = better_of(block_plan, result, options.rel_gap)
-        sim = simulate(graph, result.choices)
+        kept_block_plan = block_plan is not None and result.choices is block_plan.choices
+        sim = block_sim if kept_block_plan else simulate(graph, result.choices)
         if sim.fits(cap):
-            return result, None
+            return result, sim, None
         say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)
-    return None, MILP_PLANS_OVER_CAP
+    return None, None, MILP_PLANS_OVER_CAP
 
 
 def better_of(block_plan: MilpResult, full: MilpResult, rel_gap: float) -> MilpResult:
@@ -219,7 +221,7 @@ def better_of(block_plan: MilpResult, full: MilpResult, rel_gap: float) -> MilpR
         return full
     bounds = [b for b in (block_plan.bound_s, full.bound_s) if b is not None]
     bound = max(bounds) if bounds else None
-    gap = None if bound is None or block_plan.objective_s <= 0 else max(0.0, 1 - bound / block_plan.objective_s)
+    gap = relative_gap(block_plan.objective_s, bound)
     return replace(block_plan, bound_s=bound, gap=gap, solve_time_s=full.solve_time_s,
                    status="optimal" if gap is not None and gap <= rel_gap else full.status)
 

@@ -88,13 +88,18 @@ def result_from_values(model: Model, choices: dict[int, Choice], objective: floa
     """A MilpResult for the solution already loaded into the model's variables (e.g. by the block
     search, which read `choices` from them), judged against `bound` (model units): "optimal" when
     within `rel_gap`."""
-    gap = None
-    if bound is not None and objective > 0:
-        gap = max(0.0, (objective - bound) / objective)
+    gap = relative_gap(objective, bound)
     return MilpResult(choices=choices, objective_s=objective * model.time_unit,
                       bound_s=None if bound is None else bound * model.time_unit, gap=gap,
                       status="optimal" if gap is not None and gap <= rel_gap else "time_limit",
                       solve_time_s=solve_time_s, predicted_peak_bytes=predicted_peak_bytes(model))
+
+
+def relative_gap(objective: float, bound: float | None) -> float | None:
+    """How far `objective` is above `bound`, relative to it (any one unit); None without a bound or objective."""
+    if bound is None or objective <= 0:
+        return None
+    return max(0.0, (objective - bound) / objective)
 
 
 def read_choices(model: Model) -> dict[int, Choice]:
