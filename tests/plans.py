@@ -17,8 +17,7 @@ def profile(workload):
 
 def fixed_times(prof):
     """The profile with every op's time set from the bytes it reads and outputs (1 us, plus 1 us per KiB), the
-    step's time their sum, and fixed runtime costs (1 us per tracked, captured or replayed op and per recipe,
-    50 us of the compute thread's time per swap): what a plan chooses then depends on the graph, not on how
+    step's time their sum, and `fixed_runtime_costs`: what a plan chooses then depends on the graph, not on how
     loaded the machine was while it was profiled."""
     sizes = {t.id: t.bytes for t in prof.tensors}
     for op in prof.ops:
