@@ -126,6 +126,7 @@ def _load_worker(rank, port, good_path, broken_path, result_path):
             except FormatError as exc:
                 out.append({"decisions": None, "error": str(exc)})
         torch.save(out, f"{result_path}.{rank}")
+        dist.barrier()  # both ranks leave together (test_robustness's DDP worker: a rank aborted at teardown)
     finally:
         dist.destroy_process_group()
 
