@@ -1,10 +1,10 @@
 """Measuring memory honestly: peak bytes as the allocator saw them, not as regen's bookkeeping says.
 
 * CUDA: `torch.cuda.reset_peak_memory_stats()` then `torch.cuda.max_memory_allocated()`.
-* CPU: torch.profiler's allocator timeline (`profile_memory=True`), the same data behind
-  `export_memory_timeline`: every allocation and free the CPU allocator made while the step ran,
-  categorised, summed over time. When its data-flow analysis refuses a step (a storage set under a
-  tensor, as swaps and parked profiles do), the allocator's own running total from the same events.
+* CPU: torch.profiler's record of the CPU allocator's events (`profile_memory=True`, the data behind
+  `export_memory_timeline`): every allocation and free the allocator made while the step ran, summed over
+  time; a free of a block allocated before the step does not count (cpu_allocator_events.py: its size may be
+  a stale one).
 
 Tests and benchmarks use this to check profiles and plans; the profiler and runtime never use it
 for their own decisions. On CPU the timeline only knows tensors that appear during the measured
@@ -18,9 +18,12 @@ import contextlib
 import gc
 import warnings
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import torch
+
+from regen.cpu_allocator_events import cpu_allocator_events
 
 
 @dataclass
@@ -81,11 +84,11 @@ def _measure_cpu(step: Callable[[], object], collect_garbage: bool) -> MemoryMea
 
 
 def _timeline_totals(step: Callable[[], object]) -> list[int]:
-    """Run `step()` under torch.profiler; the bytes allocated at each allocator event, from the timeline."""
+    """Run `step()` under torch.profiler; the bytes the step allocated and still held after each of its CPU
+    allocator events (cpu_allocator_events.py: a free of a block allocated before the step is not counted)."""
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _profilers_warnings_ignored():
         prof.__enter__()
     try:
@@ -93,13 +96,8 @@ def _timeline_totals(step: Callable[[], object]) -> list[int]:
     finally:
         with _profilers_warnings_ignored():
             prof.__exit__(None, None, None)
-    with _profilers_warnings_ignored():
-        try:
-            timeline = MemoryProfileTimeline(prof._memory_profile())
-            _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
-            return [int(sum(row)) for row in sizes] or [0]
-        except AssertionError:  # its data-flow analysis refuses some steps (storages swapped under a tensor)
-            return _allocator_totals(prof)
+    events = cpu_allocator_events(prof.profiler.kineto_results.experimental_event_tree())
+    return [0] + list(accumulate(e.size_bytes for e in events))
 
 
 @contextlib.contextmanager
@@ -108,21 +106,3 @@ def _profilers_warnings_ignored():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def _allocator_totals(prof) -> list[int]:
-    """The CPU allocator's running total at each allocation event during the step, from the start's total
-    (what the allocation events themselves report)."""
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.typed[1].device.type == "cpu":
-            events.append((event.start_time_ns, event.typed[1].total_allocated, event.typed[1].alloc_size))
-    if not events:
-        return [0]
-    events.sort()
-    start = events[0][1] - events[0][2]
-    return [0] + [total - start for _, total, _ in events]

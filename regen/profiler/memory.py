@@ -41,6 +41,7 @@ from typing import Callable, ContextManager, Protocol
 import torch
 
 from regen.allocator import allocated_bytes_reader, peak_bytes_reader
+from regen.cpu_allocator_events import cpu_allocator_events
 
 
 class MemoryTracker(Protocol):
@@ -227,7 +228,8 @@ class CpuAllocatorEvents:
     """The CPU allocator's allocations and frees during the recorded step, as torch.profiler reports them.
 
     Used to see what kernels allocate inside themselves and which storages first met mid-step were
-    allocated during it; the level itself comes from the live storages. Unavailable (every op then gets 0 extra) when another profiler is already running.
+    allocated during it; the level itself comes from the live storages. Unavailable (every op then gets 0
+    extra) when another profiler is already running.
     """
 
     def __init__(self) -> None:
@@ -287,18 +289,15 @@ class CpuAllocatorEvents:
         """op index -> highest bytes the allocator held during the op above its level when the op began."""
         if self._prof is None:
             return {}
-        cpu = torch._C._autograd.DeviceType.CPU
-        markers, memory = [], []
+        markers = []
         for e in self._prof.profiler.kineto_results.events():
             name = e.name()
-            if name == "[memory]":
-                if e.device_type() == cpu:
-                    memory.append((e.start_ns(), e.nbytes()))
-            elif name.startswith(OP_MARKER_PREFIX):
+            if name.startswith(OP_MARKER_PREFIX):
                 markers.append((int(name[len(OP_MARKER_PREFIX):]), e.start_ns(), e.end_ns()))
-        memory.sort()
-        times = [t for t, _ in memory]
-        levels = list(accumulate(n for _, n in memory))
+        # no free of a block allocated before the recording: its size may be stale (cpu_allocator_events.py)
+        memory = cpu_allocator_events(self._prof.profiler.kineto_results.experimental_event_tree())
+        times = [e.time_ns for e in memory]
+        levels = list(accumulate(e.size_bytes for e in memory))
         peaks = {}
         for index, start, end in markers:
             lo, hi = bisect_left(times, start), bisect_right(times, end)

@@ -31,6 +31,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
+from regen.cpu_allocator_events import cpu_allocator_events, every_cpu_allocator_event
 from regen.runtime import stacks
 
 _MARK = "regen::backward_op::"
@@ -111,31 +112,19 @@ class _AfterBackward(TorchFunctionMode):
 
 def _temporaries_by_marker(prof) -> dict[int, int]:
     """Per marked op: the most its allocations rose inside it over what it held at its end."""
-    from torch._C._profiler import _EventType
-
+    roots = list(prof.profiler.kineto_results.experimental_event_tree())
+    counted = set(cpu_allocator_events(roots))  # no free of a block allocated before the recording
     out: dict[int, int] = {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = roots
     while stack:
         event = stack.pop()
         if not event.name.startswith(_MARK):
             stack.extend(event.children)
             continue
         level = peak = 0
-        for _, size in sorted(_allocations(event, _EventType.Allocation)):
-            level += size
-            peak = max(peak, level)
+        for e in every_cpu_allocator_event(event.children):
+            if e in counted:
+                level += e.size_bytes
+                peak = max(peak, level)
         out[int(event.name[len(_MARK):])] = max(0, peak - max(level, 0))
     return out
-
-
-def _allocations(event, allocation_tag) -> list[tuple[int, int]]:
-    """(time, bytes) of the CPU allocations and frees under `event`."""
-    found, stack = [], list(event.children)
-    while stack:
-        e = stack.pop()
-        if e.tag == allocation_tag:
-            if e.typed[1].device.type == "cpu":
-                found.append((e.start_time_ns, e.typed[1].alloc_size))
-        else:
-            stack.extend(e.children)
-    return found
