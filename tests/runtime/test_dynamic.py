@@ -129,7 +129,10 @@ def test_steps_of_the_recorded_shape_use_the_cap_they_are_given():
 def test_a_first_step_through_a_recurrent_scan_rebuilds_no_storm():
     """A rebuild keeps room for its known output and one temporary (eviction.py, Note [ Room for a rebuild ]):
     Jamba's Mamba layers run a scan of 64 states, each read by the next; keeping room for a guessed output too,
-    its first dynamic step at checkpointing's peak rebuilt 90,000 tensors in 216 s (the plain step: 0.04 s)."""
+    its first dynamic step at checkpointing's peak rebuilt 90,000 tensors in 216 s (the plain step: 0.04 s).
+    Below about 0.94 of that peak no dropping holds the cap, and a step that went on dropping rebuilt 132,000
+    tensors (0.9 of it, 84 s): there its rebuilds stop at four forwards' worth of ops and it goes over the cap with
+    a warning (Note [ Thrashing ]). Checkpointing's peak as measured in a full suite run has landed there."""
     transformers = pytest.importorskip("transformers")
     from regen.zoo import enable_checkpointing
 
@@ -149,12 +152,17 @@ def test_a_first_step_through_a_recurrent_scan_rebuilds_no_storm():
     increase = measure_memory(lambda: run_and_grads(peer)).peak_increase_bytes
     w = build()
     reference = run_and_grads(w)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with regen.apply(w.model, memory_cap=_start_bytes(w) + increase) as handle:
-            got = run_and_grads(w)
-    assert_same(reference, got)
-    assert 0 < handle.stats.rebuilds < 5_000, handle.stats
+    for fraction in (1.0, 0.8):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with regen.apply(w.model, memory_cap=_start_bytes(w) + int(fraction * increase)) as handle:
+                got = run_and_grads(w)
+        assert_same(reference, got)
+        assert 0 < handle.stats.rebuilds < 10_000, handle.stats  # a storm: 90,000 or more
+        if fraction < 1:
+            assert handle.stats.thrashing_steps == 1, handle.stats
+            assert any("thrashing" in str(c.message) for c in caught if c.category is OverCapWarning)
+
 
 def test_dtr_policy_exact_and_under_cap():
     w, reference, cap, start = _capped("gpt")

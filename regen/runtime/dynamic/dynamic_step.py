@@ -30,7 +30,7 @@ from regen.opinfo import is_inplace, is_random, op_outputs, storage_key, tensor_
 from regen.runtime.dynamic.cap_memory import new_storage_bytes
 from regen.runtime.dynamic.nodes import TensorNode, new_node
 from regen.runtime.dynamic.eviction import Residency
-from regen.runtime.dynamic.eviction import HEADROOM_PER_OUTPUT
+from regen.runtime.dynamic.eviction import HEADROOM_PER_OUTPUT, REPLAYS_PER_FORWARD_OP
 from regen.runtime.writers import Writer, live_writer
 from regen.runtime.recompute import capture_op
 from regen.runtime.saved_entries import Untracked
@@ -133,12 +133,12 @@ class DynamicStep:
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap,
-                                   lambda: self.largest_bytes, swaps)
+                                   lambda: self.largest_bytes, self._thrashing, swaps)
 
     # ---- ops (the handle's dispatch mode) ---------------------------------------------------------
     def forward_op(self, func, args, kwargs):
         i = self.count
-        self.count = i + 1
+        self.count = self.residency.forward_ops = i + 1
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
@@ -325,6 +325,15 @@ class DynamicStep:
                             f"nothing more can be dropped (parameters, gradients, what the program holds and tensors "
                             f"that cannot be rebuilt stay); this step runs over the cap, its results exact. Raise the "
                             f"cap or lower the batch size")
+
+    def _thrashing(self, replayed_ops: int, forward_ops: int) -> None:
+        """The step's rebuilds replayed `replayed_ops` ops against its forward's `forward_ops`: its checks drop
+        nothing more (eviction.py, Note [ Thrashing ])."""
+        self.stats.thrashing_steps += 1
+        warnings.warn(f"regen.apply (dynamic): this step's rebuilds replayed {replayed_ops:,} ops, over "
+                      f"{REPLAYS_PER_FORWARD_OP}x the {forward_ops:,} of its forward: each tensor dropped was needed "
+                      f"again soon (thrashing), so the step drops nothing more and may pass its cap, its results "
+                      f"exact. Raise the cap or lower the batch size", OverCapWarning, stacklevel=3)
 
     def measured_peak(self, peak_bytes: int) -> None:
         """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in

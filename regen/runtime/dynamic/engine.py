@@ -64,6 +64,7 @@ class DynamicStats:
     rebuilds: int = 0  # recipes replayed (a dropped node needed again, or an input of one)
     input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
     over_cap_steps: int = 0  # steps over the cap: nothing left to drop, or a measured peak (CUDA) (OverCapWarning)
+    thrashing_steps: int = 0  # steps whose rebuilds passed their limit and stopped dropping (eviction.py)
     peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (cap_memory.py: on CPU
     # a figure never below it, exact wherever it decided an eviction)
     copy_outs: int = 0  # host link (swaps.py): copies to the host started ahead

@@ -47,10 +47,23 @@ from regen.runtime.recompute import replay_recipe
 
 # NOTE [ Room for a rebuild ]
 # A rebuild's check knows the bytes of the output its recipe makes, so besides them it keeps room for one
-# temporary only (as large as the largest storage so far), not the output and temporary the headroom keeps where the next op's output
-# is a guess. With the guess's two storages, a Jamba (its Mamba layers' scan a chain of 64 states, each read
-# by the next) rebuilt 90,000 tensors in its first step at checkpointing's peak (216 s against 0.04 s unplanned):
-# every rebuild in the chain evicted the states it had just rebuilt; with one, 1,027 (1.2 s).
+# temporary only (as large as the largest storage so far), not the output and temporary the headroom keeps
+# where the next op's output is a guess. With the guess's two storages, a Jamba (its Mamba layers' scan a chain
+# of 64 states, each read by the next) rebuilt 90,000 tensors in its first step at checkpointing's peak (216 s
+# against 0.04 s unplanned): every rebuild in the chain evicted the states it had just rebuilt; with one, 1,027
+# (1.2 s).
+
+# NOTE [ Thrashing ]
+# Below the least memory a step can run in, every check may still find victims, yet each victim is needed again
+# soon: rebuilding it evicts another that is needed next, and so on (DTR's thrashing). A 4-layer Jamba (its Mamba
+# scans chains of 64 states) holds 0.95 of checkpointing's peak with 775 rebuilds, but at 0.9 of it rebuilt
+# 132,000 tensors in one step (84 s against 0.04 s unplanned). So a step counts the ops its rebuilds replay, and
+# once they pass REPLAYS_PER_FORWARD_OP x the ops its forward ran (four forwards' worth: more recomputation than
+# any checkpointing plan does; the tests' small models replay up to 2.9x at their tightest caps and stay under
+# them), its checks drop nothing more: the nodes dropped already are rebuilt once more each when needed, and the
+# step goes on over its cap, exact, with one OverCapWarning saying why (the Jamba at 0.9: 8,753 rebuilds, 6.5 s).
+# Its overshoot teaches the learned reserve nothing (engine.py, Note [ The learned reserve ]).
+REPLAYS_PER_FORWARD_OP = 4
 
 # the headroom kept free at a check after which an op may run unchecked (CUDA's backward, dynamic_step.py Note
 # [ Room for the next op ]), in multiples of the largest storage an op of the step made: the op's output and a
@@ -63,9 +76,11 @@ class Residency:
     """The nodes a step holds, and the eviction and rebuild of them under the cap."""
 
     def __init__(self, nodes: dict, captures: dict, memory, cap_bytes: int, policy: str, stats,
-                 over_cap: Callable[[int], None], read_largest_bytes: Callable[[], int], swaps=None):
+                 over_cap: Callable[[int], None], read_largest_bytes: Callable[[], int],
+                 thrashing: Callable[[int, int], None], swaps=None):
         """`read_largest_bytes()`: the largest storage an op of the step made so far (in backward, up to the
-        forward op being unpacked): a rebuild keeps room for one temporary as large (Note [ Room for a rebuild ])."""
+        forward op being unpacked): a rebuild keeps room for one temporary as large (Note [ Room for a rebuild ]).
+        `thrashing(replayed_ops, forward_ops)`: the step's checks stop dropping (Note [ Thrashing ])."""
         self.nodes = nodes
         self.captures = captures
         self.memory = memory
@@ -73,6 +88,7 @@ class Residency:
         self.policy = policy
         self.stats = stats
         self.over_cap = over_cap  # (bytes in use): nothing left to evict
+        self.thrashing = thrashing
         self.swaps = swaps  # swaps.py's DynamicSwaps, or None: drop only
         self.held: dict[tuple[int, int], TensorNode] = {}
         self.clock = 0
@@ -82,6 +98,9 @@ class Residency:
         self.read_largest_bytes = read_largest_bytes
         self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
         self.ran_out = False  # a check found nothing left to drop before the reserve was free
+        self.forward_ops = 0  # ops the step's forward ran so far (dynamic_step.py counts them)
+        self.replayed_ops = 0  # ops the step's rebuilds replayed
+        self.thrashed = False  # its rebuilds passed the limit: its checks drop nothing (Note [ Thrashing ])
 
     def hold(self, node: TensorNode, tensor: torch.Tensor) -> None:
         node.tensor = tensor
@@ -124,6 +143,9 @@ class Residency:
             self.swaps.copy_out_ahead(self.held.values())
         if used + need_bytes + kept_free <= self.cap_bytes:
             return
+        if self.thrashed or self.replayed_ops > REPLAYS_PER_FORWARD_OP * self.forward_ops:
+            self._stop_dropping(used + need_bytes)
+            return
         candidates = self._candidates(pins)  # dropping one changes no other's eligibility, only scores
         floor = used - sum(node.nbytes for node, _ in candidates)  # all dropped
         target = self.cap_bytes - need_bytes - kept_free
@@ -142,6 +164,15 @@ class Residency:
             self.drop(victim)
             self.stats.evictions += 1
             used -= victim.nbytes
+
+    def _stop_dropping(self, in_use_bytes: int) -> None:
+        """A thrashing step's check (Note [ Thrashing ]): nothing dropped, over the cap if it must be."""
+        if not self.thrashed:
+            self.thrashed = True
+            self.ran_out = True  # its overshoot is not the reserve's to learn
+            self.thrashing(self.replayed_ops, self.forward_ops)
+        if in_use_bytes > self.cap_bytes:
+            self.over_cap(in_use_bytes)
 
     def _candidates(self, pins) -> list[tuple[TensorNode, float | None]]:
         """The held nodes a check may drop, each with its swap cost (None: dropped, not swapped)."""
@@ -213,6 +244,7 @@ class Residency:
                                   node.dtype)
         self.memory.track(result)
         self.hold(node, result)
+        self.replayed_ops += len(node.chain)
         for key in node.inputs:  # read: an intermediate is let go once the last recipe reading it ran
             readers[key] = left = readers.get(key, 1) - 1
             if left > 0:
