@@ -120,6 +120,36 @@ def test_block_improvement_starts_from_the_warm_plan_and_never_worsens_it(small_
     assert again.objective_s <= blocks_objective_s * (1 + 1e-6)
 
 
+def test_once_the_bound_is_known_a_block_proves_its_plan_to_its_share_of_the_gap(small_transformer, monkeypatch):
+    from regen.planner.milp import blocks
+    from regen.planner.milp.relaxation import lp_bound
+
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.5)
+    recompute_only = solve_model(Model(graph, cap, MilpOptions(allow_swap=False)), 30, rel_gap=1e-6)
+    model = Model(graph, cap, MilpOptions())
+    warm_objective = recompute_only.objective_s / model.time_unit  # the same plan's, in model units
+    guide = blocks.SweepGuide()
+    guide.bound = lp_bound(model, 30)[0]  # known from the start: every block gets an absolute gap
+    abs_gaps, new_highs = [], blocks.new_highs
+
+    def recording(*args, **kwargs):
+        h = new_highs(*args, **kwargs)
+        set_option = h.setOptionValue
+        h.setOptionValue = lambda name, value: (abs_gaps.append(value) if name == "mip_abs_gap" else None,
+                                                set_option(name, value))
+        return h
+
+    monkeypatch.setattr(blocks, "new_highs", recording)
+    _, _, objective = blocks.improve_by_blocks(model, recompute_only.choices, 30, block_candidates=10, guide=guide,
+                                               max_sweeps=1)
+    sweep_blocks = -(-len(model.vars) // 10)
+    assert len(abs_gaps) == sweep_blocks
+    assert abs_gaps[0] == pytest.approx(blocks.BLOCK_GAP_SHARE * (warm_objective - guide.bound) / sweep_blocks)
+    assert abs_gaps == sorted(abs_gaps, reverse=True)  # the plan's gap only closes
+    assert guide.bound <= objective <= warm_objective * (1 + 1e-9)
+
+
 def test_lp_bound_is_below_the_optimum_and_guides_the_blocks(small_transformer):
     from regen.planner.milp.relaxation import lp_bound, lp_disagreement
 
