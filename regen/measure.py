@@ -61,8 +61,9 @@ def measure_memory(step: Callable[[], object], device: str | torch.device = "cpu
 
 def _without_collection(step: Callable[[], object]) -> Callable[[], object]:
     """`step` with Python's cyclic collector off while it runs: garbage of earlier work (an earlier test's
-    model, gradients) collected inside the step would count as the step's frees and lower its figure, on
-    CPU by as much as the allocator happens to know of those blocks' sizes."""
+    model, gradients) collected inside the step would lower its figure on CUDA (the allocator's absolute
+    peak), and would cost the step the collection's time (on CPU such frees do not count:
+    cpu_allocator_events.py)."""
     def run():
         enabled = gc.isenabled()
         gc.disable()
