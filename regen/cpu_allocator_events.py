@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AllocatorEvent", "cpu_allocator_events", "every_cpu_allocator_event"]
+__all__ = ["AllocatorEvent", "cpu_allocator_events", "every_cpu_allocator_event", "own_events"]
 
 
 @dataclass(frozen=True)
@@ -27,14 +27,19 @@ class AllocatorEvent:
 def cpu_allocator_events(roots) -> list[AllocatorEvent]:
     """The CPU allocations and frees under `roots` (torch.profiler's event tree nodes, walked) in time order,
     frees of blocks not allocated among them left out."""
+    return own_events(every_cpu_allocator_event(roots))
+
+
+def own_events(events: list[AllocatorEvent]) -> list[AllocatorEvent]:
+    """`events` (in time order) less the frees of blocks not allocated among them: their sizes may be stale."""
     live: dict[int, int] = {}  # ptr -> blocks allocated at it among the events and not freed yet
     kept = []
-    for e in every_cpu_allocator_event(roots):
+    for e in events:
         if e.size_bytes > 0:
             live[e.ptr] = live.get(e.ptr, 0) + 1
         elif live.get(e.ptr, 0) > 0:
             live[e.ptr] -= 1
-        else:  # allocated before the region: its size may be stale
+        else:
             continue
         kept.append(e)
     return kept

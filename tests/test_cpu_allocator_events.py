@@ -46,4 +46,4 @@ def test_measured_memory_counts_what_the_step_allocated_not_what_it_freed_of_bef
         return torch.ones(4096)
 
     measured = measure_memory(step)
-    assert measured.peak_increase_bytes == 4 * 4096  # the timeline read 0: the earlier block's free taken off
+    assert measured.peak_increase_bytes == 4 * 4096  # with the earlier block's free taken off: 0

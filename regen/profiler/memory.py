@@ -41,7 +41,7 @@ from typing import Callable, ContextManager, Protocol
 import torch
 
 from regen.allocator import allocated_bytes_reader, peak_bytes_reader
-from regen.cpu_allocator_events import cpu_allocator_events
+from regen.cpu_allocator_events import AllocatorEvent, every_cpu_allocator_event, own_events
 
 
 class MemoryTracker(Protocol):
@@ -235,7 +235,8 @@ class CpuAllocatorEvents:
     def __init__(self) -> None:
         self.available = not torch._C._autograd._profiler_enabled()
         self._prof = None
-        self._allocations: tuple[dict[int, list[int]], dict[int, int]] | None = None
+        self._recording: tuple[list[AllocatorEvent], dict[int, tuple[int, int]]] | None = None
+        self._allocation_times: dict[int, list[int]] | None = None  # address -> start times of allocations there
 
     def __enter__(self) -> "CpuAllocatorEvents":
         if self.available:
@@ -261,45 +262,34 @@ class CpuAllocatorEvents:
         (any time during the step when no op `index` ran)."""
         if self._prof is None:
             return False
-        if self._allocations is None:
-            self._allocations = self._allocation_times()
-        begins = self._allocations[1]
-        until = begins.get(index, float("inf"))
-        return any(t < until for t in self._allocations[0].get(ptr, ()))
+        events, markers = self._recorded()
+        if self._allocation_times is None:
+            self._allocation_times = {}
+            for e in events:
+                if e.size_bytes > 0:
+                    self._allocation_times.setdefault(e.ptr, []).append(e.time_ns)
+        until = markers[index][0] if index in markers else float("inf")
+        return any(t < until for t in self._allocation_times.get(ptr, ()))
 
-    def _allocation_times(self) -> tuple[dict[int, list[int]], dict[int, int]]:
-        """(address -> start times of the allocations there, op index -> start time of its marker)."""
-        from torch._C._profiler import _EventType
-
-        allocations: dict[int, list[int]] = {}
-        begins: dict[int, int] = {}
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            event = stack.pop()
-            stack.extend(event.children)
-            if event.tag == _EventType.Allocation:
-                fields = event.typed[1]
-                if fields.alloc_size > 0 and fields.device.type == "cpu":
-                    allocations.setdefault(fields.ptr, []).append(event.start_time_ns)
-            elif event.name.startswith(OP_MARKER_PREFIX):
-                begins[int(event.name[len(OP_MARKER_PREFIX):])] = event.start_time_ns
-        return allocations, begins
+    def _recorded(self) -> tuple[list[AllocatorEvent], dict[int, tuple[int, int]]]:
+        """(every CPU allocator event of the recording, op index -> (start, end) of its marker), read once."""
+        if self._recording is None:
+            results = self._prof.profiler.kineto_results
+            markers = {int(e.name()[len(OP_MARKER_PREFIX):]): (e.start_ns(), e.end_ns()) for e in results.events()
+                       if e.name().startswith(OP_MARKER_PREFIX)}
+            self._recording = every_cpu_allocator_event(results.experimental_event_tree()), markers
+        return self._recording
 
     def in_op_peaks(self) -> dict[int, int]:
         """op index -> highest bytes the allocator held during the op above its level when the op began."""
         if self._prof is None:
             return {}
-        markers = []
-        for e in self._prof.profiler.kineto_results.events():
-            name = e.name()
-            if name.startswith(OP_MARKER_PREFIX):
-                markers.append((int(name[len(OP_MARKER_PREFIX):]), e.start_ns(), e.end_ns()))
-        # no free of a block allocated before the recording: its size may be stale (cpu_allocator_events.py)
-        memory = cpu_allocator_events(self._prof.profiler.kineto_results.experimental_event_tree())
+        events, markers = self._recorded()
+        memory = own_events(events)  # no free of a block allocated before the recording: its size may be stale
         times = [e.time_ns for e in memory]
         levels = list(accumulate(e.size_bytes for e in memory))
         peaks = {}
-        for index, start, end in markers:
+        for index, (start, end) in markers.items():
             lo, hi = bisect_left(times, start), bisect_right(times, end)
             if lo < hi:
                 before = levels[lo - 1] if lo else 0

@@ -132,7 +132,7 @@ def test_a_first_step_through_a_recurrent_scan_rebuilds_no_storm():
     its first dynamic step at checkpointing's peak rebuilt 90,000 tensors in 216 s (the plain step: 0.04 s).
     Below about 0.94 of that peak no dropping holds the cap, and a step that went on dropping rebuilt 132,000
     tensors (0.9 of it, 84 s): there its rebuilds stop at four forwards' worth of ops and it goes over the cap with
-    a warning (Note [ Thrashing ]). Checkpointing's peak as measured in a full suite run has landed there."""
+    a warning (Note [ Thrashing ]), as at 0.8 here."""
     transformers = pytest.importorskip("transformers")
     from regen.zoo import enable_checkpointing
 

@@ -53,7 +53,7 @@ FINAL_CHECK_S_PER_CANDIDATE = 5e-4  # and at least this per candidate with a cho
 # time limit and FINAL_CHECK_S_PER_CANDIDATE per candidate: with 5% only, a 30 s solve of 6,000
 # candidates ends at 31.6 s.
 FULL_SOLVE_MIN_TIME_FRACTION = 0.2  # sweeps that stop early leave the full MILP at least this much
-SWEEP_PROGRESS_INTERVAL_S = 2.0
+SWEEP_PROGRESS_INTERVAL_S = 2.0  # at most one progress line per this many seconds during the sweeps
 BLOCK_GAP_SHARE = 0.25  # of the plan's gap to the LP bound, per block of the sweep (Note [ A block's gap ])
 
 # NOTE [ A block's gap ]

@@ -133,12 +133,12 @@ class DynamicStep:
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap,
-                                   lambda: self.largest_bytes, self._thrashing, swaps)
+                                   lambda: self.largest_bytes, lambda: self.count, self._thrashing, swaps)
 
     # ---- ops (the handle's dispatch mode) ---------------------------------------------------------
     def forward_op(self, func, args, kwargs):
         i = self.count
-        self.count = self.residency.forward_ops = i + 1
+        self.count = i + 1
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1

@@ -61,7 +61,7 @@ from regen.runtime.recompute import replay_recipe
 # once they pass REPLAYS_PER_FORWARD_OP x the ops its forward ran (four forwards' worth: more recomputation than
 # any checkpointing plan does; the tests' small models replay up to 2.9x at their tightest caps and stay under
 # them), its checks drop nothing more: the nodes dropped already are rebuilt once more each when needed, and the
-# step goes on over its cap, exact, with one OverCapWarning saying why (the Jamba at 0.9: 8,753 rebuilds, 6.5 s).
+# step goes on over its cap, exact, with one OverCapWarning saying why (the Jamba at 0.9: 8,753 rebuilds, 7.1 s).
 # Its overshoot teaches the learned reserve nothing (engine.py, Note [ The learned reserve ]).
 REPLAYS_PER_FORWARD_OP = 4
 
@@ -77,10 +77,11 @@ class Residency:
 
     def __init__(self, nodes: dict, captures: dict, memory, cap_bytes: int, policy: str, stats,
                  over_cap: Callable[[int], None], read_largest_bytes: Callable[[], int],
-                 thrashing: Callable[[int, int], None], swaps=None):
+                 read_forward_ops: Callable[[], int], thrashing: Callable[[int, int], None], swaps=None):
         """`read_largest_bytes()`: the largest storage an op of the step made so far (in backward, up to the
         forward op being unpacked): a rebuild keeps room for one temporary as large (Note [ Room for a rebuild ]).
-        `thrashing(replayed_ops, forward_ops)`: the step's checks stop dropping (Note [ Thrashing ])."""
+        `read_forward_ops()`: the ops the step's forward ran so far; `thrashing(replayed_ops, forward_ops)`: the
+        step's checks stop dropping (Note [ Thrashing ])."""
         self.nodes = nodes
         self.captures = captures
         self.memory = memory
@@ -88,6 +89,7 @@ class Residency:
         self.policy = policy
         self.stats = stats
         self.over_cap = over_cap  # (bytes in use): nothing left to evict
+        self.read_forward_ops = read_forward_ops
         self.thrashing = thrashing
         self.swaps = swaps  # swaps.py's DynamicSwaps, or None: drop only
         self.held: dict[tuple[int, int], TensorNode] = {}
@@ -98,7 +100,6 @@ class Residency:
         self.read_largest_bytes = read_largest_bytes
         self.reserve_bytes = 0  # learned from the steps before (engine.py, Note [ The learned reserve ])
         self.ran_out = False  # a check found nothing left to drop before the reserve was free
-        self.forward_ops = 0  # ops the step's forward ran so far (dynamic_step.py counts them)
         self.replayed_ops = 0  # ops the step's rebuilds replayed
         self.thrashed = False  # its rebuilds passed the limit: its checks drop nothing (Note [ Thrashing ])
 
@@ -143,7 +144,7 @@ class Residency:
             self.swaps.copy_out_ahead(self.held.values())
         if used + need_bytes + kept_free <= self.cap_bytes:
             return
-        if self.thrashed or self.replayed_ops > REPLAYS_PER_FORWARD_OP * self.forward_ops:
+        if self.thrashed or self.replayed_ops > REPLAYS_PER_FORWARD_OP * self.read_forward_ops():
             self._stop_dropping(used + need_bytes)
             return
         candidates = self._candidates(pins)  # dropping one changes no other's eligibility, only scores
@@ -170,7 +171,7 @@ class Residency:
         if not self.thrashed:
             self.thrashed = True
             self.ran_out = True  # its overshoot is not the reserve's to learn
-            self.thrashing(self.replayed_ops, self.forward_ops)
+            self.thrashing(self.replayed_ops, self.read_forward_ops())
         if in_use_bytes > self.cap_bytes:
             self.over_cap(in_use_bytes)
 
