@@ -23,6 +23,10 @@ checkpointing both strictly and within that noise. Time only on a quiet machine.
 
     python bench/zoo.py                       # every architecture; writes the zoo table into docs/benchmarks.md
     python bench/zoo.py --models llama t5 --no-write
+    python bench/zoo.py --heldout gemma3 mbart --batch-size 16   # architectures regen was not built around
+
+`--heldout` takes architectures of bench/heldout.py instead (tiny configs, defaults as shipped): the same
+rows, predictions against measured steps included, on models outside the zoo; it prints and writes nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from regen.zoo import ZOO, enable_checkpointing  # noqa: E402
 LINK_RATIO = 0.9
 CHECKPOINTING_AGAIN = "checkpointing, again"
 LOW_CAP_FRACTION = 0.5
+HELD_OUT_PREFIX = "heldout:"
 TIMED_STEPS = 7
 BATCH_SIZE = 4
 
@@ -90,8 +95,12 @@ def load_result(doc: dict) -> ArchResult:
     return ArchResult(**doc, rows=rows)
 
 
-def spec_of(name: str, size: str) -> dict:
-    return {"workload": f"regen.zoo:{name}", "batch_size": BATCH_SIZE, "args": {"size": size}}
+def spec_of(name: str, size: str, batch_size: int = BATCH_SIZE) -> dict:
+    """The workload of a zoo architecture at `size`, or of a held-out one (`heldout:NAME`: bench/heldout.py's
+    tiny configs, whatever the size)."""
+    if name.startswith(HELD_OUT_PREFIX):
+        return {"workload": "heldout:build", "batch_size": batch_size, "args": {"name": name[len(HELD_OUT_PREFIX):]}}
+    return {"workload": f"regen.zoo:{name}", "batch_size": batch_size, "args": {"size": size}}
 
 
 def smallest_cap(profile, time_limit_s: float) -> int | None:
@@ -135,13 +144,13 @@ def _checkpointing(spec: dict, label: str) -> Variant:
     return Variant(label, workload, note=enable_checkpointing(workload.model))
 
 
-def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say, calibrated: bool = True
-               ) -> ArchResult:
+def bench_arch(name: str, size: str, time_limit_s: float, timed_steps: int, say, calibrated: bool = True,
+               batch_size: int = BATCH_SIZE) -> ArchResult:
     from regen.calibration import calibrate
     from regen.profiler import profile_workload
     from regen.runtime.self_timing import measure_runtime_costs
 
-    spec = spec_of(name, size)
+    spec = spec_of(name, size, batch_size)
     say(f"[{name}] profiling")
     workload = build(spec)
     profile = profile_workload(workload, device="cpu", repeats=3, warmup_steps=1, warmup_s=PROFILE_WARMUP_S,
@@ -301,7 +310,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO), metavar="NAME",
                         help=f"architectures (default: all of {', '.join(ZOO)})")
+    parser.add_argument("--heldout", nargs="+", metavar="NAME",
+                        help="instead of the zoo: these architectures of bench/heldout.py (regen was not built around "
+                             "them; their tiny configs at any --size); implies --no-write")
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="solver time limit per plan (s)")
     parser.add_argument("--timed-steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks.md")
@@ -311,6 +324,13 @@ def main(argv=None) -> int:
     parser.add_argument("--from-json", nargs="+", metavar="PATH",
                         help="no run: the table and the page from the JSON of earlier runs (architectures in order)")
     args = parser.parse_args(argv)
+    if args.heldout:
+        from heldout import HELD_OUT
+
+        unknown = [n for n in args.heldout if n not in HELD_OUT]
+        if unknown:
+            parser.error(f"--heldout: not in bench/heldout.py: {', '.join(unknown)}")
+        args.models, args.no_write = [HELD_OUT_PREFIX + n for n in args.heldout], True
     keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     warnings.filterwarnings("ignore")
     import transformers
@@ -329,7 +349,7 @@ def main(argv=None) -> int:
         results = []
         for name in args.models:
             results.append(bench_arch(name, args.size, args.time_limit, args.timed_steps, say,
-                                      calibrated=not args.no_calibrate))
+                                      calibrated=not args.no_calibrate, batch_size=args.batch_size))
             say(table(results[-1:]))
             if args.json:  # after each architecture: a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
