@@ -2,42 +2,47 @@
 
 A plan's predicted time is the unplanned step plus what the planner charges for its recomputes and swaps
 (regen.planner.costs.RuntimeCharges): the ops' profiled times and the runtime probe's per-event figures.
-Two things neither sees, and both are paid by the step:
+Three things neither sees, and all are paid by the step:
 
+* a planned step costs something whatever its decisions: regen's saved-tensor hooks run at every pack and
+  unpack (parameters' included), its module hooks at every region call, its bookkeeping at every step
+  (0.3-0.7 ms a step on Hugging Face models of 12-25 ms steps on this machine's CPU, 3-11% of the step);
 * a recompute runs in backward, next to backward's own working set, on operands gone cold in the caches,
   with regen's hooks and replays around it (docs/benchmarks.md: the zoo's measured recomputes against their
   charge);
 * a swap's copies take from compute beside them in proportion to their bytes (on a CPU device the emulated
   link's memcpy runs on the cores the ops use; on a GPU the copy engines share its memory bandwidth).
 
-`calibrate` measures both on the workload, in the stages' own terms (a Profile in, Plans from the planner,
+`calibrate` measures all three on the workload, in the stages' own terms (a Profile in, Plans from the planner,
 steps under `regen.apply`, the figures back into the Profile as `formats.Calibration`):
 
-1. it solves a recompute plan and a swap plan at CAP_FRACTION of the profile's peak increase (or the
-   smallest cap each reaches), the swaps over the device's link (on a CPU device an emulated link at
-   LINK_RATIO): one unknown per plan. A calibration plan need only be a typical one: each solve stops at its
-   SOLVE_REL_GAPS or after SOLVE_STEPS of the profile's steps (within [SOLVE_MIN_S, SOLVE_MAX_S]); a solve
-   that finds no plan in that time (a graph of thousands of ops, where the greedy plan misses the cap and
-   building the MILP takes most of a second) is tried once more with RETRY_TIME_FACTOR times the time (not
-   at a looser cap: a plan with little recompute measures mostly what no charge covers, x3.7-7 its
-   charge on the zoo's Mamba, BART and Mixtral at 75%, and would set a scale for every plan);
-2. it runs rounds of blocks (the unplanned step, the recompute plan, the swap plan; each block
-   STEPS_PER_BLOCK timed steps under one handle, its median the block's time, so that one slow step (the
-   first under a new handle, say) moves it little), the order
-   turned each round, so that load and drift hit all three alike; the step is forward and backward,
-   gradients dropped after each. From MIN_ROUNDS on it stops once the rounds agree (each plan's extra time
-   within SETTLED_FRACTION of the step from round to round), at MAX_ROUNDS at most;
+1. it takes the plan that keeps every tensor (the runtime's cost alone), and solves a recompute plan and a
+   swap plan at CAP_FRACTION of the profile's peak increase (or the smallest cap each reaches), the swaps over
+   the device's link (on a CPU device an emulated link at LINK_RATIO): one unknown per plan. A calibration
+   plan need only be a typical one: each solve stops at its SOLVE_REL_GAPS or after SOLVE_STEPS of the
+   profile's steps (within [SOLVE_MIN_S, SOLVE_MAX_S]); a solve that finds no plan in that time (a graph of
+   thousands of ops, where the greedy plan misses the cap and building the MILP takes most of a second) is
+   tried once more with RETRY_TIME_FACTOR times the time (not at a looser cap: a plan with little recompute
+   measures mostly what no charge covers, x3.7-7 its charge on the zoo's Mamba, BART and Mixtral at 75%, and
+   would set a scale for every plan);
+2. it runs rounds of blocks (the unplanned step, the keep-everything plan, the recompute plan, the swap plan;
+   each block STEPS_PER_BLOCK timed steps under one handle, its median the block's time, so that one slow step
+   (the first under a new handle, say) moves it little), the order turned each round, so that load and drift
+   hit all four alike; the step is forward and backward, gradients dropped after each. From MIN_ROUNDS on it
+   stops once the rounds agree (each plan's extra time within SETTLED_FRACTION of the step from round to
+   round), at MAX_ROUNDS at most;
 3. per round, each plan's extra time over the unplanned block against the simulator's parts of that plan
-   (`Plan.simulated_parts`):
-   recompute_scale = (extra - dispatch - swap calls - link waits) / charged recompute, from the recompute
-   plan; swap_byte_s = (extra - scale x recompute - dispatch - swap calls - link waits) / swapped bytes,
-   from the swap plan; the median over rounds of each.
+   (`Plan.simulated_parts`): runtime_step_s = the keep-everything plan's extra (at least 0);
+   recompute_scale = (extra - runtime_step_s - dispatch - swap calls - link waits) / charged recompute, from
+   the recompute plan; swap_byte_s = (extra - runtime_step_s - scale x recompute - dispatch - swap calls -
+   link waits) / swapped bytes, from the swap plan; the median over rounds of each.
 
-All of it costs MIN_ROUNDS to MAX_ROUNDS x 3 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
+All of it costs MIN_ROUNDS to MAX_ROUNDS x 4 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
 A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the
 step; no swap), whose plan could not be solved, or that lands outside the bounds `formats.Calibration`
-accepts, keeps its default (scale 1, no per-byte charge) with a note in the calibration and on the progress
-line, never silently. A plan step that fails is the same: no calibration, a note, and the profile is kept.
+accepts (a runtime cost over MAX_RUNTIME_STEP_FRACTION of the step), keeps its default (scale 1, no per-byte
+charge, no per-step charge) with a note in the calibration and on the progress line, never silently. A
+plan step that fails is the same: no calibration, a note, and the profile is kept.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from regen.workloads import Workload, training_state_kept, training_step
 
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
 RETRY_TIME_FACTOR = 5  # a solve that found no plan in its time gets this many times the time, once
+KEEP_ALL = "keep-all"  # the strategy, and the variant, that keeps every tensor: the runtime's cost alone
 LINK_RATIO = 0.9  # the emulated link of a CPU device's swap plan (regen.planner.host_link)
 MIN_ROUNDS, MAX_ROUNDS = 2, 3
 STEPS_PER_BLOCK = 3
@@ -71,7 +77,10 @@ SOLVE_MIN_S, SOLVE_MAX_S = 1.0, 20.0  # ... within these
 # looser (the per-byte charge does not depend on which tensors move)
 SOLVE_REL_GAPS = {"recompute": 0.05, "swap": 0.10}
 MIN_SIGNAL_FRACTION = 0.02  # of the unplanned step: less charged recompute than this is not measured
-METHOD = (f"a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase against the unplanned step, "
+# of the unplanned step: a keep-everything plan costing more than this is a measurement gone wrong
+MAX_RUNTIME_STEP_FRACTION = 0.5
+METHOD = (f"a keep-everything plan, and a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase, "
+          f"against the unplanned step, "
           f"interleaved blocks of {STEPS_PER_BLOCK} timed steps, median over rounds (regen.calibration)")
 
 
@@ -99,12 +108,15 @@ def calibrate(workload: Workload, profile: Profile, progress: Callable[[str], No
     except (RegenError, torch.OutOfMemoryError) as exc:
         return _defaults([f"a calibration step failed: {exc}"], say)
     base, by_name = variants[0], {v.name: v for v in variants}
-    scale = _fit_recompute_scale(base, by_name.get("recompute"), profile.step_time_s, notes)
-    byte_s = _fit_swap_byte_s(base, by_name.get("swap"), scale, notes)
+    runtime_s = _fit_runtime_step_s(base, by_name.get(KEEP_ALL), profile.step_time_s, notes)
+    scale = _fit_recompute_scale(base, by_name.get("recompute"), profile.step_time_s, notes, runtime_s)
+    byte_s = _fit_swap_byte_s(base, by_name.get("swap"), scale, notes, runtime_s)
     for note in notes:
         say(f"calibration: {note}")
-    say(f"calibration: recompute x{scale:.2f}, swaps {byte_s * 2**20 * 1e3:.3f} ms per MiB over {rounds} rounds")
-    return Calibration(recompute_scale=scale, swap_byte_s=byte_s, rounds=rounds, method=METHOD, notes=notes)
+    say(f"calibration: {runtime_s * 1e3:.2f} ms a planned step, recompute x{scale:.2f}, swaps "
+        f"{byte_s * 2**20 * 1e3:.3f} ms per MiB over {rounds} rounds")
+    return Calibration(recompute_scale=scale, swap_byte_s=byte_s, rounds=rounds, method=METHOD, notes=notes,
+                       runtime_step_s=runtime_s)
 
 
 def _defaults(notes: list[str], say) -> Calibration:
@@ -114,10 +126,10 @@ def _defaults(notes: list[str], say) -> Calibration:
 
 
 def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant]:
-    """A recompute plan and a swap plan at CAP_FRACTION (or the smallest cap each reaches), each solve tried
-    again with RETRY_TIME_FACTOR times the time when it found no plan; a plan that cannot be solved leaves
-    its figure at the default, with a note."""
-    from regen.planner.solve import solve_within_reach
+    """The plan that keeps every tensor, and a recompute plan and a swap plan at CAP_FRACTION (or the smallest
+    cap each reaches), each solve tried again with RETRY_TIME_FACTOR times the time when it found no plan; a
+    plan that cannot be solved leaves its figure at the default, with a note."""
+    from regen.planner.solve import solve, solve_within_reach
 
     start = profile.memory_at_start_bytes
     cap = start + int(CAP_FRACTION * max(0, profile.peak_bytes - start))
@@ -126,7 +138,7 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
     retry_limit_s = min(SOLVE_MAX_S, RETRY_TIME_FACTOR * time_limit_s)
     say(f"calibration: solving a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase "
         f"({time_limit_s:.0f} s each, {retry_limit_s:.0f} s if none is found)")
-    variants = []
+    variants = [_Variant(KEEP_ALL, solve(profile, max(cap, profile.peak_bytes), KEEP_ALL))]
     for strategy, options in (("recompute", {}), ("swap", link)):
         plan = None
         for limit_s in (time_limit_s, retry_limit_s):
@@ -218,14 +230,28 @@ def _unexplained_s(parts: TimeParts) -> float:
     return parts.dispatch_s + parts.swap_calls_s + parts.link_wait_s
 
 
-def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str]) -> float:
+def _fit_runtime_step_s(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str]) -> float:
+    """What a planned step costs with every tensor kept: the keep-everything plan's extra time (at least 0)."""
+    if v is None:
+        return 0.0
+    runtime_s = max(0.0, statistics.median(_extras_s(base, v)))
+    if runtime_s > MAX_RUNTIME_STEP_FRACTION * step_time_s:
+        notes.append(f"a planned step that keeps every tensor measured {runtime_s * 1e3:.2f} ms over the unplanned "
+                     f"one, over {MAX_RUNTIME_STEP_FRACTION:.0%} of the step: no per-step charge")
+        return 0.0
+    return runtime_s
+
+
+def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str],
+                         runtime_s: float = 0.0) -> float:
     if v is None:
         return 1.0
     parts = v.plan.simulated_parts
     if parts.recompute_s < MIN_SIGNAL_FRACTION * step_time_s:
         notes.append(f"the recompute plan recomputes {parts.recompute_s * 1e3:.2f} ms, too little to measure: scale 1")
         return 1.0
-    scale = statistics.median((e - _unexplained_s(parts)) / parts.recompute_s for e in _extras_s(base, v))
+    scale = statistics.median((e - runtime_s - _unexplained_s(parts)) / parts.recompute_s
+                              for e in _extras_s(base, v))
     lo, hi = CALIBRATION_SCALE_BOUNDS
     if not lo <= scale <= hi:
         notes.append(f"recompute measured x{scale:.2f} its charge, outside [{lo}, {hi}]: scale 1")
@@ -233,12 +259,14 @@ def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float,
     return scale
 
 
-def _fit_swap_byte_s(base: _Variant, v: _Variant | None, scale: float, notes: list[str]) -> float:
+def _fit_swap_byte_s(base: _Variant, v: _Variant | None, scale: float, notes: list[str],
+                     runtime_s: float = 0.0) -> float:
     if v is None:
         return 0.0
     parts = v.plan.simulated_parts
     swapped = sum(d.bytes for d in v.plan.decisions if d.action == ACTION_SWAP)
-    per_round = [(e - scale * parts.recompute_s - _unexplained_s(parts)) / swapped for e in _extras_s(base, v)]
+    per_round = [(e - runtime_s - scale * parts.recompute_s - _unexplained_s(parts)) / swapped
+                 for e in _extras_s(base, v)]
     byte_s = max(0.0, statistics.median(per_round))
     if byte_s > CALIBRATION_MAX_SWAP_BYTE_S:
         notes.append(f"swaps measured {byte_s * 1e9:.1f} ns a byte, over {CALIBRATION_MAX_SWAP_BYTE_S * 1e9:g}: "

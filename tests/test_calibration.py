@@ -39,6 +39,26 @@ def test_rounds_stop_once_each_plans_extra_time_agrees_from_round_to_round():
     assert not cal._settled([base, steady, unsteady])
 
 
+def test_a_planned_steps_own_cost_is_what_keeping_every_tensor_costs_and_comes_out_of_the_other_fits():
+    """The keep-everything plan's steps take 5 ms more than the unplanned ones: that is the runtime's cost per
+    planned step, and the recompute plan's 35 ms extra is 5 ms of it and 30 ms of recomputes charged 20 ms
+    (x1.5); the swap plan's per-byte charge is what is left after both."""
+    base = _variant("unplanned", [[0.100], [0.100], [0.100]])
+    keep_all = _variant(cal.KEEP_ALL, [[0.105], [0.104], [0.106]], TimeParts())
+    notes = []
+    runtime_s = cal._fit_runtime_step_s(base, keep_all, STEP_S, notes)
+    assert runtime_s == pytest.approx(0.005)
+    recompute = _variant("recompute", [[0.135], [0.135], [0.135]], TimeParts(recompute_s=0.020))
+    assert cal._fit_recompute_scale(base, recompute, STEP_S, notes, runtime_s) == pytest.approx(1.5)
+    swapping = _variant("swap", [[0.115], [0.115], [0.115]], TimeParts(), swapped_bytes=10_000_000)
+    assert cal._fit_swap_byte_s(base, swapping, 1.5, notes, runtime_s) == pytest.approx(1e-9)
+    assert notes == []
+    faster = _variant(cal.KEEP_ALL, [[0.099], [0.098], [0.099]], TimeParts())
+    assert cal._fit_runtime_step_s(base, faster, STEP_S, notes) == 0.0  # never a negative charge
+    wild = _variant(cal.KEEP_ALL, [[0.300], [0.300], [0.300]], TimeParts())
+    assert cal._fit_runtime_step_s(base, wild, STEP_S, notes) == 0.0 and "no per-step charge" in notes[-1]
+
+
 def test_too_little_recompute_or_a_wild_figure_keeps_scale_one_with_a_note():
     base = _variant("unplanned", [[0.100]])
     notes = []
@@ -71,8 +91,12 @@ def test_a_calibration_out_of_bounds_in_a_file_is_one_format_error(tmp_path):
     good = replace(chain_profile(4, seed=1), calibration=Calibration(1.3, 2e-10, 3, "test", ["a note"]))
     save_profile(good, path)
     assert load_profile(path).calibration == good.calibration
+    hooked = replace(good, calibration=replace(good.calibration, runtime_step_s=0.1 * good.step_time_s))
+    save_profile(hooked, path)
+    assert load_profile(path).calibration == hooked.calibration
     for bad in (Calibration(9.0, 0.0, 3, "test"), Calibration(1.0, 10 * CALIBRATION_MAX_SWAP_BYTE_S, 3, "test"),
-                Calibration(1.0, -1e-9, 3, "test")):
+                Calibration(1.0, -1e-9, 3, "test"), Calibration(1.0, 0.0, 3, "test", runtime_step_s=-1e-3),
+                Calibration(1.0, 0.0, 3, "test", runtime_step_s=2 * good.step_time_s)):
         save_profile(replace(good, calibration=bad), path)
         with pytest.raises(FormatError, match="calibration"):
             load_profile(path)
@@ -99,7 +123,8 @@ def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone
     assert calibration.rounds == 2
     lo, hi = cal.CALIBRATION_SCALE_BOUNDS
     assert lo <= calibration.recompute_scale <= hi and 0 <= calibration.swap_byte_s <= CALIBRATION_MAX_SWAP_BYTE_S
-    assert any(line.startswith("calibration: recompute x") for line in lines)
+    assert 0 <= calibration.runtime_step_s <= cal.MAX_RUNTIME_STEP_FRACTION * profile.step_time_s
+    assert any(line.startswith("calibration: ") and " ms a planned step, recompute x" in line for line in lines)
     assert all(p.grad is None for p in workload.model.parameters())
 
 

@@ -184,6 +184,7 @@ class PlanCharges:
     swap_s: float = 0.0
     swap_byte_s: float = 0.0
     recompute_scale: float = 1.0
+    runtime_step_s: float = 0.0
 
 
 @dataclass

@@ -49,8 +49,10 @@ Calibration (optional)
 recompute plan and a swap plan run against the unplanned step, interleaved (regen.calibration). Its
 `recompute_scale` multiplies what the planner charges for a recompute (its ops, regen's own work around
 them), `swap_byte_s` adds a charge per swapped byte to `swap_s` (what copies take from compute beside them:
-on a CPU device the emulated link's memcpy on the same cores). Profiles without it are planned with the
-probe's figures alone (scale 1, no per-byte charge).
+on a CPU device the emulated link's memcpy on the same cores), and `runtime_step_s` is what a planned step
+costs with nothing to do (every tensor kept: regen's saved-tensor hooks on every pack and unpack, its module
+hooks and step bookkeeping), added to every plan's predicted step. Profiles without it are planned with the
+probe's figures alone (scale 1, no per-byte charge, no per-step charge).
 """
 
 from __future__ import annotations
@@ -230,9 +232,12 @@ class Calibration:
 
     recompute_scale: float  # measured time of a plan's recomputes over what the planner charged for them
     swap_byte_s: float  # compute-thread time per swapped byte, beyond RuntimeCosts.swap_s
-    rounds: int  # interleaved rounds of (unplanned, recompute plan, hybrid plan) steps it measured
+    rounds: int  # interleaved rounds of (unplanned, keep-everything, recompute and swap plans) steps it measured
     method: str
     notes: list[str] = field(default_factory=list)  # figures that fell back to their defaults, and why
+    # a planned step's own cost with every tensor kept (regen's hooks and step bookkeeping), per step;
+    # 0 in profiles calibrated before it was measured
+    runtime_step_s: float = 0.0
 
 
 @dataclass
@@ -393,7 +398,7 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             runtime_costs=_runtime_costs(doc, where),
             call=call_signature_from_document(doc.get("call"), where),
             forward_time_s=optional(doc, "forward_time_s", float, where),
-            calibration=_calibration(doc, where),
+            calibration=_calibration(doc, where, required(doc, "step_time_s", float, where)),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None
@@ -413,7 +418,7 @@ def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
     return built
 
 
-def _calibration(doc: dict[str, Any], where: str) -> Calibration | None:
+def _calibration(doc: dict[str, Any], where: str, step_time_s: float) -> Calibration | None:
     built = doc.get("calibration")
     if built is None:
         return None
@@ -427,7 +432,11 @@ def _calibration(doc: dict[str, Any], where: str) -> Calibration | None:
                           f"[0, {CALIBRATION_MAX_SWAP_BYTE_S:g}] s a byte")
     if rounds < 0:
         raise FormatError(f"{where}: calibration.rounds must be non-negative")
-    return Calibration(scale, byte_s, rounds, str(c.method), [str(n) for n in c.notes or []])
+    runtime_step_s = float(c.runtime_step_s)
+    if not 0 <= runtime_step_s <= step_time_s:  # more than the whole unplanned step: a measurement gone wrong
+        raise FormatError(f"{where}: calibration.runtime_step_s {c.runtime_step_s} is outside [0, the step time "
+                          f"{step_time_s:g} s]")
+    return Calibration(scale, byte_s, rounds, str(c.method), [str(n) for n in c.notes or []], runtime_step_s)
 
 
 def _check_consistency(profile: Profile, where: str) -> None:

@@ -7,8 +7,9 @@
 * a transfer on the link: a copy-out is its bytes over the graph's device-to-host bandwidth
   (`copy_out_time_s`), a copy-in its bytes over the host-to-device one (`copy_in_time_s`); the MILP's
   channel rows keep their linear form and read the same rates (`copy_out_bytes_per_s`, `copy_in_bytes_per_s`);
-* a plan's whole step, as its Plan reports it: the profile's measured step time plus what the plan adds
-  (`reported_step_time_s`);
+* a plan's whole step, as its Plan reports it: the profile's measured step time plus what the plan adds,
+  and what a planned step costs whatever its decisions (`RuntimeCharges.runtime_step_s`: regen's hooks on
+  every pack and unpack and its step bookkeeping, measured by the calibration) (`reported_step_time_s`);
 * an op the runtime's dispatch mode follows (a tracking window: regen.planner.tracking_windows):
   `RuntimeCharges.dispatch_op_s`.
 
@@ -43,6 +44,7 @@ class RuntimeCharges:
     swap_s: float = 0.0  # what a swapped tensor costs the compute thread (not its transfers): RuntimeCosts.swap_s
     swap_byte_s: float = 0.0  # and per byte it moves (Calibration.swap_byte_s)
     recompute_scale: float = 1.0  # measured over charged recompute time on the workload (Calibration)
+    runtime_step_s: float = 0.0  # a planned step's own cost, whatever its decisions (Calibration)
 
     @staticmethod
     def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
@@ -50,7 +52,8 @@ class RuntimeCharges:
         ops, per forward op (the module code a region replay runs again), and its calibration."""
         rc = profile.runtime_costs
         cal = profile.calibration
-        measured = {} if cal is None else {"recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s}
+        measured = {} if cal is None else {"recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s,
+                                           "runtime_step_s": cal.runtime_step_s}
         between_s = between_forward_ops_s(profile, op_times_s)
         if rc is None:
             return RuntimeCharges(between_forward_ops_s=between_s, **measured)
@@ -89,8 +92,10 @@ def between_forward_ops_s(profile: Profile, op_times_s: list[float]) -> float:
 
 def reported_step_time_s(graph: PlanningGraph, planned_s: float) -> float:
     """A plan's step time as the Plan reports it: the profile's measured step time plus what the plan
-    adds to the sum of profiled op times (`planned_s`: the simulator's or the MILP's step over those ops)."""
-    return float(graph.profile.step_time_s + planned_s - graph.compute_time_s)
+    adds to the sum of profiled op times (`planned_s`: the simulator's or the MILP's step over those ops),
+    plus what every planned step costs the runtime whatever its decisions (the same for every plan of a graph,
+    so neither the MILP nor the simulator's comparisons need it)."""
+    return float(graph.profile.step_time_s + planned_s - graph.compute_time_s + graph.costs.runtime_step_s)
 
 
 def copy_out_bytes_per_s(graph: PlanningGraph) -> float:

@@ -181,3 +181,23 @@ def test_a_per_byte_swap_charge_reaches_the_milp(small_transformer):
     assert swaps[0] > 0 and swaps[1] < swaps[0]
     assert costly_plan.simulated_parts.swap_calls_s >= CALIBRATION_MAX_SWAP_BYTE_S * sum(
         d.bytes for d in costly_plan.decisions if d.action == ACTION_SWAP)
+
+
+def test_a_planned_steps_own_cost_is_in_every_plans_prediction_and_in_no_decision(small_transformer):
+    """The calibration's per-step cost (regen's hooks at every pack and unpack, whatever the plan drops) is
+    added to a plan's predicted and simulated step, once, and changes no decision: every plan of the graph
+    pays it alike."""
+    from regen.formats.profile import Calibration
+    from regen.planner import solve
+
+    cap = small_transformer.memory_at_start_bytes + (small_transformer.peak_bytes
+                                                     - small_transformer.memory_at_start_bytes) * 7 // 10
+    runtime_step_s = 0.1 * small_transformer.step_time_s
+    plain = replace(small_transformer, calibration=Calibration(1.0, 0.0, 3, "test"))
+    hooked = replace(small_transformer, calibration=Calibration(1.0, 0.0, 3, "test", runtime_step_s=runtime_step_s))
+    a, b = (solve(p, cap, "recompute", time_limit_s=30) for p in (plain, hooked))
+    assert [(d.action, d.region) for d in a.decisions] == [(d.action, d.region) for d in b.decisions]
+    assert b.simulated.step_time_s == pytest.approx(a.simulated.step_time_s + runtime_step_s)
+    assert b.predicted.step_time_s == pytest.approx(a.predicted.step_time_s + runtime_step_s)
+    assert b.baseline.step_time_s == a.baseline.step_time_s  # the unplanned step pays none of it
+    assert b.charges.runtime_step_s == runtime_step_s
