@@ -32,7 +32,7 @@ def test_profile_then_show(tmp_path, capsys):
 
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "calibration: recompute x" in text
+    assert "calibration: " in text and " ms a planned step, recompute x" in text
     peak_op = profile.peak_op()
     assert f"ops: {len(profile.ops)}" in text
     assert f"{len(profile.saved_tensors)} candidates" in text
