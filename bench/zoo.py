@@ -266,7 +266,8 @@ def summary(results: list[ArchResult]) -> list[str]:
             f"between profiling and the timed rounds) taken out"]
 
 
-def document(body: str, lines: list[str], command: str, elapsed_s: float, timed_steps: int, threads: int) -> str:
+def document(body: str, lines: list[str], command: str, elapsed_s: float, timed_steps: int, threads: int,
+             batch_size: int) -> str:
     return "\n".join([
         ZOO_BEGIN,
         "## The architecture zoo at users' defaults",
@@ -275,7 +276,7 @@ def document(body: str, lines: list[str], command: str, elapsed_s: float, timed_
         "",
         "Every architecture of `regen.zoo` (Hugging Face transformers models built from configs with only their "
         "sizes set: `use_cache`, the attention implementation and dropout as shipped), batch "
-        f"{BATCH_SIZE}. Each cell is the measured peak (the allocator's, as a fraction of the unplanned step's) "
+        f"{batch_size}. Each cell is the measured peak (the allocator's, as a fraction of the unplanned step's) "
         f"and the step time as a multiple of the unplanned step's (median of {timed_steps} steps round-robin "
         f"over the architecture's variants, after {WARMUP_STEPS} warm-up steps), then the plan's predicted step "
         "time on the same scale. Checkpointing is Hugging Face's `gradient_checkpointing_enable()` "
@@ -359,7 +360,8 @@ def main(argv=None) -> int:
     if not args.no_write:
         command = "python bench/zoo.py" + (f" {' '.join(argv)}" if argv else "")
         write_section(ROOT / "docs" / "benchmarks.md",
-                      document(body, lines, command, time.perf_counter() - t0, args.timed_steps, threads))
+                      document(body, lines, command, time.perf_counter() - t0, args.timed_steps, threads,
+                               args.batch_size))
         say("wrote docs/benchmarks.md (the zoo section)")
     return 0
 

@@ -6,7 +6,8 @@ Three things neither sees, and all are paid by the step:
 
 * a planned step costs something whatever its decisions: regen's saved-tensor hooks run at every pack and
   unpack (parameters' included), its module hooks at every region call, its bookkeeping at every step
-  (0.3-0.7 ms a step on Hugging Face models of 12-25 ms steps on this machine's CPU, 3-11% of the step);
+  (0.3-0.7 ms a step on four held-out Hugging Face models of 3-22 ms steps on this machine's CPU, 3-11% of
+  the step: docs/benchmarks.md "Held-out architectures timed");
 * a recompute runs in backward, next to backward's own working set, on operands gone cold in the caches,
   with regen's hooks and replays around it (docs/benchmarks.md: the zoo's measured recomputes against their
   charge);
@@ -40,8 +41,8 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
 All of it costs MIN_ROUNDS to MAX_ROUNDS x 4 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
 A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the
 step; no swap), whose plan could not be solved, or that lands outside the bounds `formats.Calibration`
-accepts (a runtime cost over MAX_RUNTIME_STEP_FRACTION of the step), keeps its default (scale 1, no per-byte
-charge, no per-step charge) with a note in the calibration and on the progress line, never silently. A
+accepts (a runtime cost over CALIBRATION_MAX_RUNTIME_STEP_FRACTION of the step), keeps its default (scale 1,
+no per-byte charge, no per-step charge) with a note in the calibration and on the progress line, never silently. A
 plan step that fails is the same: no calibration, a note, and the profile is kept.
 """
 
@@ -58,7 +59,8 @@ import torch
 from regen.caches import training_caches_off
 from regen.errors import RegenError, SolverError
 from regen.formats.plan import ACTION_SWAP, Plan, TimeParts
-from regen.formats.profile import CALIBRATION_MAX_SWAP_BYTE_S, CALIBRATION_SCALE_BOUNDS, Calibration, Profile
+from regen.formats.profile import (CALIBRATION_MAX_RUNTIME_STEP_FRACTION, CALIBRATION_MAX_SWAP_BYTE_S,
+                                  CALIBRATION_SCALE_BOUNDS, Calibration, Profile)
 from regen.heap import give_back_freed_host_memory
 from regen.workloads import Workload, training_state_kept, training_step
 
@@ -77,8 +79,6 @@ SOLVE_MIN_S, SOLVE_MAX_S = 1.0, 20.0  # ... within these
 # looser (the per-byte charge does not depend on which tensors move)
 SOLVE_REL_GAPS = {"recompute": 0.05, "swap": 0.10}
 MIN_SIGNAL_FRACTION = 0.02  # of the unplanned step: less charged recompute than this is not measured
-# of the unplanned step: a keep-everything plan costing more than this is a measurement gone wrong
-MAX_RUNTIME_STEP_FRACTION = 0.5
 METHOD = (f"a keep-everything plan, and a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase, "
           f"against the unplanned step, "
           f"interleaved blocks of {STEPS_PER_BLOCK} timed steps, median over rounds (regen.calibration)")
@@ -138,7 +138,7 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
     retry_limit_s = min(SOLVE_MAX_S, RETRY_TIME_FACTOR * time_limit_s)
     say(f"calibration: solving a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase "
         f"({time_limit_s:.0f} s each, {retry_limit_s:.0f} s if none is found)")
-    variants = [_Variant(KEEP_ALL, solve(profile, max(cap, profile.peak_bytes), KEEP_ALL))]
+    variants = [_Variant(KEEP_ALL, solve(profile, profile.peak_bytes, KEEP_ALL))]
     for strategy, options in (("recompute", {}), ("swap", link)):
         plan = None
         for limit_s in (time_limit_s, retry_limit_s):
@@ -235,9 +235,9 @@ def _fit_runtime_step_s(base: _Variant, v: _Variant | None, step_time_s: float, 
     if v is None:
         return 0.0
     runtime_s = max(0.0, statistics.median(_extras_s(base, v)))
-    if runtime_s > MAX_RUNTIME_STEP_FRACTION * step_time_s:
+    if runtime_s > CALIBRATION_MAX_RUNTIME_STEP_FRACTION * step_time_s:
         notes.append(f"a planned step that keeps every tensor measured {runtime_s * 1e3:.2f} ms over the unplanned "
-                     f"one, over {MAX_RUNTIME_STEP_FRACTION:.0%} of the step: no per-step charge")
+                     f"one, over {CALIBRATION_MAX_RUNTIME_STEP_FRACTION:.0%} of the step: no per-step charge")
         return 0.0
     return runtime_s
 

@@ -115,15 +115,22 @@ def tiny_gpt():
 def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone(tiny_gpt, monkeypatch):
     """On a real model: both plans run under regen.apply against the unplanned step, every round; the
     figures are within the bounds the profile format accepts (or defaults with a note saying why)."""
+    import regen
+
     workload, profile = tiny_gpt
     monkeypatch.setattr(cal, "MAX_ROUNDS", 2)
+    applied, real_apply = [], regen.apply
+    monkeypatch.setattr(regen, "apply", lambda model, plan, **kw: applied.append(plan) or real_apply(model, plan, **kw))
     lines = []
     calibration = cal.calibrate(workload, profile, lines.append)
     assert profile.calibration is None
     assert calibration.rounds == 2
+    # every round timed the plan that keeps every tensor (the runtime's own cost) besides the two others
+    kept_all = [p for p in applied if p.action_counts()["recompute"] == p.action_counts()["swap"] == 0]
+    assert len(kept_all) == 2 and len(applied) == 6
     lo, hi = cal.CALIBRATION_SCALE_BOUNDS
     assert lo <= calibration.recompute_scale <= hi and 0 <= calibration.swap_byte_s <= CALIBRATION_MAX_SWAP_BYTE_S
-    assert 0 <= calibration.runtime_step_s <= cal.MAX_RUNTIME_STEP_FRACTION * profile.step_time_s
+    assert 0 <= calibration.runtime_step_s <= cal.CALIBRATION_MAX_RUNTIME_STEP_FRACTION * profile.step_time_s
     assert any(line.startswith("calibration: ") and " ms a planned step, recompute x" in line for line in lines)
     assert all(p.grad is None for p in workload.model.parameters())
 

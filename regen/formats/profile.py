@@ -223,6 +223,8 @@ RUNTIME_COST_BOUNDS_S = {"dispatch_op_s": 200e-6, "capture_op_s": 300e-6, "repla
 
 
 CALIBRATION_SCALE_BOUNDS = (0.5, 3.0)  # a recompute_scale outside these is a measurement gone wrong
+# of the step time: a planned step's own cost (Calibration.runtime_step_s) beyond it is a measurement gone wrong
+CALIBRATION_MAX_RUNTIME_STEP_FRACTION = 0.5
 CALIBRATION_MAX_SWAP_BYTE_S = 1e-8  # 10 ns a byte (0.1 GB/s of compute lost per swap): beyond, the same
 
 
@@ -382,13 +384,14 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
                  for i, s in enumerate(require(doc, "saved_tensors", where))]
         calls = [build_dataclass(ModuleCall, c, f"{where}: module_calls[{i}]")
                  for i, c in enumerate(doc.get("module_calls") or [])]
+        step_time_s = required(doc, "step_time_s", float, where)
         profile = Profile(
             workload=require(doc, "workload", where),
             device=build_dataclass(DeviceInfo, require(doc, "device", where), f"{where}: device"),
             static_memory=build_dataclass(StaticMemory, require(doc, "static_memory", where), f"{where}: static_memory"),
             versions=require(doc, "versions", where),
             repeats=required(doc, "repeats", int, where),
-            step_time_s=required(doc, "step_time_s", float, where),
+            step_time_s=step_time_s,
             optimizer_step_time_s=required(doc, "optimizer_step_time_s", float, where),
             memory_at_start_bytes=required(doc, "memory_at_start_bytes", int, where),
             peak_bytes=required(doc, "peak_bytes", int, where),
@@ -398,7 +401,7 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             runtime_costs=_runtime_costs(doc, where),
             call=call_signature_from_document(doc.get("call"), where),
             forward_time_s=optional(doc, "forward_time_s", float, where),
-            calibration=_calibration(doc, where, required(doc, "step_time_s", float, where)),
+            calibration=_calibration(doc, where, step_time_s),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None
@@ -433,9 +436,9 @@ def _calibration(doc: dict[str, Any], where: str, step_time_s: float) -> Calibra
     if rounds < 0:
         raise FormatError(f"{where}: calibration.rounds must be non-negative")
     runtime_step_s = float(c.runtime_step_s)
-    if not 0 <= runtime_step_s <= step_time_s:  # more than the whole unplanned step: a measurement gone wrong
-        raise FormatError(f"{where}: calibration.runtime_step_s {c.runtime_step_s} is outside [0, the step time "
-                          f"{step_time_s:g} s]")
+    if not 0 <= runtime_step_s <= CALIBRATION_MAX_RUNTIME_STEP_FRACTION * step_time_s:
+        raise FormatError(f"{where}: calibration.runtime_step_s {c.runtime_step_s} is outside [0, "
+                          f"{CALIBRATION_MAX_RUNTIME_STEP_FRACTION:g} x the step time {step_time_s:g} s]")
     return Calibration(scale, byte_s, rounds, str(c.method), [str(n) for n in c.notes or []], runtime_step_s)
 
 
