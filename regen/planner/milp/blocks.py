@@ -8,9 +8,10 @@ time, as a model of its own with every other candidate fixed at the incumbent (`
 regen.planner.milp.submodel), keeping each improvement, while the LP relaxation (a valid lower bound;
 regen.planner.milp.relaxation) solves on the other core; once it has, the blocks where the plan
 differs most from the LP solution go first, and the sweeps stop when the plan is within the gap of the
-bound or the time is up. On a model of repeated layers (regen.planner.milp.twins), from the second sweep on,
-the blocks are cut at the layers' boundaries and each improvement is proposed to the block's twin layers
-(Note [ Twin layers ]).
+bound or the time is up; once a sweep ends far from the bound, the full MILP runs on the idle core beside
+the sweeps, trading plans with them (regen.planner.milp.background). On a model of repeated layers
+(regen.planner.milp.twins), from the second sweep on, the blocks are cut at the layers' boundaries and each
+improvement is proposed to the block's twin layers (Note [ Twin layers ]).
 docs/milp.md describes the search; regen.planner.milp.search decides when it runs.
 """
 
@@ -23,6 +24,7 @@ from typing import Callable
 
 import pulp
 
+from regen.planner.milp.background import BackgroundMilp
 from regen.planner.milp.highs import new_highs, size_message, solver_output_to_stderr, to_highs_lp
 from regen.planner.milp.model import Model
 from regen.planner.milp.relaxation import Relaxation, lp_disagreement
@@ -43,6 +45,8 @@ MAX_BLOCK_SWEEPS = 8
 # each in 6 s, the MILP then closed 1.26% to 1% in 2 s)
 SWEEP_MIN_GAIN = 3e-3
 MIN_SOLVER_TIME_S = 1e-3
+MIN_FULL_MILP_BESIDE_S = 1.0  # the full MILP starts beside the sweeps only with this much of their time left...
+FULL_MILP_BESIDE_GAPS = 1.5  # ... and while their plan is further from the bound than this many times the gap
 UNGUIDED_BLOCK_TIME_S = 2.0  # at most, per block, while the LP bound is not known yet
 FINAL_CHECK_TIME_FRACTION = 0.05  # of the time limit, kept back from the sweeps for the simulator check
 FINAL_CHECK_S_PER_CANDIDATE = 5e-4  # and at least this per candidate with a choice (Note [ Final check reserve ])
@@ -83,13 +87,14 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     t0 = time.perf_counter()
     say(size_message(model.prob, lp))
     reserve_s = final_check_reserve_s(model, time_limit_s)
-    guide = SweepGuide(model, warm, relaxation, rel_gap)
+    guide = SweepGuide(model, warm, relaxation, rel_gap, full_milp_beside=True)
     improved = improve_by_blocks(model, warm, deadline - time.perf_counter() - reserve_s, progress=say, guide=guide,
                                  lp=lp)
     guide.wait()
     bound = guide.bound
-    say("LP relaxation: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
-                             if bound is not None else "no bound within the time limit"))
+    source = "LP relaxation and the full MILP beside the sweeps" if guide.full_milp_ran else "LP relaxation"
+    say(f"{source}: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
+                         if bound is not None else "no bound within the time limit"))
     if improved is None:
         return None, None, False
     choices, values, objective = improved
@@ -97,10 +102,11 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     if result.gap is not None:
         say(f"block search: objective {format_duration(result.objective_s, model.graph.time_unit)} "
             f"(profiled op times), "
-            f"gap {100 * result.gap:.2f}% to the LP bound")
+            f"gap {100 * result.gap:.2f}% to the bound")
     # the full MILP continues from this plan (and reports its own bound) only when it has time to: on
     # thousands of candidates its presolve alone takes seconds
-    continue_with_full = (bound is None or result.status != "optimal") and time_for_full_solve(deadline, time_limit_s)
+    continue_with_full = (not guide.full_milp_ran and (bound is None or result.status != "optimal")
+                          and time_for_full_solve(deadline, time_limit_s))
     return result, values, continue_with_full
 
 
@@ -120,11 +126,13 @@ class SweepGuide:
     (`target_objective`). Both stay None until then, and without a relaxation."""
 
     def __init__(self, model: Model | None = None, warm: dict[int, Choice] | None = None,
-                 relaxation: Relaxation | None = None, rel_gap: float = 0.0):
-        self._model, self._warm, self._relaxation, self._rel_gap = model, warm or {}, relaxation, rel_gap
+                 relaxation: Relaxation | None = None, rel_gap: float = 0.0, full_milp_beside: bool = False):
+        self._model, self._warm, self._relaxation, self.rel_gap = model, warm or {}, relaxation, rel_gap
         self.bound: float | None = None
         self.priority: dict[int, float] | None = None
         self.target_objective: float | None = None
+        self.full_milp_beside = full_milp_beside  # the full MILP runs beside the sweeps once the bound is in
+        self.full_milp_ran = False
 
     def poll(self) -> None:
         """Take the relaxation's result if it has finished."""
@@ -137,10 +145,16 @@ class SweepGuide:
         solved = relaxation.result() if relaxation is not None else None
         if solved is None:
             return
-        self.bound = solved[0]
         self.priority = lp_disagreement(self._model, solved[1], self._warm)
-        if self.bound > 0:
-            self.target_objective = self.bound / (1 - self._rel_gap)
+        self.raise_bound(solved[0])
+
+    def raise_bound(self, bound: float | None) -> None:
+        """Take a lower bound on the objective (the LP relaxation's, the full MILP's dual bound) if higher."""
+        if bound is None or (self.bound is not None and bound <= self.bound):
+            return
+        self.bound = bound
+        if bound > 0:
+            self.target_objective = bound / (1 - self.rel_gap)
 
 
 @dataclass
@@ -211,8 +225,11 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
     sweeps = 0
     guide = guide or SweepGuide()
 
+    beside = _FullMilpBeside(search, guide, deadline)
+
     def reached() -> bool:
         guide.poll()
+        beside.exchange()
         return guide.target_objective is not None and search.best_obj <= guide.target_objective
 
     report = _SweepProgress(model, progress)
@@ -237,10 +254,12 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
             search.block_abs_gap = _block_abs_gap(search.best_obj, guide.bound, sweep_blocks)
             _solve_block_and_twins(search, blocks.pop(0), limit_s, proposals=sweeps > 0)
         sweeps += 1
+        beside.start_once_bound_is_in()
         if reached():
             break
         if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
             break
+    beside.finish(stop_now=reached())
     if progress:
         plan = ("none" if search.solution is None
                 else format_duration(search.best_obj * model.time_unit, model.graph.time_unit))
@@ -252,6 +271,57 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         v.varValue = float(search.solution[v.index])
     binaries = {v.name: float(round(search.solution[v.index])) for v in search.variables if v.cat == pulp.LpInteger}
     return read_choices(model), binaries, search.best_obj
+
+
+class _FullMilpBeside:
+    """The full MILP on the core the LP relaxation leaves idle (regen.planner.milp.background), started from the
+    sweeps' best plan once the guide has its bound (and the guide asks for it), trading plans with the sweeps:
+    theirs offered to it as they improve, its incumbents taken when better. When the sweeps stop it goes on to
+    its gap or the deadline (it is the full MILP that would follow them), unless the sweeps reached the gap."""
+
+    def __init__(self, search: _Search, guide: SweepGuide, deadline: float):
+        self._search, self._guide, self._deadline = search, guide, deadline
+        self._milp: BackgroundMilp | None = None
+        self._offered_obj = math.inf
+
+    def start_once_bound_is_in(self) -> None:
+        search, guide = self._search, self._guide
+        if (self._milp is not None or not guide.full_milp_beside or guide.bound is None or search.solution is None
+                or not guide.bound > 0 or search.best_obj <= guide.bound / (1 - FULL_MILP_BESIDE_GAPS * guide.rel_gap)
+                or self._deadline - time.perf_counter() < MIN_FULL_MILP_BESIDE_S):
+            return
+        self._milp = BackgroundMilp(search.full.lp, search.solution, guide.rel_gap,
+                                    self._deadline - time.perf_counter())
+        self._offered_obj = search.best_obj
+        guide.full_milp_ran = True
+
+    def exchange(self) -> None:
+        """Take its better plan, or offer it the sweeps'; its dual bound to the guide once it has ended."""
+        import numpy as np
+
+        milp, search = self._milp, self._search
+        if milp is None:
+            return
+        found = milp.take_better(search.best_obj)
+        if found is not None:
+            objective, columns = found
+            columns = np.where(search.full.is_integer, np.round(columns), columns)
+            search.solution, search.activity = columns, search.full.activity(columns)
+            search.best_obj, search.improved = objective, True
+        elif search.best_obj < self._offered_obj:
+            milp.offer(search.solution)
+            self._offered_obj = search.best_obj
+        if milp.done():
+            self._guide.raise_bound(milp.bound())
+
+    def finish(self, stop_now: bool) -> None:
+        if self._milp is None:
+            return
+        if stop_now:
+            self._milp.stop()
+        else:
+            self._milp.wait(self._deadline - time.perf_counter())
+        self.exchange()
 
 
 def _block_abs_gap(objective: float, bound: float | None, sweep_blocks: int) -> float | None:
