@@ -7,8 +7,8 @@ the start was):
   `reset_peak_memory_stats()`; after it: `max_memory_allocated()`, the peak while the op ran (kernel
   workspaces included). Absolute, so the start is everything allocated on the device.
 * `LiveStorageTracker` (CPU): the CPU allocator keeps no counter, so the recorder reports every storage it
-  sees appear (new op outputs) and the tracker polls weak references (`StorageWeakRef.expired()`) before
-  every op to see which were freed. Temporaries that a kernel allocates and frees inside itself (oneDNN
+  sees appear (new op outputs) and the tracker is told of each one's free as it happens (regen.storage_frees:
+  a weak reference's callback, not a poll of every live storage before every op). Temporaries that a kernel allocates and frees inside itself (oneDNN
   reorders in convolution backward, say) are not tensors the dispatch mode sees, so while the step is
   recorded torch.profiler reports the CPU allocator's events (`profile_memory=True`) and every op runs
   inside a marker; the peak within op i is then the level before it plus the larger of the storages it
@@ -42,6 +42,7 @@ import torch
 
 from regen.allocator import allocated_bytes_reader, peak_bytes_reader
 from regen.cpu_allocator_events import AllocatorEvent, every_cpu_allocator_event, own_events
+from regen.storage_frees import FreedStorages
 
 
 class MemoryTracker(Protocol):
@@ -75,9 +76,6 @@ class MemoryTracker(Protocol):
         from that op on, not to the start."""
 
 
-_storage_expired = torch.Storage._expired
-
-
 def no_missing_bytes() -> int:
     return 0
 
@@ -91,8 +89,7 @@ class LiveStorageTracker:
         self._level = 0
         self._missing = 0
         self.missing_bytes = missing_bytes
-        # storage id -> (StorageWeakRef, its handle, nbytes); the ref object keeps the handle valid
-        self._live: dict[int, tuple[object, int, int]] = {}
+        self._live = FreedStorages()  # by storage id (a restored storage: -1 - its id)
         self.allocator_events = allocator_events
         self._ops_begun = 0
         # storage id -> (data pointer, bytes, index of the op at which it was met) of the storages added to the
@@ -110,30 +107,25 @@ class LiveStorageTracker:
         if self._ops_begun:
             self._met_mid_step[info.id] = (info.key, info.nbytes, self._ops_begun - 1)
         if not info.permanent:  # the batch and the like can be dropped mid-step: watch them
-            self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
+            self._live.watch(info.id, info.ref, info.nbytes)
 
     def before_op(self) -> int:
-        # torch.Storage._expired on the weak reference's handle is what StorageWeakRef.expired() calls; calling
-        # it directly halves the cost of this loop, which runs over every live storage before every op
         self._ops_begun += 1
-        expired = _storage_expired
-        dead = [sid for sid, (_, cdata, _) in self._live.items() if expired(cdata)]
-        for sid in dead:
-            self._level -= self._live.pop(sid)[2]
+        for _, nbytes in self._live.pop_freed():
+            self._level -= nbytes
         self._missing = self.missing_bytes()
         return self._level + self._missing
 
     def after_op(self, new_storages: list) -> int:
         for info in new_storages:
-            self._live[info.id] = (info.ref, info.ref.cdata, info.nbytes)
+            self._live.watch(info.id, info.ref, info.nbytes)
             self._level += info.nbytes
         return self._level + self._missing
 
     def resized(self, info, nbytes: int) -> None:
         if info.id in self._live:
-            ref, cdata, old = self._live[info.id]
-            self._level += nbytes - old
-            self._live[info.id] = (ref, cdata, nbytes)
+            self._level += nbytes - self._live.nbytes(info.id)
+            self._live.resize(info.id, nbytes)
 
     def gathered(self, info) -> None:
         if info.ref is None:
@@ -143,11 +135,12 @@ class LiveStorageTracker:
             self._met_mid_step.pop(info.id, None)
             self._start -= info.nbytes
             self._level += info.nbytes
-        self._live.setdefault(info.id, (info.ref, info.ref.cdata, info.nbytes))
+        if info.id not in self._live:
+            self._live.watch(info.id, info.ref, info.nbytes)
 
     def restored(self, info) -> None:
         # keyed apart from the original storage's entry, which may still be watched
-        self._live[-1 - info.id] = (info.ref, info.ref.cdata, info.nbytes)
+        self._live.watch(-1 - info.id, info.ref, info.nbytes)
         self._level += info.nbytes
 
     def start_bytes(self) -> int:

@@ -1,6 +1,6 @@
-"""Dynamic mode's count of memory in use on CPU (regen.runtime.dynamic.cap_memory.TrackedMemory): a running
-total never below the memory in use, exact when asked above a figure it passes (an eviction's decision),
-following storages' lives (views and autograd's saved tensors included)."""
+"""Dynamic mode's count of memory in use on CPU (regen.runtime.dynamic.cap_memory.TrackedMemory): exact at every
+reading, following storages' lives (views and autograd's saved tensors included), each free reported as it happens
+(regen.storage_frees)."""
 
 import gc
 
@@ -62,15 +62,14 @@ def test_the_models_storages_are_the_start_figure_not_tracked_twice():
     assert exact(memory) == memory.start_bytes  # no longer tracked: its death changes nothing
 
 
-def test_a_plain_read_is_never_below_the_memory_in_use_and_catches_up():
+def test_every_read_is_exact_as_soon_as_a_storage_dies():
     memory = TrackedMemory()
     tensors = [torch.empty(1024) for _ in range(10)]
     for t in tensors:
         memory.track(t)
+    assert memory.in_use_bytes() == 10 * 4096
     del t
-    tensors.clear()  # all dead
-    assert memory.in_use_bytes() == 10 * 4096  # not purged yet: above the truth, never below
-    assert memory.in_use_bytes(exact_above_bytes=20 * 4096) == 10 * 4096  # under the figure: no purge needed
-    for _ in range(TrackedMemory.PURGE_EVERY_CALLS):
-        memory.in_use_bytes()
+    tensors.pop()
+    assert memory.in_use_bytes() == 9 * 4096  # no purge, no figure to pass: the free was reported
+    tensors.clear()
     assert memory.in_use_bytes() == 0

@@ -6,17 +6,17 @@
 * CPU, which has no allocator statistics: the memory at the step's start, counted as the bytes of the
   model's parameters, their gradients and its buffers (the batch and optimizer state are not seen), plus
   the bytes of every storage that an op of a step created (forward, backward and rebuilds; each storage
-  once, tracked with a weak reference) while it is alive. Temporaries inside a single op are not seen.
+  once, told of its free as it happens: regen.storage_frees) while it is alive. Temporaries inside a single
+  op are not seen.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from regen.allocator import allocated_bytes_reader
 from regen.opinfo import storage_key
+from regen.storage_frees import FreedStorages
 
 def new_storage_bytes(t: torch.Tensor, args) -> int:
     """The bytes of `t`'s storage unless it is the storage of a tensor among `args` (a view, an in-place write)."""
@@ -38,31 +38,23 @@ def model_storages(model: nn.Module) -> dict[int, int]:
 
 
 class TrackedMemory:
-    """CPU: the bytes of live storages that the steps' ops created (weak references), plus a start figure.
+    """CPU: the bytes of live storages that the steps' ops created, plus a start figure; each storage's free is
+    reported as it happens (regen.storage_frees), so every reading is exact and costs the frees since the last."""
 
-    `in_use_bytes()` is a running total that counts a storage from its `track` until a purge finds it dead:
-    never below the memory in use, so a check that passes with it passes exactly. A purge walks every
-    tracked storage; it runs when the total is over the caller's `exact_above_bytes` (the figure then
-    decides an eviction, and must be exact) and otherwise once every PURGE_EVERY_CALLS reads, so a read
-    costs about the same however many storages the step holds."""
-
-    PURGE_EVERY_CALLS = 64
-    cheap_reads = True  # a running total
+    cheap_reads = True
 
     def __init__(self):
         self.start_bytes = 0
         self._tracked_bytes = 0
-        self._reads_since_purge = 0
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
+        self._live = FreedStorages()  # by storage key
 
     def begin_step(self, model: nn.Module) -> None:
         """A step starts: its start figure is the model's memory (storages tracked already, such as
         gradients made by an earlier backward, are counted there once)."""
+        self._settle()
         storages = model_storages(model)
         for key in storages:
-            entry = self._live.pop(key, None)
-            if entry is not None:
-                self._tracked_bytes -= entry[1]
+            self._tracked_bytes -= self._live.forget(key)
         self.start_bytes = sum(storages.values())
 
     def track(self, t: torch.Tensor) -> None:
@@ -72,27 +64,20 @@ class TrackedMemory:
         key = storage.data_ptr()
         if nbytes == 0 or key == 0:
             return
-        entry = self._live.get(key)
-        if entry is not None:
-            if not entry[0].expired():
-                return
-            self._tracked_bytes -= entry[1]  # a dead storage at the same address
-        self._live[key] = (StorageWeakRef(storage), nbytes)
+        self._settle()  # a freed storage at the same address leaves first
+        if key in self._live:
+            return
+        self._live.watch_storage(key, storage, nbytes)
         self._tracked_bytes += nbytes
 
     def in_use_bytes(self, exact_above_bytes: int | None = None) -> int:
-        """The memory in use, or a figure above it; exact when that figure is over `exact_above_bytes`."""
-        self._reads_since_purge += 1
-        over = exact_above_bytes is not None and self.start_bytes + self._tracked_bytes > exact_above_bytes
-        if over or self._reads_since_purge >= self.PURGE_EVERY_CALLS:
-            self._purge()
+        """The memory in use (exact whatever `exact_above_bytes`: the signature of DeviceMemory's)."""
+        self._settle()
         return self.start_bytes + self._tracked_bytes
 
-    def _purge(self) -> None:
-        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
-        for key in dead:
-            self._tracked_bytes -= self._live.pop(key)[1]
-        self._reads_since_purge = 0
+    def _settle(self) -> None:
+        for _, nbytes in self._live.pop_freed():
+            self._tracked_bytes -= nbytes
 
 
 class DeviceMemory:
