@@ -55,6 +55,10 @@ class FreedStorages:
     def __contains__(self, key) -> bool:
         return key in self._live
 
+    def keys(self) -> list:
+        """The keys watched now (their storages' frees not yet taken by `pop_freed` included)."""
+        return list(self._live)
+
     def nbytes(self, key) -> int:
         return self._live[key].nbytes
 

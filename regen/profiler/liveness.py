@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from regen import opinfo
 from regen.profiler.outside_state import CallWatcher
+from regen.storage_frees import FreedStorages
 from regen.workloads import Workload, forward_with_output
 
 _regen_ops = torch._C._DisableTorchDispatch  # the probe's own copies are not ops of the step
@@ -60,13 +61,11 @@ class _Probe:
         self.copied_entries = copied_entries
         self.num_packs = 0
         self.copies: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}  # storage key -> (original, copy)
-        self.watched: dict[int, StorageWeakRef] = {}  # entry index -> its original storage, while alive
+        self.watched = FreedStorages()  # by entry index: its original storage, while alive
         self.freed_before: dict[int, int] = {}  # entry index -> first op at whose start it was dead
 
     def poll(self, op: int) -> None:
-        dead = [i for i, ref in self.watched.items() if ref.expired()]
-        for i in dead:
-            del self.watched[i]
+        for i, _ in self.watched.pop_freed():
             self.freed_before[i] = op
 
     def pack(self, x: torch.Tensor):
@@ -86,7 +85,7 @@ class _Probe:
                 flat = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage, 0, (storage.nbytes(),))
                 copy = flat.cpu() if x.device.type != "cpu" else _outside_the_allocator(flat)
                 known = self.copies[key] = (StorageWeakRef(storage), copy)
-            self.watched[index] = known[0]
+            self.watched.watch(index, known[0], 0)
             return index, (known[1], x.device, x.dtype, x.shape, x.stride(), x.storage_offset())
 
     def unpack(self, handle):
@@ -128,7 +127,7 @@ def probe_step(workload: Workload, copied_entries: set[int],
         return None
     last = len(recorded_names) - 1
     held = {i: op - 1 for i, op in probe.freed_before.items()}
-    held.update({i: last for i in probe.watched})  # still alive after the step: held throughout
+    held.update({i: last for i in probe.watched.keys()})  # still alive after the step: held throughout
     return ProbeFindings(held_until_op=held, left_behind=watcher.found)
 
 
