@@ -39,7 +39,6 @@ from typing import Any, Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from regen import opinfo, opnames
@@ -68,8 +67,23 @@ DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_gr
 
 
 def _tensors_in(args, kwargs) -> list[torch.Tensor]:
-    """Tensor arguments in flattened argument order (lists of tensors, e.g. aten.cat's, included)."""
-    return [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    """Tensor arguments in flattened argument order (lists of tensors, e.g. aten.cat's, included): the order
+    tree_flatten((args, kwargs)) gives, by a plain loop (this runs at every op of the recorded step, where
+    tree_flatten costs more than many of the ops)."""
+    out: list[torch.Tensor] = []
+    _collect_tensors(args, out)
+    _collect_tensors(tuple(kwargs.values()), out)
+    return out
+
+
+def _collect_tensors(value, out: list) -> None:
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif type(v) is list or type(v) is tuple:
+            _collect_tensors(v, out)
+        elif type(v) is dict:
+            _collect_tensors(tuple(v.values()), out)
 
 
 @dataclass
