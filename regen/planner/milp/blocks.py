@@ -233,33 +233,22 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
         return guide.target_objective is not None and search.best_obj <= guide.target_objective
 
     report = _SweepProgress(model, progress)
-    while search.solution is not None and time.perf_counter() < deadline:
-        guide.poll()
-        blocks = _sweep_blocks(search, order, block_candidates, sweeps, guide.priority)
-        guided = guide.priority is not None
-        sweep_start_obj = search.best_obj
-        sweep_blocks = len(blocks)
-        report.sweep(sweeps + 1, len(blocks))
-        while blocks:
-            report.now(len(blocks), search.best_obj, guide.bound)
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0 or reached():
+    try:
+        while search.solution is not None and time.perf_counter() < deadline:
+            guide.poll()
+            blocks = _sweep_blocks(search, order, block_candidates, sweeps, guide.priority)
+            sweep_start_obj = search.best_obj
+            report.sweep(sweeps + 1, len(blocks))
+            _one_sweep(search, blocks, guide, deadline, report, reached, proposals=sweeps > 0)
+            sweeps += 1
+            beside.start_once_bound_is_in()
+            if reached():
                 break
-            if not guided and guide.priority is not None:  # the bound came mid-sweep: its order for the rest
-                blocks, guided = _by_priority(blocks, guide.priority), True
-            limit_s = min(remaining, max(MIN_BLOCK_TIME_S, 2 * remaining / len(blocks)))
-            if not guided:  # back soon to see whether the bound has come
-                limit_s = min(limit_s, UNGUIDED_BLOCK_TIME_S)
-            search.stop_at_objective = guide.target_objective
-            search.block_abs_gap = _block_abs_gap(search.best_obj, guide.bound, sweep_blocks)
-            _solve_block_and_twins(search, blocks.pop(0), limit_s, proposals=sweeps > 0)
-        sweeps += 1
-        beside.start_once_bound_is_in()
-        if reached():
-            break
-        if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
-            break
-    beside.finish(stop_now=reached())
+            if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
+                break
+        beside.finish(stop_now=reached())
+    finally:
+        beside.stop()  # on an exception too: no MILP left running (a no-op once finished)
     if progress:
         plan = ("none" if search.solution is None
                 else format_duration(search.best_obj * model.time_unit, model.graph.time_unit))
@@ -314,6 +303,10 @@ class _FullMilpBeside:
         if milp.done():
             self._guide.raise_bound(milp.bound())
 
+    def stop(self) -> None:
+        if self._milp is not None:
+            self._milp.stop()
+
     def finish(self, stop_now: bool) -> None:
         if self._milp is None:
             return
@@ -322,6 +315,26 @@ class _FullMilpBeside:
         else:
             self._milp.wait(self._deadline - time.perf_counter())
         self.exchange()
+
+
+def _one_sweep(search: _Search, blocks: list[list[int]], guide: SweepGuide, deadline: float,
+               report: "_SweepProgress", reached: Callable[[], bool], proposals: bool) -> None:
+    """Solve the sweep's blocks in turn until they are done, the time is up or the plan is within the gap."""
+    guided = guide.priority is not None
+    sweep_blocks = len(blocks)
+    while blocks:
+        report.now(len(blocks), search.best_obj, guide.bound)
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0 or reached():
+            return
+        if not guided and guide.priority is not None:  # the bound came mid-sweep: its order for the rest
+            blocks, guided = _by_priority(blocks, guide.priority), True
+        limit_s = min(remaining, max(MIN_BLOCK_TIME_S, 2 * remaining / len(blocks)))
+        if not guided:  # back soon to see whether the bound has come
+            limit_s = min(limit_s, UNGUIDED_BLOCK_TIME_S)
+        search.stop_at_objective = guide.target_objective
+        search.block_abs_gap = _block_abs_gap(search.best_obj, guide.bound, sweep_blocks)
+        _solve_block_and_twins(search, blocks.pop(0), limit_s, proposals=proposals)
 
 
 def _block_abs_gap(objective: float, bound: float | None, sweep_blocks: int) -> float | None:
