@@ -140,15 +140,28 @@ def tensor_outputs(out) -> list:
     return []
 
 
+def tensor_arguments(args, kwargs) -> list[torch.Tensor]:
+    """An op's tensor arguments in the order tree_flatten((args, kwargs)) gives (lists of tensors, aten.cat's say,
+    included), by a plain loop: this runs at every op, where tree_flatten costs more than many of the ops."""
+    out: list[torch.Tensor] = []
+    _collect_tensors(args, out)
+    _collect_tensors(tuple(kwargs.values()), out)
+    return out
+
+
+def _collect_tensors(values, out: list) -> None:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif type(v) is list or type(v) is tuple:
+            _collect_tensors(v, out)
+        elif type(v) is dict:
+            _collect_tensors(tuple(v.values()), out)
+
+
 def input_storage_keys(args, kwargs) -> set[int]:
-    """Storage keys of every tensor among an op's (flat) arguments."""
-    keys = set()
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            keys.add(storage_key(a))
-        elif isinstance(a, (list, tuple)):
-            keys.update(storage_key(x) for x in a if isinstance(x, torch.Tensor))
-    return keys
+    """Storage keys of every tensor among an op's arguments."""
+    return {storage_key(a) for a in tensor_arguments(args, kwargs)}
 
 
 def written_outputs(func, args, kwargs, outputs: list) -> list[tuple[int, int]]:

@@ -66,26 +66,6 @@ DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_gr
                         "second backward is not planned, and regen.apply treats such a step as a plan mismatch")
 
 
-def _tensors_in(args, kwargs) -> list[torch.Tensor]:
-    """Tensor arguments in flattened argument order (lists of tensors, e.g. aten.cat's, included): the order
-    tree_flatten((args, kwargs)) gives, by a plain loop (this runs at every op of the recorded step, where
-    tree_flatten costs more than many of the ops)."""
-    out: list[torch.Tensor] = []
-    _collect_tensors(args, out)
-    _collect_tensors(tuple(kwargs.values()), out)
-    return out
-
-
-def _collect_tensors(value, out: list) -> None:
-    for v in value:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif type(v) is list or type(v) is tuple:
-            _collect_tensors(v, out)
-        elif type(v) is dict:
-            _collect_tensors(tuple(v.values()), out)
-
-
 @dataclass
 class StorageInfo:
     """One storage over its lifetime."""
@@ -276,7 +256,7 @@ class StepRecorder:
             op.summed_in_place = True
 
     def after_op(self, index: int, func, args, kwargs, out) -> None:
-        inputs = _tensors_in(args, kwargs)
+        inputs = opinfo.tensor_arguments(args, kwargs)
         input_ids = []
         read_storages = set()
         for t in inputs:
