@@ -18,7 +18,7 @@ import torch
 
 
 class _Watched:
-    __slots__ = ("key", "nbytes", "ref", "__weakref__")
+    __slots__ = ("key", "nbytes", "ref")  # ref: the weak reference with the callback, kept alive here
 
     def __init__(self, key, nbytes: int):
         self.key, self.nbytes, self.ref = key, nbytes, None

@@ -10,33 +10,29 @@ from torch import nn
 from regen.runtime.dynamic.cap_memory import TrackedMemory, model_storages
 
 
-def exact(memory: TrackedMemory) -> int:
-    return memory.in_use_bytes(exact_above_bytes=0)
-
-
 def test_the_running_total_follows_each_storage_until_it_dies():
     memory = TrackedMemory()
     a, b = torch.zeros(1000), torch.zeros(250)
     for t in (a, b, a[10:], a.view(10, 100)):  # a view counts its storage once
         memory.track(t)
-    assert exact(memory) == 5000
+    assert memory.in_use_bytes() == 5000
     view = a[5:]
     del a, t
     gc.collect()
-    assert exact(memory) == 5000  # the view keeps the storage
+    assert memory.in_use_bytes() == 5000  # the view keeps the storage
     del view
-    assert exact(memory) == 1000
+    assert memory.in_use_bytes() == 1000
     x = torch.randn(100, requires_grad=True)
     y = x.exp()  # saved by autograd for backward
     memory.track(y)
     loss = y.sum()
     del y
     gc.collect()
-    assert exact(memory) == 1400  # autograd holds it
+    assert memory.in_use_bytes() == 1400  # autograd holds it
     loss.backward()
-    assert exact(memory) == 1000
+    assert memory.in_use_bytes() == 1000
     del b
-    assert exact(memory) == 0
+    assert memory.in_use_bytes() == 0
 
 
 def test_a_storage_at_a_dead_ones_address_is_counted_anew():
@@ -44,9 +40,9 @@ def test_a_storage_at_a_dead_ones_address_is_counted_anew():
     for _ in range(50):  # the allocator hands the same addresses back
         t = torch.empty(4096)
         memory.track(t)
-        assert exact(memory) == 4 * 4096
+        assert memory.in_use_bytes() == 4 * 4096
         del t
-        assert exact(memory) == 0
+        assert memory.in_use_bytes() == 0
 
 
 def test_the_models_storages_are_the_start_figure_not_tracked_twice():
@@ -55,11 +51,11 @@ def test_the_models_storages_are_the_start_figure_not_tracked_twice():
     memory = TrackedMemory()
     memory.track(model.weight.grad)  # a gradient an earlier backward made
     memory.begin_step(model)
-    assert exact(memory) == memory.start_bytes == sum(model_storages(model).values())
+    assert memory.in_use_bytes() == memory.start_bytes == sum(model_storages(model).values())
     grad = model.weight.grad
     model.weight.grad = None
     del grad
-    assert exact(memory) == memory.start_bytes  # no longer tracked: its death changes nothing
+    assert memory.in_use_bytes() == memory.start_bytes  # no longer tracked: its death changes nothing
 
 
 def test_every_read_is_exact_as_soon_as_a_storage_dies():

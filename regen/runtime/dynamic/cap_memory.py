@@ -41,7 +41,7 @@ class TrackedMemory:
     """CPU: the bytes of live storages that the steps' ops created, plus a start figure; each storage's free is
     reported as it happens (regen.storage_frees), so every reading is exact and costs the frees since the last."""
 
-    cheap_reads = True
+    cheap_reads = True  # a reading costs the frees since the last one
 
     def __init__(self):
         self.start_bytes = 0
@@ -70,8 +70,8 @@ class TrackedMemory:
         self._live.watch_storage(key, storage, nbytes)
         self._tracked_bytes += nbytes
 
-    def in_use_bytes(self, exact_above_bytes: int | None = None) -> int:
-        """The memory in use (exact whatever `exact_above_bytes`: the signature of DeviceMemory's)."""
+    def in_use_bytes(self) -> int:
+        """The memory in use."""
         self._settle()
         return self.start_bytes + self._tracked_bytes
 
@@ -96,6 +96,6 @@ class DeviceMemory:
     def track(self, t: torch.Tensor) -> None:
         pass
 
-    def in_use_bytes(self, exact_above_bytes: int | None = None) -> int:
-        """Always exact (TrackedMemory's signature)."""
+    def in_use_bytes(self) -> int:
+        """The allocator's figure."""
         return self.read()

@@ -137,7 +137,7 @@ class Residency:
         kept free if it can be (default: `self.headroom_bytes`); with `copy_out_ahead` (forward ops), first start
         host copies of held nodes once memory is tight (swaps.py)."""
         kept_free = (self.headroom_bytes if headroom_bytes is None else headroom_bytes) + self.reserve_bytes
-        used = self.memory.in_use_bytes(exact_above_bytes=self.cap_bytes - need_bytes - kept_free)
+        used = self.memory.in_use_bytes()
         if used > self.stats.peak_in_use_bytes:
             self.stats.peak_in_use_bytes = used
         if copy_out_ahead and self.swaps is not None and used >= AHEAD_FRACTION * self.cap_bytes:
