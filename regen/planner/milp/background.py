@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 
-from regen.planner.milp.highs import new_highs, solver_output_to_stderr
+from regen.planner.milp.highs import new_highs, require_highspy, solver_output_to_stderr
 
 
 class BackgroundMilp:
@@ -95,6 +95,10 @@ class BackgroundMilp:
         """Until it ends (at its gap or time limit), or `timeout_s`, then stopped."""
         self._thread.join(max(0.0, timeout_s))
         self.stop()
+
+    def interrupted(self) -> bool:
+        """It ended by a stop (not at its gap or time limit)."""
+        return self.done() and self._h.getModelStatus() == require_highspy().HighsModelStatus.kInterrupt
 
     def bound(self) -> float | None:
         """Its dual bound once it has ended (a valid lower bound on the objective), else None."""

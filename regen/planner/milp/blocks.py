@@ -241,7 +241,7 @@ def improve_by_blocks(model: Model, incumbent: dict[int, Choice], time_budget_s:
             report.sweep(sweeps + 1, len(blocks))
             _one_sweep(search, blocks, guide, deadline, report, reached, proposals=sweeps > 0)
             sweeps += 1
-            beside.start_once_bound_is_in()
+            beside.start_if_far_from_bound()
             if reached():
                 break
             if sweeps >= max_sweeps or not search.best_obj < sweep_start_obj - SWEEP_MIN_GAIN * abs(search.best_obj):
@@ -273,7 +273,9 @@ class _FullMilpBeside:
         self._milp: BackgroundMilp | None = None
         self._offered_obj = math.inf
 
-    def start_once_bound_is_in(self) -> None:
+    def start_if_far_from_bound(self) -> None:
+        """At a sweep's end: start the full MILP when the guide asks for it, its bound is in, the plan is more than
+        FULL_MILP_BESIDE_GAPS x the gap above it and MIN_FULL_MILP_BESIDE_S of the sweeps' time is left."""
         search, guide = self._search, self._guide
         if (self._milp is not None or not guide.full_milp_beside or guide.bound is None or search.solution is None
                 or not guide.bound > 0 or search.best_obj <= guide.bound / (1 - FULL_MILP_BESIDE_GAPS * guide.rel_gap)
@@ -308,12 +310,10 @@ class _FullMilpBeside:
             self._milp.stop()
 
     def finish(self, stop_now: bool) -> None:
-        if self._milp is None:
-            return
-        if stop_now:
-            self._milp.stop()
-        else:
+        """Stop it (the sweeps reached the gap) or wait for it until the deadline, then take what it found."""
+        if self._milp is not None and not stop_now:
             self._milp.wait(self._deadline - time.perf_counter())
+        self.stop()
         self.exchange()
 
 
