@@ -183,7 +183,6 @@ def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
     relaxation = Relaxation(model, 30)
     bound, _ = relaxation.result()
     lp = to_highs_lp(model.prob, model.prob.variables())
-    assert relaxation.num_rows == lp.num_row_ - len(left_out)
     lp.integrality_ = []
     h = new_highs()
     h.passModel(lp)
@@ -193,6 +192,55 @@ def test_the_relaxation_leaves_out_rows_and_stays_a_bound(small_transformer):
     assert bound <= with_every_row * (1 + 1e-9)
     assert with_every_row * model.time_unit <= exact.objective_s * (1 + 1e-9)
     assert bound * model.time_unit > graph.compute_time_s
+
+
+def _lp_without_left_out_rows(model) -> float:
+    """The optimum of the model's LP relaxation with every row but those it leaves out, in one solve."""
+    import numpy as np
+
+    from regen.planner.milp.highs import constraints_of, new_highs
+
+    lp = to_highs_lp(model.prob, model.prob.variables())
+    lp.integrality_ = []
+    h = new_highs()
+    h.passModel(lp)
+    names = set(model.rows_not_in_relaxation)
+    out = np.array([i for i, con in enumerate(constraints_of(model.prob)) if con.name in names], dtype=np.int32)
+    h.deleteRows(len(out), out)
+    h.run()
+    return h.getInfo().objective_function_value
+
+
+@pytest.mark.parametrize("per_round", [1, 50])
+def test_the_relaxation_adds_the_cap_rows_its_solution_breaks(small_transformer, monkeypatch, per_round):
+    """Started with one cap row and given more only where its solution breaks them, the relaxation ends at
+    the optimum of the LP with all of them, and its solution breaks none."""
+    import regen.planner.milp.relaxation as relaxation_module
+    from regen.planner.milp.highs import constraints_of
+
+    monkeypatch.setattr(relaxation_module, "INITIAL_CAP_ROWS", 1)
+    monkeypatch.setattr(relaxation_module, "CAP_ROWS_PER_ROUND", per_round)
+    model = Model(build_graph(small_transformer), int(small_transformer.peak_bytes * 0.4), MilpOptions())
+    assert len(model.cap_rows) > 3
+    bound, values = relaxation_module.Relaxation(model, 60).result()
+    assert bound == pytest.approx(_lp_without_left_out_rows(model), rel=1e-9)
+    for con in constraints_of(model.prob):
+        if con.name in set(model.cap_rows):
+            activity = sum(coef * values[var.index] for var, coef in con.items())
+            assert activity >= con.getLb() - 1e-6 * max(1.0, abs(con.getLb()))
+
+
+def test_a_relaxation_out_of_time_between_rounds_is_still_a_bound(small_transformer, monkeypatch):
+    """Time up after its first round (one cap row of many): the result is that round's optimum, below the
+    full LP's (which the rounds after it reach: the test above)."""
+    import regen.planner.milp.relaxation as relaxation_module
+
+    monkeypatch.setattr(relaxation_module, "INITIAL_CAP_ROWS", 1)
+    model = Model(build_graph(small_transformer), int(small_transformer.peak_bytes * 0.4), MilpOptions())
+    monkeypatch.setattr(relaxation_module.Relaxation, "_out_of_time", lambda self: True)
+    bound, values = relaxation_module.Relaxation(model, 60).result()
+    assert len(values) == len(model.prob.variables())
+    assert bound < _lp_without_left_out_rows(model) * (1 - 1e-6)
 
 
 def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transformer, monkeypatch):

@@ -55,16 +55,22 @@ def add_memory_constraints(model) -> None:
         worst_trans = sum(coef for coef, _ in trans if coef > 0) * mu
         model.segments.append((s0, s1, var))
         if model.cap_var is not None:
-            prob += var + model.cap_var >= seg_peak / mu, f"mem_{s0}"
+            _add_cap_row(model, var + model.cap_var >= seg_peak / mu, f"mem_{s0}")
             if trans:
-                prob += (linear([(1.0, var), (1.0, model.cap_var)] + [(-cf, x) for cf, x in trans])
-                         >= (g.peak_bytes[s0] + margin) / mu), f"memt_{s0}"
+                _add_cap_row(model, linear([(1.0, var), (1.0, model.cap_var)] + [(-cf, x) for cf, x in trans])
+                             >= (g.peak_bytes[s0] + margin) / mu, f"memt_{s0}")
             continue
         if seg_peak + held > cap:
-            prob += var >= (seg_peak - cap) / mu, f"mem_{s0}"
+            _add_cap_row(model, var >= (seg_peak - cap) / mu, f"mem_{s0}")
         if trans and g.peak_bytes[s0] + margin + worst_trans + held > cap:
-            prob += (linear([(1.0, var)] + [(-cf, x) for cf, x in trans])
-                     >= (g.peak_bytes[s0] + margin - cap) / mu), f"memt_{s0}"
+            _add_cap_row(model, linear([(1.0, var)] + [(-cf, x) for cf, x in trans])
+                         >= (g.peak_bytes[s0] + margin - cap) / mu, f"memt_{s0}")
+
+
+def _add_cap_row(model, row, name: str) -> None:
+    model.prob += row, name
+    model.cap_rows.append(name)
+
 
 def savings_changes(model) -> tuple[dict[int, list], dict[int, list]]:
     """Where S changes, as step -> [(coefficient in memory units, variable)], and the recipe

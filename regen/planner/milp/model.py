@@ -147,6 +147,8 @@ class Model:
         # rows the LP relaxation leaves out (milp/relaxation.py): the host-memory rows and the copy-in
         # start rows, by name
         self.rows_not_in_relaxation: list[str] = []
+        # the cap rows (milp/memory_rows.py), by name: the LP relaxation adds them only when violated
+        self.cap_rows: list[str] = []
         self.cap_var = None
         self._build()
 
