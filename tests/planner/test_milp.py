@@ -243,6 +243,17 @@ def test_a_relaxation_out_of_time_between_rounds_is_still_a_bound(small_transfor
     assert bound < _lp_without_left_out_rows(model) * (1 - 1e-6)
 
 
+def test_a_small_graphs_lp_bound_solves_with_every_cap_row_at_once(small_transformer, monkeypatch):
+    """lp_bound (the small graphs' neighbourhood) has every cap row from the start: its one solve is the full
+    LP's optimum, where the relaxation that adds them when broken, stopped after its first round, is below."""
+    import regen.planner.milp.relaxation as relaxation_module
+
+    monkeypatch.setattr(relaxation_module, "INITIAL_CAP_ROWS", 1)
+    monkeypatch.setattr(relaxation_module.Relaxation, "_out_of_time", lambda self: True)
+    model = Model(build_graph(small_transformer), int(small_transformer.peak_bytes * 0.4), MilpOptions())
+    assert relaxation_module.lp_bound(model, 60)[0] == pytest.approx(_lp_without_left_out_rows(model), rel=1e-9)
+
+
 def test_large_graphs_are_solved_by_blocks_against_the_lp_bound(small_transformer, monkeypatch):
     """The large-graph path (forced here on a small graph): a plan within the cap, no better than the
     exact optimum, and a gap measured against a bound that is below that optimum."""

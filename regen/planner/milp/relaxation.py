@@ -31,6 +31,11 @@ where its solution breaks them (Note [ Cap rows added when broken ]).
 #    does better (the LP solved relaxes it): the full LP's optimum;
 # 4. each round's optimum is a valid lower bound (it relaxes the full LP): when time runs out between rounds
 #    the last one is the result.
+# 5. A small graph's LP (milp/neighbourhood.py) solves with every cap row at once: it takes well under a
+#    second there, and its solution, not only its optimum, steers the neighbourhood (which candidates it frees).
+#    The LP with cap rows added reaches the same optimum at another vertex when there are several: on the
+#    built-in GPT at R = 2 (tests/runtime/test_link.py) that freed 24 candidates instead of 23 and the hybrid
+#    solve ended on its recompute-only warm start (179.9 against 178.5 ms simulated, with 3 swaps).
 
 from __future__ import annotations
 
@@ -78,9 +83,11 @@ class Relaxation:
 
     `lp`: the model as to_highs_lp built it, when the caller has it already. The model is handed to
     HiGHS before the thread starts, so the caller may go on using `lp` and the model's variables.
+    `every_cap_row`: solve with all the cap rows at once instead of adding them when broken (Note [ Cap rows
+    added when broken ], 5).
     """
 
-    def __init__(self, model: Model, time_limit_s: float, lp=None):
+    def __init__(self, model: Model, time_limit_s: float, lp=None, every_cap_row: bool = False):
         self._highspy = require_highspy()
         lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
         integrality = lp.integrality_
@@ -92,7 +99,8 @@ class Relaxation:
         self._time_limit_s = max(time_limit_s, 1e-3)
         rows = constraints_of(model.prob)
         names, cap_names = set(model.rows_not_in_relaxation), set(model.cap_rows)
-        cap_rows = np.array([i for i, con in enumerate(rows) if con.name in cap_names], dtype=np.int64)
+        cap_rows = np.array([] if every_cap_row else [i for i, con in enumerate(rows) if con.name in cap_names],
+                            dtype=np.int64)
         first = cap_rows[np.argsort(-np.asarray(lp.row_lower_)[cap_rows], kind="stable")[:INITIAL_CAP_ROWS]]
         later = np.setdiff1d(cap_rows, first)
         self._later = _LeftOutRows(lp, later)
@@ -140,10 +148,11 @@ class Relaxation:
 
 def lp_bound(model: Model, time_limit_s: float, lp=None) -> tuple[float, list[float]] | None:
     """The LP relaxation's optimum (a valid lower bound on the MILP's objective, in model units) and its
-    solution (by column), or None when the LP does not finish in time."""
+    solution (by column), or None when the LP does not finish in time; solved at once with every cap row (Note
+    [ Cap rows added when broken ], 5)."""
     if time_limit_s <= 0:
         return None
-    return Relaxation(model, time_limit_s, lp).result()
+    return Relaxation(model, time_limit_s, lp, every_cap_row=True).result()
 
 
 def lp_disagreement(model: Model, lp_values: list[float], plan: dict[int, Choice]) -> dict[int, float]:
