@@ -117,7 +117,8 @@ class Relaxation:
         """Rounds of solve, check and add (Note [ Cap rows added when broken ])."""
         h, later = self._h, self._later
         while True:
-            h.setOptionValue("time_limit", h.getRunTime() + max(1e-3, self._time_limit_s - h.getRunTime()))
+            # HiGHS's time limit is on its run time summed over runs
+            h.setOptionValue("time_limit", max(self._time_limit_s, h.getRunTime() + 1e-3))
             h.run()
             if h.getModelStatus() != self._highspy.HighsModelStatus.kOptimal:
                 return
