@@ -39,7 +39,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import argument_value, op_name, op_outputs, storage_key, written_arguments, written_outputs
+from regen.opinfo import (argument_value, op_name, op_outputs, storage_key, tensor_arguments, written_arguments,
+                          written_outputs)
 from regen.opnames import reads_first_arg_metadata_only
 from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.writers import live_writer
@@ -112,10 +113,9 @@ class CapturedOp:
 
 
 def _op_device(args, kwargs) -> torch.device:
-    flat, _ = tree_flatten((args, kwargs))
-    for a in flat:
-        if isinstance(a, torch.Tensor):
-            return a.device
+    tensors = tensor_arguments(args, kwargs)
+    if tensors:
+        return tensors[0].device
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
@@ -171,9 +171,13 @@ def capture_op(index: int, func, args, kwargs, writer: dict, random: bool,
         device = _op_device(args, kwargs)
         if device.type == "cuda":
             cap.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
-        cap.generator_states = tuple((g, g.get_state()) for g in tree_flatten((args, kwargs))[0]
-                                     if isinstance(g, torch.Generator))
+        cap.generator_states = tuple((g, g.get_state()) for g in _generators(args, kwargs))
     return cap
+
+
+def _generators(args, kwargs) -> list[torch.Generator]:
+    """An op's torch.Generator arguments (an aten schema's `Generator?` is a plain argument, never in a list)."""
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
 
 
 def _snapshot_written_externals(func, args: list, kwargs: dict, writer: dict) -> None:
