@@ -7,7 +7,8 @@ function returns, the training loop holds the model's output until backward ends
 one more forward+backward in which the pack hook hands autograd a copy of every saved storage the step made (on
 the host for a CUDA device, so the probe itself needs no more device memory) and keeps only a weak
 reference to the original. The original then dies exactly when its other holders let go of it; a dispatch
-mode counting the ops as the recorded step did polls the weak references before every op.
+mode counting the ops as the recorded step did takes the frees reported since the op before (regen.storage_frees)
+before every op.
 
 `probe_step` returns, per saved entry index, the last op at whose start the original storage was still
 alive (`SavedTensor.held_until_op`); a storage alive at the end of the step is held until the last op. The
@@ -35,7 +36,7 @@ _regen_ops = torch._C._DisableTorchDispatch  # the probe's own copies are not op
 
 
 class _ProbeMode(TorchDispatchMode):
-    """Counts the step's ops as the capture does and polls the originals' weak references before each."""
+    """Counts the step's ops as the capture does and takes the originals' frees before each."""
 
     def __init__(self, probe: "_Probe", watcher: CallWatcher):
         super().__init__()
@@ -47,7 +48,7 @@ class _ProbeMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not opinfo.is_counted(func):
             return func(*args, **kwargs)
-        self.probe.poll(len(self.names))
+        self.probe.take_frees(len(self.names))
         self.names.append(opinfo.op_name(func))
         out = func(*args, **kwargs)
         self.watcher.op_ran(func, args, kwargs, out)
@@ -64,7 +65,7 @@ class _Probe:
         self.watched = FreedStorages()  # by entry index: its original storage, while alive
         self.freed_before: dict[int, int] = {}  # entry index -> first op at whose start it was dead
 
-    def poll(self, op: int) -> None:
+    def take_frees(self, op: int) -> None:
         for i, _ in self.watched.pop_freed():
             self.freed_before[i] = op
 
@@ -122,7 +123,7 @@ def probe_step(workload: Workload, copied_entries: set[int],
             watcher.forward = False
             loss.backward()
             del loss, output
-        probe.poll(len(mode.names))
+        probe.take_frees(len(mode.names))
     if mode.names != recorded_names:
         return None
     last = len(recorded_names) - 1

@@ -8,11 +8,12 @@ the start was):
   workspaces included). Absolute, so the start is everything allocated on the device.
 * `LiveStorageTracker` (CPU): the CPU allocator keeps no counter, so the recorder reports every storage it
   sees appear (new op outputs) and the tracker is told of each one's free as it happens (regen.storage_frees:
-  a weak reference's callback, not a poll of every live storage before every op). Temporaries that a kernel allocates and frees inside itself (oneDNN
-  reorders in convolution backward, say) are not tensors the dispatch mode sees, so while the step is
-  recorded torch.profiler reports the CPU allocator's events (`profile_memory=True`) and every op runs
-  inside a marker; the peak within op i is then the level before it plus the larger of the storages it
-  returned and the allocator's own peak above its starting level during the marker. The start is the
+  a weak reference's callback, not a poll of every live storage before every op). Temporaries that a kernel
+  allocates and frees inside itself (oneDNN reorders in convolution backward, say) are not tensors the dispatch
+  mode sees, so while the step is recorded torch.profiler reports the CPU allocator's events
+  (`profile_memory=True`) and every op runs inside a marker; the peak within op i is then the level before it
+  plus the larger of the storages it returned and the allocator's own peak above its starting level during the
+  marker. The start is the
   bytes of the storages that existed before the step and belong to it: parameters, buffers, optimizer
   state, gradients, the batch, and any other pre-existing tensor an op reads.
 
@@ -81,7 +82,7 @@ def no_missing_bytes() -> int:
 
 
 class LiveStorageTracker:
-    """CPU: live bytes from the storages the recorder reports, polled for frees before every op."""
+    """CPU: live bytes from the storages the recorder reports, their frees taken before every op."""
 
     def __init__(self, allocator_events: "CpuAllocatorEvents | None" = None,
                  missing_bytes: Callable[[], int] = no_missing_bytes) -> None:

@@ -80,8 +80,8 @@ class CallWatcher:
     # ---- ops (from the probe's dispatch mode, its own copies excluded) -------------------------------
     def op_ran(self, func, args, kwargs, out) -> None:
         """An op of the step ran: note the storages it made (not autocast's casts of parameters, which its
-        own cache holds until autocast exits, and a replay's autocast makes and drops again). Its tensors are
-        collected by opinfo's plain loop: this runs at every op, where tree_flatten took a third of the probe."""
+        own cache holds until autocast exits, and a replay's autocast makes and drops again). It runs at every op:
+        its tensors are collected by opinfo's plain loop, not tree_flatten."""
         for t in tensor_arguments(args, kwargs):
             self._meet(t.untyped_storage())
         watched = self.forward and self.stack and not (self.stack[-1].autocast and _weight_cast(func, args))

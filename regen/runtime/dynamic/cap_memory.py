@@ -64,9 +64,10 @@ class TrackedMemory:
         key = storage.data_ptr()
         if nbytes == 0 or key == 0:
             return
-        self._settle()  # a freed storage at the same address leaves first
         if key in self._live:
-            return
+            self._settle()  # a freed storage at the same address, whose free is not taken yet, leaves first
+            if key in self._live:
+                return
         self._live.watch_storage(key, storage, nbytes)
         self._tracked_bytes += nbytes
 
