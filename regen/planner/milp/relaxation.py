@@ -35,7 +35,7 @@ where its solution breaks them (Note [ Cap rows added when broken ]).
 #    second there, and its solution, not only its optimum, steers the neighbourhood (which candidates it frees).
 #    The LP with cap rows added reaches the same optimum at another vertex when there are several: on the
 #    built-in GPT at R = 2 (tests/runtime/test_link.py) that freed 24 candidates instead of 23 and the hybrid
-#    solve ended on its recompute-only warm start (179.9 against 178.5 ms simulated, with 3 swaps).
+#    solve ended on its recompute-only warm start (179.9 against 178.5 ms simulated, with 7 swaps).
 
 from __future__ import annotations
 
