@@ -50,8 +50,8 @@ class TrackedMemory:
 
     def begin_step(self, model: nn.Module) -> None:
         """A step starts: its start figure is the model's memory (storages tracked already, such as
-        gradients made by an earlier backward, are counted there once)."""
-        self._settle()
+        gradients made by an earlier backward, are counted there once; a free of one not taken yet is then
+        ignored: regen.storage_frees)."""
         storages = model_storages(model)
         for key in storages:
             self._tracked_bytes -= self._live.forget(key)
