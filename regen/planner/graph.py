@@ -174,6 +174,15 @@ class PlanningGraph:
         k = bisect.bisect_right(starts, step) - 1
         return starts[k] if k >= 0 else starts[0]
 
+    def next_copy_in_start(self, step: int) -> int:
+        """The first runtime trigger after `step` (`step + 1` when the graph records none; `num_steps` when
+        none is left)."""
+        starts = self.copy_in_starts
+        if not starts:
+            return step + 1
+        k = bisect.bisect_right(starts, step)
+        return starts[k] if k < len(starts) else self.num_steps
+
     def next_release_step(self, c: Candidate, step: int) -> int:
         """The first step at or after `step` before which the runtime can release swapped candidate `c`: a
         forward pack after c's own packs, or an unpack (`step` itself when the graph records neither)."""

@@ -14,7 +14,8 @@ Three timelines, as the runtime runs them (the timing pass):
   compute stream waits for the copy-out (a stall when it is late) and the copy is freed, or at the end
   of its last forward use if that is later;
 * a host-to-device copy stream (FIFO): the copy-in is issued when op `swap_in_before_op` is about to
-  start; its device buffer is allocated then.
+  start (copy-ins issued there in pack order, as the runtime's queue holds them); its device buffer is
+  allocated then.
 
 The memory pass is the planner's one memory model (regen.planner.residency.planned_timelines), given
 the release steps and the recipe and region transients the timing pass found: the unplanned timeline
@@ -164,8 +165,9 @@ def _events(graph: PlanningGraph, choices: dict[int, Choice]) -> _Events:
             ev.recompute_at.setdefault(c.first_backward, []).append(c)
         else:
             ev.errors.append(f"candidate {c.id}: unknown action {ch.action}")
-    for out in ev.swap_out_at.values():  # in the runtime's order: the step's pack order
-        out.sort(key=lambda c: c.first_pack_index)
+    # in the runtime's order: the step's pack order (copy-ins issued together go in the order of their copy-outs)
+    for out in (*ev.swap_out_at.values(), *ev.swap_in_at.values()):
+        out.sort(key=lambda c: (c.first_pack_index, c.index))
     ev.tracked_ops = tracked_forward_ops(graph, choices)
     return ev
 
@@ -206,7 +208,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         replays_at.setdefault(graph.regions[r].replay_step, []).append(r)
 
     for s in range(n):
-        copy_ins = sorted(ev.swap_in_at.get(s, []), key=lambda c: (c.first_backward, c.index))
+        copy_ins = ev.swap_in_at.get(s, [])
         now = releases.release(s, now, copy_ins)
         for c in copy_ins:
             t0 = max(now, h2d_free, out_done.get(c.index, now))

@@ -155,6 +155,19 @@ def test_a_copy_in_outside_the_gap_is_an_error():
         assert not sim.valid and "copy-in step" in sim.errors[0]
 
 
+def test_copy_ins_issued_at_one_step_go_in_pack_order_as_the_runtime_issues_them():
+    """The runtime's queue issues the copy-ins due at one point in the order their copy-outs started (the
+    step's pack order, regen.runtime.swap.queue): candidate 0, packed first, goes before candidate 3 even
+    though op 7 reads candidate 3 first, so op 7 waits for both copies."""
+    graph = build_graph(chain_profile(5, seed=1), INSTANT_BYTES_PER_S, SLOW_BYTES_PER_S)  # copy-outs take no time
+    c = graph.candidates
+    assert c[0].first_pack_index < c[3].first_pack_index and c[3].first_backward == 7
+    sim = simulate(graph, {0: Choice(ACTION_SWAP, swap_in_step=7), 3: Choice(ACTION_SWAP, swap_in_step=7)})
+    assert sim.valid
+    both_s = (c[0].bytes + c[3].bytes) / SLOW_BYTES_PER_S
+    assert sim.step_time_s == pytest.approx(graph.compute_time_s + both_s, rel=1e-9)
+
+
 class _Attention(torch.nn.Module):
     """Eager attention: the probabilities are saved by softmax and again by the matmul after it; queries and
     keys (two storages) by one matmul."""

@@ -180,3 +180,33 @@ def test_a_pack_looks_only_at_the_first_pending_copy_out(monkeypatch):
         assert queries[0] <= packs  # O(1) per pack (none at all: nothing is due before backward)
         loss.backward()
         del loss
+
+
+def test_copy_ins_due_at_one_unpack_are_issued_in_pack_order(monkeypatch):
+    """The simulator runs the copy-ins due at one point in the order their copy-outs started (the step's pack
+    order: regen.planner.simulator); so does the runtime's queue."""
+    w, trace = traced("gpt")
+    plan = PLANS["swap"](trace)
+    swaps = [d for d in plan.decisions if d.action == ACTION_SWAP]
+    assert len(swaps) >= 3
+    first = min(d.swap_in_at_unpack for d in swaps)
+    for d in swaps:  # all due at the first one's point
+        d.swap_in_at_unpack = first
+    started, issued = [], []
+    start, issue = SwapQueue.start, SwapQueue._issue
+
+    def record_start(queue, ps, x):
+        started.append(ps.info.decision.saved_tensor)
+        start(queue, ps, x)
+
+    def record_issue(queue, ps):
+        issued.append(ps.info.decision.saved_tensor)
+        issue(queue, ps)
+
+    monkeypatch.setattr(SwapQueue, "start", record_start)
+    monkeypatch.setattr(SwapQueue, "_issue", record_issue)
+    reference = run_and_grads(w)
+    with regen.apply(w.model, plan, emulate_link=True) as handle:
+        assert_same(reference, run_and_grads(w))
+    assert handle.stats.synchronous_copy_ins == 0
+    assert len(started) == len(swaps) and issued == started
