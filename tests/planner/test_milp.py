@@ -346,6 +346,55 @@ def test_large_graphs_without_time_for_the_full_milp_keep_the_block_plan(small_t
     assert plan.simulated.peak_bytes <= cap
 
 
+def test_a_relaxation_with_no_solution_says_the_milp_has_none(small_transformer):
+    """An infeasible LP relaxation proves the MILP infeasible (it relaxes it): reported as such, not as an LP that
+    ran out of time."""
+    from regen.planner.milp.relaxation import Relaxation
+
+    model = Model(build_graph(small_transformer), int(small_transformer.peak_bytes * 0.5), MilpOptions())
+    feasible = Relaxation(model, 30)
+    assert feasible.result() is not None and not feasible.infeasible() and feasible.unfinished_s() == 0
+    swap = next(v.swap for v in model.vars.values() if v.swap is not None)
+    model.prob += swap >= 2, "impossible"  # a binary at 2
+    infeasible = Relaxation(model, 30)
+    assert infeasible.result() is None and infeasible.infeasible() and infeasible.unfinished_s() == 0
+
+
+def test_large_graphs_whose_relaxation_has_no_solution_take_the_warm_start_at_once(small_transformer,
+                                                                                   monkeypatch):
+    """No MILP plan exists when the LP relaxation has none: the warm start is the plan, and no full MILP is
+    started to look for one."""
+    import importlib
+
+    from regen.planner import solve
+
+    search = importlib.import_module("regen.planner.milp.search")
+    relaxation = importlib.import_module("regen.planner.milp.relaxation")
+    monkeypatch.setattr(search, "BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    monkeypatch.setattr(search, "SWAP_BLOCK_IMPROVE_MIN_CANDIDATES", 10)
+    monkeypatch.setattr(relaxation.Relaxation, "result", lambda self: None)
+    monkeypatch.setattr(relaxation.Relaxation, "infeasible", lambda self: True)
+    messages = []
+    cap = int(small_transformer.peak_bytes * 0.5)
+    plan = solve(small_transformer, cap, "hybrid", time_limit_s=20, progress=messages.append)
+    assert any(m.startswith("LP relaxation: infeasible") for m in messages)
+    assert not any(m.startswith("solver highs started") for m in messages)
+    assert plan.solver.name == "heuristic" and any(search.MILP_ROWS_INFEASIBLE in n for n in plan.notes)
+    assert plan.simulated.peak_bytes <= cap
+
+
+def test_the_full_milp_gets_no_less_time_than_an_unfinished_lp_ran():
+    """It solves that LP first: with less time left than the LP ran without finishing, it would find nothing."""
+    import time
+
+    from regen.planner.milp.blocks import FULL_SOLVE_MIN_TIME_FRACTION, time_for_full_solve
+
+    deadline = time.perf_counter() + 10
+    assert FULL_SOLVE_MIN_TIME_FRACTION * 20 < 9
+    assert time_for_full_solve(deadline, 20) and time_for_full_solve(deadline, 20, lp_unfinished_s=5)
+    assert not time_for_full_solve(deadline, 20, lp_unfinished_s=11)
+
+
 def test_the_relaxation_on_its_own_thread_gives_the_synchronous_bound(small_transformer):
     """The LP relaxation solved on a background thread (as the large-graph search runs it, alongside
     the sweeps) ends with the same bound as solved in the caller's thread, and says when it is done."""

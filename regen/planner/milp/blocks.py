@@ -94,7 +94,8 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     bound = guide.bound
     source = "LP relaxation and the full MILP beside the sweeps" if guide.full_milp_ran else "LP relaxation"
     say(f"{source}: " + (f"bound {format_duration(bound * model.time_unit, model.graph.time_unit)}"
-                         if bound is not None else "no bound within the time limit"))
+                         if bound is not None else "infeasible: no plan meets the MILP's rows at this cap"
+                         if relaxation.infeasible() else "no bound within the time limit"))
     if improved is None:
         return None, None, False
     choices, values, objective = improved
@@ -106,7 +107,7 @@ def solve_by_blocks(model: Model, warm: dict[int, Choice], deadline: float, time
     # the full MILP continues from this plan (and reports its own bound) only when it has time to: on
     # thousands of candidates its presolve alone takes seconds
     continue_with_full = (not guide.full_milp_ran and (bound is None or result.status != "optimal")
-                          and time_for_full_solve(deadline, time_limit_s))
+                          and time_for_full_solve(deadline, time_limit_s, relaxation.unfinished_s()))
     return result, values, continue_with_full
 
 
@@ -115,9 +116,12 @@ def final_check_reserve_s(model: Model, time_limit_s: float) -> float:
     return max(FINAL_CHECK_TIME_FRACTION * time_limit_s, FINAL_CHECK_S_PER_CANDIDATE * len(model.vars))
 
 
-def time_for_full_solve(deadline: float, time_limit_s: float) -> bool:
-    """Enough of the time limit is left for the full MILP after the block search."""
-    return deadline - time.perf_counter() > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s
+def time_for_full_solve(deadline: float, time_limit_s: float, lp_unfinished_s: float = 0.0) -> bool:
+    """Enough of the time limit is left for the full MILP after the block search: more than
+    FULL_SOLVE_MIN_TIME_FRACTION of it, and more than the LP relaxation ran without finishing
+    (`lp_unfinished_s`): the full MILP solves that LP first, after a presolve."""
+    left_s = deadline - time.perf_counter()
+    return left_s > FULL_SOLVE_MIN_TIME_FRACTION * time_limit_s and left_s > lp_unfinished_s
 
 
 class SweepGuide:

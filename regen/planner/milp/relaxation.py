@@ -110,6 +110,7 @@ class Relaxation:
             self._h.deleteRows(len(left_out), left_out)
         self._added = np.zeros(len(later), dtype=bool)
         self._solved: tuple[float, list[float]] | None = None
+        self._infeasible = False
         self._thread = threading.Thread(target=self._solve, name="regen-lp-relaxation", daemon=True)
         self._thread.start()
 
@@ -120,7 +121,9 @@ class Relaxation:
             # HiGHS's time limit is on its run time summed over runs
             h.setOptionValue("time_limit", max(self._time_limit_s, h.getRunTime() + 1e-3))
             h.run()
-            if h.getModelStatus() != self._highspy.HighsModelStatus.kOptimal:
+            status = h.getModelStatus()
+            if status != self._highspy.HighsModelStatus.kOptimal:
+                self._infeasible = status == self._highspy.HighsModelStatus.kInfeasible
                 return
             values = np.asarray(h.getSolution().col_value)
             self._solved = (h.getInfo().objective_function_value, values.tolist())
@@ -139,6 +142,14 @@ class Relaxation:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def unfinished_s(self) -> float:
+        """Once done: how long HiGHS ran without finishing a round (0 when one finished or proved infeasibility)."""
+        return 0.0 if self._solved is not None or self._infeasible else self._h.getRunTime()
+
+    def infeasible(self) -> bool:
+        """Once done: the LP has no solution, so neither has the MILP (the LP relaxes it)."""
+        return self._infeasible
 
     def result(self) -> tuple[float, list[float]] | None:
         """Wait for the solve; its optimum (model units) and solution by column, or None when no round finished

@@ -47,7 +47,7 @@ RECOMPUTE_WARM_START_MAX_CANDIDATES = 2000
 # why the warm start stands in for the MILP's plan
 MILP_TIMED_OUT = "the MILP found no plan within the time limit"
 MILP_PLANS_OVER_CAP = "the MILP's plans did not pass the simulator"
-MILP_ROWS_INFEASIBLE = "the MILP's memory rows admit no plan at this cap, where the simulator passes one"
+MILP_ROWS_INFEASIBLE = "the MILP's rows admit no plan at this cap, where the simulator passes one"
 MILP_SLOWER = "the MILP's plan simulates slower than the warm start ({milp} against {warm})"
 
 # NOTE [ The simulator over the MILP's rows ]
@@ -180,12 +180,15 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             if round_ == 0 and warm is not None and large:
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
                                                              say, first.relaxation, first.lp)
+                if first.relaxation.infeasible():
+                    raise CapInfeasible()  # the LP relaxes the MILP: no plan of the MILP's at all
                 sim = simulate(graph, result.choices) if result is not None else None
+                time_left = time_for_full_solve(deadline, time_limit_s, first.relaxation.unfinished_s())
                 if sim is not None and sim.fits(cap):
                     block_plan, block_sim = result, sim
-                    if not go_on or not time_for_full_solve(deadline, time_limit_s):
+                    if not go_on or not time_left:
                         return result, sim, None
-                elif not time_for_full_solve(deadline, time_limit_s):
+                elif not time_left:
                     return None, None, MILP_TIMED_OUT
             remaining = max(MIN_SOLVER_TIME_S, deadline - time.perf_counter())
             result = solve_model(model, remaining, rel_gap=options.rel_gap, warm_start=start, progress=say,
