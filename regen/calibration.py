@@ -17,8 +17,9 @@ Three things neither sees, and all are paid by the step:
 `calibrate` measures all three on the workload, in the stages' own terms (a Profile in, Plans from the planner,
 steps under `regen.apply`, the figures back into the Profile as `formats.Calibration`):
 
-1. it takes the plan that keeps every tensor (the runtime's cost alone), and solves a recompute plan and a
-   swap plan at CAP_FRACTION of the profile's peak increase (or the smallest cap each reaches), the swaps over
+1. it takes the plan that keeps every tensor (the runtime's cost alone), the plan that replays every
+   repeated block and nothing else (per-block checkpointing, REGIONS: module replays alone, when the profile
+   has such blocks), and solves a recompute plan and a swap plan at CAP_FRACTION of the profile's peak increase (or the smallest cap each reaches), the swaps over
    the device's link (on a CPU device an emulated link at LINK_RATIO): one unknown per plan. A calibration
    plan need only be a typical one: each solve stops at its SOLVE_REL_GAPS or after SOLVE_STEPS of the
    profile's steps (within [SOLVE_MIN_S, SOLVE_MAX_S]); a solve that finds no plan in that time (a graph of
@@ -26,7 +27,8 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
    tried once more with RETRY_TIME_FACTOR times the time (not at a looser cap: a plan with little recompute
    measures mostly what no charge covers, x3.7-7 its charge on the zoo's Mamba, BART and Mixtral at 75%, and
    would set a scale for every plan);
-2. it runs rounds of blocks (the unplanned step, the keep-everything plan, the recompute plan, the swap plan;
+2. it runs rounds of blocks (the unplanned step, the keep-everything plan, the replays' plan, the recompute
+   plan, the swap plan;
    each block STEPS_PER_BLOCK timed steps under one handle, its median the block's time, so that one slow step
    (the first under a new handle, say) moves it little), the order turned each round, so that load and drift
    hit all four alike; the step is forward and backward, gradients dropped after each. From MIN_ROUNDS on it
@@ -34,11 +36,17 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
    round), at MAX_ROUNDS at most;
 3. per round, each plan's extra time over the unplanned block against the simulator's parts of that plan
    (`Plan.simulated_parts`): runtime_step_s = the keep-everything plan's extra (at least 0);
-   recompute_scale = (extra - runtime_step_s - dispatch - swap calls - link waits) / charged recompute, from
-   the recompute plan; swap_byte_s = (extra - runtime_step_s - scale x recompute - dispatch - swap calls -
-   link waits) / swapped bytes, from the swap plan; the median over rounds of each.
+   region_scale = (extra - runtime_step_s - dispatch - swap calls - link waits) / charged replays, from the
+   replays' plan; recompute_scale = (extra - runtime_step_s - region_scale x replays - dispatch - swap calls -
+   link waits) / charged recipes, from the recompute plan (over all its recomputes when it has too few
+   recipes, or no region_scale was measured); swap_byte_s = (extra - runtime_step_s - the recomputes as
+   scaled - dispatch - swap calls - link waits) / swapped bytes, from the swap plan; the median over rounds
+   of each. Module replays and per-tensor recipes get scales of their own because they measure apart: a
+   replayed Llama or Qwen3 decoder layer (Hugging Face, bench size) costs 0.76-0.86x the forward time the
+   planner charges for it, while recipes cost more than theirs, and one scale over both made the planner
+   trade replays for recipes and swaps that measured slower (NOTE [ Replays and recipes apart ]).
 
-All of it costs MIN_ROUNDS to MAX_ROUNDS x 4 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
+All of it costs MIN_ROUNDS to MAX_ROUNDS x 5 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
 A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the
 step; no swap), whose plan could not be solved, or that lands outside the bounds `formats.Calibration`
 accepts (a runtime cost over CALIBRATION_MAX_RUNTIME_STEP_FRACTION of the step), keeps its default (scale 1,
@@ -67,6 +75,7 @@ from regen.workloads import Workload, training_state_kept, training_step
 CAP_FRACTION = 0.5  # of the profile's peak increase over the memory at start
 RETRY_TIME_FACTOR = 5  # a solve that found no plan in its time gets this many times the time, once
 KEEP_ALL = "keep-all"  # the strategy, and the variant, that keeps every tensor: the runtime's cost alone
+REGIONS = "checkpoint-blocks"  # the strategy, and the variant, that replays every repeated block and nothing else
 LINK_RATIO = 0.9  # the emulated link of a CPU device's swap plan (regen.planner.host_link)
 MIN_ROUNDS, MAX_ROUNDS = 2, 3
 STEPS_PER_BLOCK = 3
@@ -79,9 +88,19 @@ SOLVE_MIN_S, SOLVE_MAX_S = 1.0, 20.0  # ... within these
 # looser (the per-byte charge does not depend on which tensors move)
 SOLVE_REL_GAPS = {"recompute": 0.05, "swap": 0.10}
 MIN_SIGNAL_FRACTION = 0.02  # of the unplanned step: less charged recompute than this is not measured
-METHOD = (f"a keep-everything plan, and a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase, "
+METHOD = (f"a keep-everything plan, per-block checkpointing, and a recompute and a swap plan at {CAP_FRACTION:.0%} "
+          f"of the peak increase, "
           f"against the unplanned step, "
           f"interleaved blocks of {STEPS_PER_BLOCK} timed steps, median over rounds (regen.calibration)")
+
+
+# NOTE [ Replays and recipes apart ]
+# Measured on the zoo's Llama and Qwen3 at bench size (21 interleaved rounds each, CPU, one thread), with a
+# single scale fitted on the recompute plan at half the peak (replays and recipes mixed): per-block replays
+# (4 regions, nothing else) measured 0.86x (Llama) and 0.76x (Qwen3) of their charge with the machine's drift
+# taken out, against a fitted x0.95 and x1.12; a Llama plan of 3 replays and 4 recipes measured its charge
+# (x1.0 overall, so its recipes about x2.4). The hybrid plan at checkpointing's peak, which traded a replay
+# for recipes and 5 swaps for a predicted 0.7% gain, measured 3% slower than the replays alone.
 
 
 @dataclass
@@ -109,14 +128,17 @@ def calibrate(workload: Workload, profile: Profile, progress: Callable[[str], No
         return _defaults([f"a calibration step failed: {exc}"], say)
     base, by_name = variants[0], {v.name: v for v in variants}
     runtime_s = _fit_runtime_step_s(base, by_name.get(KEEP_ALL), profile.step_time_s, notes)
-    scale = _fit_recompute_scale(base, by_name.get("recompute"), profile.step_time_s, notes, runtime_s)
-    byte_s = _fit_swap_byte_s(base, by_name.get("swap"), scale, notes, runtime_s)
+    region_scale = _fit_region_scale(base, by_name.get(REGIONS), profile.step_time_s, notes, runtime_s)
+    scale = _fit_recompute_scale(base, by_name.get("recompute"), profile.step_time_s, notes, runtime_s, region_scale)
+    charged = _Scales(scale, scale if region_scale is None else region_scale)
+    byte_s = _fit_swap_byte_s(base, by_name.get("swap"), charged, notes, runtime_s)
     for note in notes:
         say(f"calibration: {note}")
-    say(f"calibration: {runtime_s * 1e3:.2f} ms a planned step, recompute x{scale:.2f}, swaps "
+    regions = "" if region_scale is None else f", module replays x{region_scale:.2f}"
+    say(f"calibration: {runtime_s * 1e3:.2f} ms a planned step, recompute x{scale:.2f}{regions}, swaps "
         f"{byte_s * 2**20 * 1e3:.3f} ms per MiB over {rounds} rounds")
     return Calibration(recompute_scale=scale, swap_byte_s=byte_s, rounds=rounds, method=METHOD, notes=notes,
-                       runtime_step_s=runtime_s)
+                       runtime_step_s=runtime_s, region_scale=region_scale)
 
 
 def _defaults(notes: list[str], say) -> Calibration:
@@ -139,6 +161,10 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
     say(f"calibration: solving a recompute and a swap plan at {CAP_FRACTION:.0%} of the peak increase "
         f"({time_limit_s:.0f} s each, {retry_limit_s:.0f} s if none is found)")
     variants = [_Variant(KEEP_ALL, solve(profile, profile.peak_bytes, KEEP_ALL))]
+    try:  # the module replays alone, when the profile has repeated blocks to replay
+        variants.append(_Variant(REGIONS, solve(profile, profile.peak_bytes, REGIONS)))
+    except RegenError as exc:
+        notes.append(f"no plan of module replays alone ({exc}): recompute's scale stands for them")
     for strategy, options in (("recompute", {}), ("swap", link)):
         plan = None
         for limit_s in (time_limit_s, retry_limit_s):
@@ -242,15 +268,55 @@ def _fit_runtime_step_s(base: _Variant, v: _Variant | None, step_time_s: float, 
     return runtime_s
 
 
+@dataclass(frozen=True)
+class _Scales:
+    """Measured over charged time: of per-tensor recipes (`recipes`) and of module replays (`regions`)."""
+
+    recipes: float = 1.0
+    regions: float = 1.0
+
+    def recompute_s(self, parts: TimeParts) -> float:
+        """A plan's charged recomputes, as measured."""
+        return self.regions * parts.region_s + self.recipes * (parts.recompute_s - parts.region_s)
+
+
+def _fit_region_scale(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str],
+                      runtime_s: float = 0.0) -> float | None:
+    """The module replays' scale, from the plan that replays every repeated block and nothing else; None when
+    there is no such plan or it measures nothing usable (recompute's scale then stands for them)."""
+    if v is None:
+        return None
+    parts = v.plan.simulated_parts
+    if parts.region_s < MIN_SIGNAL_FRACTION * step_time_s:
+        notes.append(f"the module replays' plan replays {parts.region_s * 1e3:.2f} ms, too little to measure: "
+                     f"recompute's scale stands for them")
+        return None
+    scale = statistics.median((e - runtime_s - _unexplained_s(parts)) / parts.region_s for e in _extras_s(base, v))
+    lo, hi = CALIBRATION_SCALE_BOUNDS
+    if not lo <= scale <= hi:
+        notes.append(f"module replays measured x{scale:.2f} their charge, outside [{lo}, {hi}]: recompute's scale "
+                     f"stands for them")
+        return None
+    return scale
+
+
 def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str],
-                         runtime_s: float = 0.0) -> float:
+                         runtime_s: float = 0.0, region_scale: float | None = None) -> float:
+    """The recipes' scale, from the recompute plan: what it measures beyond its module replays (at
+    `region_scale`) over its recipes' charge; all of its recomputes together when the replays' scale is not
+    known or its recipes are too few to measure."""
     if v is None:
         return 1.0
     parts = v.plan.simulated_parts
     if parts.recompute_s < MIN_SIGNAL_FRACTION * step_time_s:
         notes.append(f"the recompute plan recomputes {parts.recompute_s * 1e3:.2f} ms, too little to measure: scale 1")
         return 1.0
-    scale = statistics.median((e - runtime_s - _unexplained_s(parts)) / parts.recompute_s
+    recipes_s = parts.recompute_s - parts.region_s
+    if region_scale is None or recipes_s < MIN_SIGNAL_FRACTION * step_time_s:
+        replays_s, charged_s = 0.0, parts.recompute_s
+    else:
+        replays_s, charged_s = region_scale * parts.region_s, recipes_s
+    scale = statistics.median((e - runtime_s - _unexplained_s(parts) - replays_s) / charged_s
                               for e in _extras_s(base, v))
     lo, hi = CALIBRATION_SCALE_BOUNDS
     if not lo <= scale <= hi:
@@ -259,13 +325,13 @@ def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float,
     return scale
 
 
-def _fit_swap_byte_s(base: _Variant, v: _Variant | None, scale: float, notes: list[str],
+def _fit_swap_byte_s(base: _Variant, v: _Variant | None, scales: _Scales, notes: list[str],
                      runtime_s: float = 0.0) -> float:
     if v is None:
         return 0.0
     parts = v.plan.simulated_parts
     swapped = sum(d.bytes for d in v.plan.decisions if d.action == ACTION_SWAP)
-    per_round = [(e - runtime_s - scale * parts.recompute_s - _unexplained_s(parts)) / swapped
+    per_round = [(e - runtime_s - scales.recompute_s(parts) - _unexplained_s(parts)) / swapped
                  for e in _extras_s(base, v)]
     byte_s = max(0.0, statistics.median(per_round))
     if byte_s > CALIBRATION_MAX_SWAP_BYTE_S:

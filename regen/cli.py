@@ -303,9 +303,10 @@ def _add_profile_command(sub) -> None:
                    help="park saved tensors in host memory while profiling, for a step that does not fit on the "
                         "device (the profile is the same; on CUDA an out-of-memory warm-up step does this by itself)")
     p.add_argument("--no-calibrate", action="store_true",
-                   help="skip the calibration (a plan that keeps every tensor, a recompute and a swap plan timed "
-                        "against the unplanned step, so that plans charge what regen's hooks, recomputes and swaps "
-                        "cost this workload: two short solves and 24-36 steps, at most about a minute of them)")
+                   help="skip the calibration (a plan that keeps every tensor, per-block checkpointing, a recompute "
+                        "and a swap plan timed against the unplanned step, so that plans charge what regen's hooks, "
+                        "module replays, recomputes and swaps cost this workload: two short solves and 30-45 "
+                        "steps, at most about a minute of them)")
     p.add_argument("-o", "--output", required=True, help="where to write the profile (YAML)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     p.set_defaults(func=cmd_profile)

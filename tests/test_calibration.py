@@ -51,7 +51,7 @@ def test_a_planned_steps_own_cost_is_what_keeping_every_tensor_costs_and_comes_o
     recompute = _variant("recompute", [[0.135], [0.135], [0.135]], TimeParts(recompute_s=0.020))
     assert cal._fit_recompute_scale(base, recompute, STEP_S, notes, runtime_s) == pytest.approx(1.5)
     swapping = _variant("swap", [[0.115], [0.115], [0.115]], TimeParts(), swapped_bytes=10_000_000)
-    assert cal._fit_swap_byte_s(base, swapping, 1.5, notes, runtime_s) == pytest.approx(1e-9)
+    assert cal._fit_swap_byte_s(base, swapping, cal._Scales(1.5, 1.5), notes, runtime_s) == pytest.approx(1e-9)
     assert notes == []
     faster = _variant(cal.KEEP_ALL, [[0.099], [0.098], [0.099]], TimeParts())
     assert cal._fit_runtime_step_s(base, faster, STEP_S, notes) == 0.0  # never a negative charge
@@ -75,11 +75,49 @@ def test_the_per_byte_swap_charge_is_what_the_swapping_plan_costs_beyond_its_rec
     swapping = _variant("swap", [[0.125], [0.125]], TimeParts(recompute_s=0.005, swap_calls_s=0.001),
                       swapped_bytes=10_000_000)
     notes = []
-    assert cal._fit_swap_byte_s(base, swapping, 2.0, notes) == pytest.approx(1.4e-9)
+    assert cal._fit_swap_byte_s(base, swapping, cal._Scales(2.0, 2.0), notes) == pytest.approx(1.4e-9)
     faster = _variant("swap", [[0.101], [0.101]], TimeParts(recompute_s=0.005), swapped_bytes=10_000_000)
-    assert cal._fit_swap_byte_s(base, faster, 1.0, notes) == 0.0  # never a negative charge
+    assert cal._fit_swap_byte_s(base, faster, cal._Scales(), notes) == 0.0  # never a negative charge
     slow = _variant("swap", [[10.0], [10.0]], TimeParts(), swapped_bytes=10_000)
-    assert cal._fit_swap_byte_s(base, slow, 1.0, notes) == 0.0 and "no per-byte charge" in notes[-1]
+    assert cal._fit_swap_byte_s(base, slow, cal._Scales(), notes) == 0.0 and "no per-byte charge" in notes[-1]
+
+
+def test_module_replays_and_recipes_get_scales_of_their_own():
+    """The replays' plan (20 ms of module replays charged, 16 ms measured): x0.8. The recompute plan charged 10 ms
+    of replays and 10 ms of recipes and measured 28 ms: its replays at x0.8 are 8 ms, so its recipes are x2.0 (one
+    scale over both would say x1.4). The swap plan's recomputes come out of its extra at those scales."""
+    base = _variant("unplanned", [[0.100], [0.100], [0.100]])
+    replays = _variant(cal.REGIONS, [[0.116], [0.116], [0.116]], TimeParts(recompute_s=0.020, region_s=0.020))
+    notes = []
+    region_scale = cal._fit_region_scale(base, replays, STEP_S, notes)
+    assert region_scale == pytest.approx(0.8)
+    mixed = TimeParts(recompute_s=0.020, region_s=0.010)
+    recompute = _variant("recompute", [[0.128], [0.128], [0.128]], mixed)
+    assert cal._fit_recompute_scale(base, recompute, STEP_S, notes, 0.0, region_scale) == pytest.approx(2.0)
+    assert cal._fit_recompute_scale(base, recompute, STEP_S, notes) == pytest.approx(1.4)
+    swapping = _variant("swap", [[0.138], [0.138], [0.138]], mixed, swapped_bytes=10_000_000)
+    assert cal._fit_swap_byte_s(base, swapping, cal._Scales(2.0, 0.8), notes) == pytest.approx(1e-9)
+    assert notes == []
+    # too few replays to measure, or a wild figure: none, and recompute's scale stands for them
+    tiny = _variant(cal.REGIONS, [[0.101]], TimeParts(recompute_s=0.0005, region_s=0.0005))
+    assert cal._fit_region_scale(base, tiny, STEP_S, notes) is None and "too little" in notes[-1]
+    wild = _variant(cal.REGIONS, [[0.300]], TimeParts(recompute_s=0.020, region_s=0.020))
+    assert cal._fit_region_scale(base, wild, STEP_S, notes) is None and "outside" in notes[-1]
+
+
+def test_the_planner_charges_module_replays_at_their_own_scale(tiny_gpt):
+    """A calibration with a replays' scale charges module replays with it and recipes with recompute's; one
+    without (an older profile) charges both with recompute's."""
+    from regen.planner.graph import build_graph
+
+    _workload, profile = tiny_gpt
+    plain = build_graph(profile)
+    assert plain.regions and plain.costs.region_scale == 1.0
+    both = build_graph(replace(profile, calibration=Calibration(2.0, 0.0, 1, "test", region_scale=0.5)))
+    assert both.costs.recompute_scale == 2.0 and both.costs.region_scale == 0.5
+    assert [r.time_s for r in both.regions] == pytest.approx([0.5 * r.time_s for r in plain.regions])
+    older = build_graph(replace(profile, calibration=Calibration(2.0, 0.0, 1, "test")))
+    assert [r.time_s for r in older.regions] == pytest.approx([2.0 * r.time_s for r in plain.regions])
 
 
 def test_a_calibration_out_of_bounds_in_a_file_is_one_format_error(tmp_path):
@@ -91,10 +129,12 @@ def test_a_calibration_out_of_bounds_in_a_file_is_one_format_error(tmp_path):
     good = replace(chain_profile(4, seed=1), calibration=Calibration(1.3, 2e-10, 3, "test", ["a note"]))
     save_profile(good, path)
     assert load_profile(path).calibration == good.calibration
-    hooked = replace(good, calibration=replace(good.calibration, runtime_step_s=0.1 * good.step_time_s))
+    hooked = replace(good, calibration=replace(good.calibration, runtime_step_s=0.1 * good.step_time_s,
+                                               region_scale=0.8))
     save_profile(hooked, path)
     assert load_profile(path).calibration == hooked.calibration
     for bad in (Calibration(9.0, 0.0, 3, "test"), Calibration(1.0, 10 * CALIBRATION_MAX_SWAP_BYTE_S, 3, "test"),
+                Calibration(1.0, 0.0, 3, "test", region_scale=0.1),
                 Calibration(1.0, -1e-9, 3, "test"), Calibration(1.0, 0.0, 3, "test", runtime_step_s=-1e-3),
                 Calibration(1.0, 0.0, 3, "test", runtime_step_s=2 * good.step_time_s)):
         save_profile(replace(good, calibration=bad), path)
@@ -113,7 +153,7 @@ def tiny_gpt():
 
 
 def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone(tiny_gpt, monkeypatch):
-    """On a real model: both plans run under regen.apply against the unplanned step, every round; the
+    """On a real model: the plans run under regen.apply against the unplanned step, every round; the
     figures are within the bounds the profile format accepts (or defaults with a note saying why)."""
     import regen
 
@@ -125,11 +165,15 @@ def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone
     calibration = cal.calibrate(workload, profile, lines.append)
     assert profile.calibration is None
     assert calibration.rounds == 2
-    # every round timed the plan that keeps every tensor (the runtime's own cost) besides the two others
+    # every round timed the plan that keeps every tensor (the runtime's own cost) and the one that replays every
+    # block and nothing else (module replays alone) besides the two others
     kept_all = [p for p in applied if p.action_counts()["recompute"] == p.action_counts()["swap"] == 0]
-    assert len(kept_all) == 2 and len(applied) == 6
+    replays = [p for p in applied if p.strategy == cal.REGIONS]
+    assert len(kept_all) == 2 and len(replays) == 2 and len(applied) == 8
+    assert all(p.regions and p.region_member_count() == p.action_counts()["recompute"] for p in replays)
     lo, hi = cal.CALIBRATION_SCALE_BOUNDS
     assert lo <= calibration.recompute_scale <= hi and 0 <= calibration.swap_byte_s <= CALIBRATION_MAX_SWAP_BYTE_S
+    assert calibration.region_scale is None or lo <= calibration.region_scale <= hi
     assert 0 <= calibration.runtime_step_s <= cal.CALIBRATION_MAX_RUNTIME_STEP_FRACTION * profile.step_time_s
     assert any(line.startswith("calibration: ") and " ms a planned step, recompute x" in line for line in lines)
     assert all(p.grad is None for p in workload.model.parameters())

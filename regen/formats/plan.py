@@ -169,6 +169,7 @@ class TimeParts:
     swap_calls_s: float = 0.0  # the swaps' cost to the compute thread, not their transfers
     dispatch_s: float = 0.0  # forward ops through the runtime's dispatch mode (recipe tracking)
     link_wait_s: float = 0.0  # the compute thread waiting for copies
+    region_s: float = 0.0  # the part of recompute_s that replays module calls whole (regions)
 
 
 @dataclass
@@ -185,6 +186,7 @@ class PlanCharges:
     swap_byte_s: float = 0.0
     recompute_scale: float = 1.0
     runtime_step_s: float = 0.0
+    region_scale: float = 1.0
 
 
 @dataclass
@@ -368,7 +370,8 @@ def _optional_parts(doc: Any, where: str) -> TimeParts | None:
     if doc is None:
         return None
     parts = build_dataclass(TimeParts, doc, f"{where}: simulated_parts")
-    figures = {f: float(getattr(parts, f)) for f in ("recompute_s", "swap_calls_s", "dispatch_s", "link_wait_s")}
+    figures = {f: float(getattr(parts, f))
+               for f in ("recompute_s", "swap_calls_s", "dispatch_s", "link_wait_s", "region_s")}
     bad = [f for f, v in figures.items() if not v >= 0 or v == float("inf")]
     if bad:
         raise FormatError(f"{where}: simulated_parts.{bad[0]} must be a non-negative number of seconds")

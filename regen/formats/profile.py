@@ -48,7 +48,8 @@ Calibration (optional)
 `Profile.calibration` (`Calibration`) holds what the workload's own steps said about those charges: a
 recompute plan and a swap plan run against the unplanned step, interleaved (regen.calibration). Its
 `recompute_scale` multiplies what the planner charges for a recompute (its ops, regen's own work around
-them), `swap_byte_s` adds a charge per swapped byte to `swap_s` (what copies take from compute beside them:
+them), `region_scale` what it charges for a module call replayed whole (a region; absent: `recompute_scale`
+for those too), `swap_byte_s` adds a charge per swapped byte to `swap_s` (what copies take from compute beside them:
 on a CPU device the emulated link's memcpy on the same cores), and `runtime_step_s` is what a planned step
 costs with nothing to do (every tensor kept: regen's saved-tensor hooks on every pack and unpack, its module
 hooks and step bookkeeping), added to every plan's predicted step. Profiles without it are planned with the
@@ -240,6 +241,9 @@ class Calibration:
     # a planned step's own cost with every tensor kept (regen's hooks and step bookkeeping), per step;
     # 0 in profiles calibrated before it was measured
     runtime_step_s: float = 0.0
+    # measured time of module replays (regions) over their charge, from a plan that replays every repeated
+    # block and nothing else; None: recompute_scale stands for them too (no such plan, or an older profile)
+    region_scale: float | None = None
 
 
 @dataclass
@@ -430,6 +434,9 @@ def _calibration(doc: dict[str, Any], where: str, step_time_s: float) -> Calibra
     lo, hi = CALIBRATION_SCALE_BOUNDS
     if not lo <= scale <= hi:
         raise FormatError(f"{where}: calibration.recompute_scale {c.recompute_scale} is outside [{lo}, {hi}]")
+    region_scale = None if c.region_scale is None else float(c.region_scale)
+    if region_scale is not None and not lo <= region_scale <= hi:
+        raise FormatError(f"{where}: calibration.region_scale {c.region_scale} is outside [{lo}, {hi}]")
     if not 0 <= byte_s <= CALIBRATION_MAX_SWAP_BYTE_S:
         raise FormatError(f"{where}: calibration.swap_byte_s {c.swap_byte_s} is outside "
                           f"[0, {CALIBRATION_MAX_SWAP_BYTE_S:g}] s a byte")
@@ -439,7 +446,8 @@ def _calibration(doc: dict[str, Any], where: str, step_time_s: float) -> Calibra
     if not 0 <= runtime_step_s <= CALIBRATION_MAX_RUNTIME_STEP_FRACTION * step_time_s:
         raise FormatError(f"{where}: calibration.runtime_step_s {c.runtime_step_s} is outside [0, "
                           f"{CALIBRATION_MAX_RUNTIME_STEP_FRACTION:g} x the step time {step_time_s:g} s]")
-    return Calibration(scale, byte_s, rounds, str(c.method), [str(n) for n in c.notes or []], runtime_step_s)
+    return Calibration(scale, byte_s, rounds, str(c.method), [str(n) for n in c.notes or []], runtime_step_s,
+                       region_scale)
 
 
 def _check_consistency(profile: Profile, where: str) -> None:

@@ -45,6 +45,7 @@ class RuntimeCharges:
     swap_byte_s: float = 0.0  # and per byte it moves (Calibration.swap_byte_s)
     recompute_scale: float = 1.0  # measured over charged recompute time on the workload (Calibration)
     runtime_step_s: float = 0.0  # a planned step's own cost, whatever its decisions (Calibration)
+    region_scale: float = 1.0  # the same for module calls replayed whole (Calibration.region_scale)
 
     @staticmethod
     def of(profile: Profile, op_times_s: list[float]) -> RuntimeCharges:
@@ -52,8 +53,9 @@ class RuntimeCharges:
         ops, per forward op (the module code a region replay runs again), and its calibration."""
         rc = profile.runtime_costs
         cal = profile.calibration
-        measured = {} if cal is None else {"recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s,
-                                           "runtime_step_s": cal.runtime_step_s}
+        measured = {} if cal is None else {
+            "recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s, "runtime_step_s": cal.runtime_step_s,
+            "region_scale": cal.recompute_scale if cal.region_scale is None else cal.region_scale}
         between_s = between_forward_ops_s(profile, op_times_s)
         if rc is None:
             return RuntimeCharges(between_forward_ops_s=between_s, **measured)
@@ -67,7 +69,7 @@ class RuntimeCharges:
 
     def region_time_s(self, op_times_s: float, num_ops: int) -> float:
         """A module call of `num_ops` forward ops replayed by running its forward again."""
-        return self.recompute_scale * (op_times_s + num_ops * self.between_forward_ops_s)
+        return self.region_scale * (op_times_s + num_ops * self.between_forward_ops_s)
 
     def swap_time_s(self, nbytes: int) -> float:
         """What swapping a tensor of `nbytes` costs the compute thread (its transfers are the link's)."""

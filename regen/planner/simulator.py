@@ -217,6 +217,7 @@ def _timing_pass(graph: PlanningGraph, choices: dict[int, Choice], ev: _Events) 
         for r in replays_at.get(s, ()):  # module calls replayed here (regen.planner.region_candidates)
             now += graph.regions[r].time_s
             parts.recompute_s += graph.regions[r].time_s
+            parts.region_s += graph.regions[r].time_s
             transient_at[s] += region_transient_bytes(graph, graph.regions[r], ev.rebuilt_by[r])
         for c in ev.recompute_at.get(s, []):
             recipe = choices[c.index].recipe
