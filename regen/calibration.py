@@ -19,10 +19,11 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
 
 1. it takes the plan that keeps every tensor (the runtime's cost alone), the plan that replays every
    repeated block and nothing else (per-block checkpointing, REGIONS: module replays alone, when the profile
-   has such blocks), and solves a recompute plan and a swap plan at CAP_FRACTION of the profile's peak increase (or the smallest cap each reaches), the swaps over
-   the device's link (on a CPU device an emulated link at LINK_RATIO): one unknown per plan. A calibration
-   plan need only be a typical one: each solve stops at its SOLVE_REL_GAPS or after SOLVE_STEPS of the
-   profile's steps (within [SOLVE_MIN_S, SOLVE_MAX_S]); a solve that finds no plan in that time (a graph of
+   has such blocks), and solves a recompute plan and a swap plan at CAP_FRACTION of the profile's peak
+   increase (or the smallest cap each reaches), the swaps over the device's link (on a CPU device an
+   emulated link at LINK_RATIO): one unknown per plan. A calibration plan need only be a typical one:
+   each solve stops at its SOLVE_REL_GAPS or after SOLVE_STEPS of the profile's steps (within
+   [SOLVE_MIN_S, SOLVE_MAX_S]); a solve that finds no plan in that time (a graph of
    thousands of ops, where the greedy plan misses the cap and building the MILP takes most of a second) is
    tried once more with RETRY_TIME_FACTOR times the time (not at a looser cap: a plan with little recompute
    measures mostly what no charge covers, x3.7-7 its charge on the zoo's Mamba, BART and Mixtral at 75%, and
@@ -148,9 +149,10 @@ def _defaults(notes: list[str], say) -> Calibration:
 
 
 def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant]:
-    """The plan that keeps every tensor, and a recompute plan and a swap plan at CAP_FRACTION (or the smallest
-    cap each reaches), each solve tried again with RETRY_TIME_FACTOR times the time when it found no plan; a
-    plan that cannot be solved leaves its figure at the default, with a note."""
+    """The plan that keeps every tensor, per-block checkpointing (when the profile has repeated blocks), and a
+    recompute plan and a swap plan at CAP_FRACTION (or the smallest cap each reaches), each solve tried again
+    with RETRY_TIME_FACTOR times the time when it found no plan; a plan that cannot be solved leaves its
+    figure at the default, with a note."""
     from regen.planner.solve import solve, solve_within_reach
 
     start = profile.memory_at_start_bytes

@@ -54,7 +54,8 @@ class RuntimeCharges:
         rc = profile.runtime_costs
         cal = profile.calibration
         measured = {} if cal is None else {
-            "recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s, "runtime_step_s": cal.runtime_step_s,
+            "recompute_scale": cal.recompute_scale, "swap_byte_s": cal.swap_byte_s,
+            "runtime_step_s": cal.runtime_step_s,
             "region_scale": cal.recompute_scale if cal.region_scale is None else cal.region_scale}
         between_s = between_forward_ops_s(profile, op_times_s)
         if rc is None:

@@ -63,7 +63,8 @@ def profile_summary(profile: Profile) -> str:
     if cal is not None:
         replays = "" if cal.region_scale is None else f", module replays x{cal.region_scale:.2f} theirs"
         lines.append(f"calibration: {cal.runtime_step_s * 1e3:.2f} ms a planned step, recompute "
-                     f"x{cal.recompute_scale:.2f} its charge{replays}, swaps {cal.swap_byte_s * 2**20 * 1e3:.3f} ms per MiB "
+                     f"x{cal.recompute_scale:.2f} its charge{replays}, swaps "
+                     f"{cal.swap_byte_s * 2**20 * 1e3:.3f} ms per MiB "
                      f"beyond their calls, over {cal.rounds} rounds"
                      + "".join(f"; {n}" for n in cal.notes))
     largest = _largest(profile)
