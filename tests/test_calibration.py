@@ -30,6 +30,17 @@ def test_the_recompute_scale_is_the_measured_extra_over_the_charge():
     assert notes == []
 
 
+def test_a_blocks_time_is_its_least_step_after_the_first():
+    """The first step under a new handle verifies the plan, and load only adds time: neither a slow first step nor
+    a slow later one moves a block's time."""
+    assert cal.block_time_s([0.300, 0.100, 0.101]) == 0.100
+    assert cal.block_time_s([0.100, 0.101, 0.250]) == 0.101
+    assert cal.block_time_s([0.120]) == 0.120  # a block of one step
+    base = _variant("unplanned", [[0.105, 0.100, 0.180]])
+    plan = _variant("recompute", [[0.400, 0.130, 0.131]], TimeParts(recompute_s=0.020))
+    assert cal._extras_s(base, plan) == [pytest.approx(0.030)]
+
+
 def test_rounds_stop_once_each_plans_extra_time_agrees_from_round_to_round():
     """Extras of 30 and 31 ms on a 100 ms step agree (1% of the step apart); 30 and 45 ms do not (15%)."""
     base = _variant("unplanned", [[0.100, 0.100, 0.100], [0.105, 0.104, 0.106]])
