@@ -310,13 +310,8 @@ def _fit_region_scale(base: _Variant, v: _Variant | None, step_time_s: float, no
         notes.append(f"the module replays' plan replays {parts.region_s * 1e3:.2f} ms, too little to measure: "
                      f"recompute's scale stands for them")
         return None
-    scale = statistics.median((e - runtime_s - _unexplained_s(parts)) / parts.region_s for e in _extras_s(base, v))
-    lo, hi = CALIBRATION_SCALE_BOUNDS
-    if not lo <= scale <= hi:
-        notes.append(f"module replays measured x{scale:.2f} their charge, outside [{lo}, {hi}]: recompute's scale "
-                     f"stands for them")
-        return None
-    return scale
+    return _scale_within_bounds(base, v, runtime_s, 0.0, parts.region_s, "module replays", notes,
+                                "recompute's scale stands for them")
 
 
 def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float, notes: list[str],
@@ -335,12 +330,20 @@ def _fit_recompute_scale(base: _Variant, v: _Variant | None, step_time_s: float,
         replays_s, charged_s = 0.0, parts.recompute_s
     else:
         replays_s, charged_s = region_scale * parts.region_s, recipes_s
-    scale = statistics.median((e - runtime_s - _unexplained_s(parts) - replays_s) / charged_s
-                              for e in _extras_s(base, v))
+    scale = _scale_within_bounds(base, v, runtime_s, replays_s, charged_s, "recompute", notes, "scale 1")
+    return 1.0 if scale is None else scale
+
+
+def _scale_within_bounds(base: _Variant, v: _Variant, runtime_s: float, known_s: float, charged_s: float, what: str,
+                         notes: list[str], fallback: str) -> float | None:
+    """The median over rounds of (the plan's extra - runtime_s - its unexplained parts - `known_s`) / `charged_s`;
+    None, with a note saying `fallback`, when it lands outside CALIBRATION_SCALE_BOUNDS."""
+    parts = v.plan.simulated_parts
+    scale = statistics.median((e - runtime_s - _unexplained_s(parts) - known_s) / charged_s for e in _extras_s(base, v))
     lo, hi = CALIBRATION_SCALE_BOUNDS
     if not lo <= scale <= hi:
-        notes.append(f"recompute measured x{scale:.2f} its charge, outside [{lo}, {hi}]: scale 1")
-        return 1.0
+        notes.append(f"{what} measured x{scale:.2f} its charge, outside [{lo}, {hi}]: {fallback}")
+        return None
     return scale
 
 

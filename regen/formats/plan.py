@@ -169,7 +169,7 @@ class TimeParts:
     swap_calls_s: float = 0.0  # the swaps' cost to the compute thread, not their transfers
     dispatch_s: float = 0.0  # forward ops through the runtime's dispatch mode (recipe tracking)
     link_wait_s: float = 0.0  # the compute thread waiting for copies
-    region_s: float = 0.0  # the part of recompute_s that replays module calls whole (regions)
+    region_s: float = 0.0  # the part of recompute_s that replays module calls whole (0 in older plans)
 
 
 @dataclass
@@ -186,7 +186,7 @@ class PlanCharges:
     swap_byte_s: float = 0.0
     recompute_scale: float = 1.0
     runtime_step_s: float = 0.0
-    region_scale: float = 1.0
+    region_scale: float | None = None  # module replays' (None in plans solved before it was charged apart)
 
 
 @dataclass

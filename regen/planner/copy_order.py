@@ -77,9 +77,8 @@ def latest_copy_in_steps(graph: PlanningGraph, choices: dict[int, Choice], stall
     latest_end = math.inf
     # the stream runs them earliest deadline first; of two due together, the one the plan lets start later
     # goes last (the other can go before it; the reverse leaves the first one's copy waiting on the second)
-    by_stream_order_reversed = sorted(swaps, key=lambda x: (tuple(-k for k in deadlines[x[0].index].sort_key()),
-                                                             -x[1].swap_in_step, -x[0].index))
-    for c, ch in by_stream_order_reversed:
+    by_stream_order = sorted(swaps, key=lambda x: (deadlines[x[0].index].sort_key(), x[1].swap_in_step, x[0].index))
+    for c, ch in reversed(by_stream_order):
         need = deadlines[c.index]
         start_time = min(clock.due_s(need), latest_end) - copy_in_time_s(g, c.bytes)
         latest_end = start_time

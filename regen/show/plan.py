@@ -36,8 +36,8 @@ def plan_summary(plan: Plan) -> str:
     ]
     parts = plan.simulated_parts
     if parts is not None:
-        lines.append(f"  simulated extra   recompute {duration(parts.recompute_s)} (module replays "
-                     f"{duration(parts.region_s)}), swap calls "
+        replays = f" (module replays {duration(parts.region_s)})" if parts.region_s > 0 else ""
+        lines.append(f"  simulated extra   recompute {duration(parts.recompute_s)}{replays}, swap calls "
                      f"{duration(parts.swap_calls_s)}, dispatch {duration(parts.dispatch_s)}, link waits "
                      f"{duration(parts.link_wait_s)}")
     charges = plan.charges
@@ -45,8 +45,9 @@ def plan_summary(plan: Plan) -> str:
         lines.append(f"  charged           dispatch {charges.dispatch_op_s * 1e6:.1f} us/op, capture "
                      f"{charges.capture_op_s * 1e6:.1f} us/op, replay {charges.replay_op_s * 1e6:.1f} us/op, recipe "
                      f"{charges.recipe_s * 1e6:.1f} us, swap {charges.swap_s * 1e6:.1f} us + "
-                     f"{charges.swap_byte_s * 2**20 * 1e3:.3f} ms/MiB, recompute x{charges.recompute_scale:.2f} "
-                     f"(module replays x{charges.region_scale:.2f}), "
+                     f"{charges.swap_byte_s * 2**20 * 1e3:.3f} ms/MiB, recompute x{charges.recompute_scale:.2f}"
+                     + (f" (module replays x{charges.region_scale:.2f})" if charges.region_scale is not None else "")
+                     + ", "
                      f"{charges.runtime_step_s * 1e3:.2f} ms a step")
     lines += [
         "  actions:",

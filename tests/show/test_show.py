@@ -35,6 +35,27 @@ def test_the_summary_names_where_tracking_windows_open(files):
         "module": "blocks.0.mlp", "call": 2, "first_op": 90}
 
 
+def test_the_summary_shows_module_replays_apart_only_where_the_plan_charged_them_so(files, tmp_path):
+    """A plan solved before module replays were charged apart has no replays' scale or time in its file: the
+    summary then claims none (a default would say they were charged x1 or took 0 ms)."""
+    from dataclasses import replace
+
+    from regen.formats import save_plan
+    from regen.formats.plan import PlanCharges, TimeParts
+    from regen.show import plan_summary
+
+    plan = load_profile_or_plan(files[1])
+    assert plan.charges is not None and plan.charges.region_scale is not None
+    charged = replace(plan, charges=replace(plan.charges, region_scale=0.8),
+                      simulated_parts=TimeParts(recompute_s=0.003, region_s=0.002))
+    assert "module replays x0.80" in plan_summary(charged) and "(module replays 2" in plan_summary(charged)
+    older = replace(plan, charges=PlanCharges(), simulated_parts=TimeParts(recompute_s=0.003))
+    path = tmp_path / "older.plan.yaml"
+    save_plan(older, path)
+    loaded = load_profile_or_plan(path)
+    assert loaded.charges.region_scale is None and "module replays" not in plan_summary(loaded)
+
+
 def test_profile_or_plan_by_its_format(files, tmp_path):
     profile_path, plan_path = files
     assert isinstance(load_profile_or_plan(profile_path), Profile)
