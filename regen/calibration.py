@@ -42,10 +42,9 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
    link waits) / charged recipes, from the recompute plan (over all its recomputes when it has too few
    recipes, or no region_scale was measured); swap_byte_s = (extra - runtime_step_s - the recomputes as
    scaled - dispatch - swap calls - link waits) / swapped bytes, from the swap plan; the median over rounds
-   of each. Module replays and per-tensor recipes get scales of their own because they measure apart: a
-   replayed Llama or Qwen3 decoder layer (Hugging Face, bench size) costs 0.76-0.86x the forward time the
-   planner charges for it, while recipes cost more than theirs, and one scale over both made the planner
-   trade replays for recipes and swaps that measured slower (NOTE [ Replays and recipes apart ]).
+   of each. Module replays and per-tensor recipes get scales of their own because they measure apart (the
+   zoo's Qwen3 at bench size: replays x0.87, recipes x1.21), and one scale over both made the planner trade
+   replays for recipes and swaps that measured slower (NOTE [ Replays and recipes apart ]).
 
 All of it costs MIN_ROUNDS to MAX_ROUNDS x 5 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
 A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the
@@ -99,17 +98,20 @@ METHOD = (f"a keep-everything plan, per-block checkpointing, and a recompute and
 # NOTE [ Replays and recipes apart ]
 # Measured on the zoo's Llama and Qwen3 at bench size (21 interleaved rounds each, CPU, one thread), with a
 # single scale fitted on the recompute plan at half the peak (replays and recipes mixed): per-block replays
-# (4 regions, nothing else) measured 0.86x (Llama) and 0.76x (Qwen3) of their charge with the machine's drift
-# taken out, against a fitted x0.95 and x1.12; a Llama plan of 3 replays and 4 recipes measured its charge
-# (x1.0 overall, so its recipes about x2.4). The hybrid plan at checkpointing's peak, which traded a replay
-# for recipes and 5 swaps for a predicted 0.7% gain, measured 3% slower than the replays alone.
+# (4 regions, nothing else) measured 0.86x (Llama) and 0.76x (Qwen3) of what the calibrated planner charged them,
+# the machine's drift taken out: a replays' scale of about 0.82 and 0.85 where the fitted one said x0.95 and
+# x1.12. A Llama plan of 3 replays and 4 recipes (its swaps kept) measured within 1% of its calibrated charge:
+# what its replays cost less than charged, its recipes cost more. The hybrid plan at checkpointing's peak, which
+# traded a replay for recipes and 5 swaps for a predicted 0.7% gain, measured 3% slower than the replays alone.
+# Fitted apart (per-block checkpointing timed beside the other plans): Llama replays x0.80 / recipes x0.88,
+# Qwen3 x0.87 / x1.21.
 
 
 # NOTE [ A block's time ]
 # The calibration's figures are differences of block times, a few percent of the step each, on a machine whose
 # steps vary by as much. Five or six calibrations in a row of one profile (the zoo's Llama and Qwen3 at bench
 # size, twice each), every one fitted from the same steps both ways: with the block's median as its time, the
-# figures' standard deviations over the runs were 0.13-0.20 (replays' scale), 0.10-0.31 (recipes') and 0.06-0.19
+# figures' standard deviations over the runs were 0.11-0.20 (replays' scale), 0.10-0.31 (recipes') and 0.06-0.19
 # ms/MiB (swaps); with the least of the steps after the first, 0.08-0.12, 0.07-0.19 and 0.04-0.12, lower in 11
 # of the 12 comparisons, at the same means (within their spread). Load only adds time, so the least step is the
 # one it touched least; the first step under a new handle verifies the plan (tens of ms at 32 layers) and is left
