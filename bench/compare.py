@@ -369,7 +369,7 @@ def bench_model_on_link(name: str, spec: dict, link_ratio: float, progress, time
         if v.handle is not None:
             v.handle.remove()
         note = v.note + (f"; waited on the link {waited * 1e3 / steps:.1f} ms/step" if waited else "")
-        note += (f"; copy threads' CPU {copy_cpu * 1e3 / steps:.1f} ms/step (emulation only)" if copy_cpu else "")
+        note += (f"; the link's memmoves {copy_cpu * 1e3 / steps:.1f} ms/step (emulation only)" if copy_cpu else "")
         results.append(Result(name, v.name, v.cap_bytes, start + v.increase_bytes, statistics.median(v.times_s),
                               note, predicted_step_time_s=v.predicted_step_time_s, link_ratio=link_ratio))
     return results + failed

@@ -54,10 +54,10 @@ when autograd frees the handles; an exception inside the `with` block aborts the
 no hook installed.
 
 The copies run on the device's `SwapEngine` (regen.runtime.swap): CUDA streams on a GPU; on a CPU device, with
-`emulate_link=True`, an emulated link at the plan's bandwidths (swap/emulated.py: copy threads, real stalls),
-else synchronous copies, with a warning for a plan that swaps (a CPU has no link: its host pool is the
-same RAM). Background copy threads stop when the handle is removed and no step holds copies any more,
-when an exception ends the `with` block, or at interpreter exit.
+`emulate_link=True`, an emulated link at the plan's bandwidths (swap/emulated.py: copies on the link's
+clock, real stalls), else synchronous copies, with a warning for a plan that swaps (a CPU has no link: its
+host pool is the same RAM). Every copy has landed once the handle is removed and no step holds copies any
+more, or an exception ends the `with` block.
 """
 
 from __future__ import annotations

@@ -17,17 +17,17 @@ since the runtime's work per op grows with the op's arguments and outputs:
   storages it wrote noted;
 * `replay_op_s`: one recipe op replayed in backward, beyond the op itself;
 * `recipe_s`: one replayed recipe, besides its ops (its tables and the checks of its result);
-* `swap_s`: one swap's calls on the compute thread, on a tiny tensor through the device's swap engine
-  (CUDA streams; on a CPU device the emulated link's copy threads, at a bandwidth that makes the
-  transfers instant): issuing the copy-out, releasing its source once the copy landed, issuing the
-  copy-in, waiting for it once landed, with the host range given back. The transfers are left out
-  (waiting for them is the simulator's business), but not what the swaps do to computing around them:
-  the larger of those calls alone and what a swap adds to passes of small matmuls (SWAP_PROBE_ROUNDS
-  swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited for one SWAP_PROBE_GAP_S of
-  matmuls after it was issued, against the same passes without swaps, interleaved: the median
-  difference per swap). On a CPU device the second is the larger: the copy threads' wake-ups and
-  Python hold the GIL and the cores the compute thread wants (the emulation's own cost, which the
-  plans must charge to predict their steps; docs/benchmarks.md has the figures).
+* `swap_s`: what one swap costs the compute thread whatever its size, through the device's swap engine
+  (CUDA streams; on a CPU device the emulated link, at a bandwidth that makes the transfers instant):
+  issuing the copy-out, releasing its source once the copy landed, issuing the copy-in, waiting for it
+  once landed, with the host range given back. The transfers are left out (waiting for them is the
+  simulator's business), and so is what grows with the bytes (the emulated link's memmove on the compute
+  thread, copies contending with compute for memory): the calibration charges that per byte
+  (Calibration.swap_byte_s). Not left out is what the swaps do to computing around them: the figure is
+  the larger of those calls alone (on tiny tensors) and what a swap adds to passes of small matmuls
+  (SWAP_PROBE_ROUNDS swaps of SWAP_PROBE_BYTES, each source released and each copy-in waited for one
+  SWAP_PROBE_GAP_S of matmuls after it was issued, against the same passes without swaps, interleaved:
+  the median difference per swap, less the emulated link's moving of the bytes).
 
 Figures are medians over interleaved repeats of their batches (every figure's batch once per round, so
 load that comes and goes hits a round's figures alike), floored at zero, each with its spread; an
@@ -74,7 +74,7 @@ RECIPE_LENGTH = len(PROBE_MIX)  # ops per recipe in the recipe_s probe: the mix 
 SWAP_PROBE_SWAPS = 20  # swaps per timed batch...
 SWAP_PROBE_NUMEL = 16  # ... of tensors this small: the calls, not the bytes
 SWAP_PROBE_ROUNDS = 16  # swaps per pass of the interleaved probe...
-SWAP_PROBE_BYTES = 1 << 20  # ... of this many bytes...
+SWAP_PROBE_BYTES = 64 * 1024  # ... of this many bytes (few: what a swap costs per byte is the calibration's)...
 SWAP_PROBE_MATMUL = 256  # ... between square matmuls of this size...
 SWAP_PROBE_GAP_S = 0.5e-3  # ... as many as take this long, twice between swaps (ops between a step's swaps)
 SWAP_PROBE_PASSES = 5  # timed pairs of passes (with and without swaps), after one untimed pair
@@ -241,11 +241,12 @@ def _interleaved_per_unit(batches: dict, sync: Callable[[], None]) -> list[dict[
 def _swap_reading(device: torch.device) -> Reading:
     """What one swap costs the compute thread: the larger of its engine calls alone and what it adds next to
     compute (see the module doc)."""
+    from regen.runtime.stats import RuntimeStats
     from regen.runtime.swap import HostPool, new_engine
 
-    instant_link = (1e15, 1e15)  # bytes/s: every copy lands as soon as its thread runs it
+    instant_link = (1e15, 1e15)  # bytes/s: every copy is due as soon as it is issued
     pool = HostPool(0)
-    engine = new_engine(device, pool, instant_link)
+    engine = new_engine(device, pool, instant_link, RuntimeStats())
     tensors = [torch.ones(SWAP_PROBE_NUMEL, device=device) for _ in range(SWAP_PROBE_SWAPS)]
     try:
         per_swap_s = [_swap_batch_s(engine, pool, tensors) / len(tensors) for _ in range(PROBE_REPEATS + 1)][1:]
@@ -284,7 +285,7 @@ def _matmul_pass_s(engine, pool, a: torch.Tensor, sources: list[torch.Tensor], n
     matmuls later, as a step's swaps are."""
     rounds = len(sources) or SWAP_PROBE_ROUNDS
     _sync(a.device)
-    t0 = time.perf_counter()
+    t0, moved0_s = time.perf_counter(), _moved_s(engine)
     outs, ins = [], []
     for k in range(rounds):
         if sources:
@@ -299,7 +300,7 @@ def _matmul_pass_s(engine, pool, a: torch.Tensor, sources: list[torch.Tensor], n
         if sources:
             _retire(engine, pool, ins[k], outs[k])
     _sync(a.device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0 - (_moved_s(engine) - moved0_s)
 
 
 def _matmuls(a: torch.Tensor, n: int) -> None:
@@ -322,7 +323,8 @@ def _retire(engine, pool, cin, out) -> None:
 
 def _swap_batch_s(engine, pool, tensors: list[torch.Tensor]) -> float:
     """Compute-thread seconds of swapping `tensors` out and back in, each phase timed after the copies of
-    the one before have landed."""
+    the one before have landed (an emulated link's moving of the bytes left out)."""
+    moved0_s = _moved_s(engine)
     t0 = time.perf_counter()
     outs = [engine.copy_out(t) for t in tensors]
     spent_s = time.perf_counter() - t0
@@ -336,17 +338,22 @@ def _swap_batch_s(engine, pool, tensors: list[torch.Tensor]) -> float:
     t0 = time.perf_counter()
     for cin, out in zip(ins, outs):
         _retire(engine, pool, cin, out)
-    return spent_s + time.perf_counter() - t0
+    return spent_s + time.perf_counter() - t0 - (_moved_s(engine) - moved0_s)
 
 
 def _landed(engine, events) -> None:
-    """Wait, untimed, until every copy of `events` has landed."""
+    """Wait, untimed, until every copy of `events` has landed (the bytes an emulated link moves then are
+    counted in its stats, so the timed phases can leave them out)."""
     if engine.device.type == "cuda":
         _sync(engine.device)
-        return
-    for event in events:
-        if event is not None:
-            event.wait()
+    else:
+        engine.wait_landed(events)
+
+
+def _moved_s(engine) -> float:
+    """Seconds an emulated link's engine has spent moving bytes on the compute thread (0 elsewhere)."""
+    stats = getattr(engine, "stats", None)
+    return stats.link_copy_cpu_s if stats is not None else 0.0
 
 
 def _dispatch_on_workload(timed_forward: Callable[[ContextManager], float],

@@ -21,6 +21,6 @@ class RuntimeStats:
     synchronous_copy_ins: int = 0  # copy-ins issued at their consumer instead of their planned unpack
     copy_outs_held_at_end_forward: int = 0  # copy-outs whose storage a forward's end still held (all steps)
     link_wait_s: float = 0.0  # emulated link (emulate_link=True): wall time the compute thread waited on copies
-    # emulated link: CPU time its copy threads spent moving bytes; a GPU's copy engines take none from compute,
-    # a CPU device's copy threads take it from the cores compute runs on
+    # emulated link: time the compute thread spent moving the copies' bytes (memmove), the emulation's own
+    # cost: a GPU's copy engines take none from compute
     link_copy_cpu_s: float = 0.0

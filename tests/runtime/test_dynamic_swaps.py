@@ -1,7 +1,7 @@
 """Dynamic mode with a host link (regen.runtime.dynamic.swaps): saved tensors swapped out and back as well
 as dropped, under the cap, with exact results.
 
-On a CPU device the link is emulated (`emulate_link=True, link_gb_s=...`): one copy thread per direction,
+On a CPU device the link is emulated (`emulate_link=True, link_gb_s=...`): a clock per direction,
 copy-in buffers poisoned until their bytes land, so a consumer that did not wait for its copy-in reads
 poison and its gradients differ. The peak is measured by the allocator (regen.measure) as in
 test_dynamic.py: the model's memory at the step's start plus the measured increase; the host pool is
@@ -59,7 +59,7 @@ def test_swapping_dynamic_mode_is_exact_and_under_cap(name, link_gb_s):
     assert stats.peak_in_use_bytes <= (1 + CAP_TOLERANCE) * cap
     # and never silently
     assert (stats.over_cap_steps > 0) == any(issubclass(c.category, OverCapWarning) for c in caught)
-    assert not handle.engine.swaps.engine.d2h.running  # the copy threads stopped with the handle
+    assert not handle.engine.swaps.engine.running  # every copy landed by the time the handle was removed
 
 
 def test_a_fast_link_swaps_instead_of_rebuilding():
@@ -89,7 +89,7 @@ def test_an_exception_stops_the_link_and_gives_every_range_back(where):
     reference = run_and_grads(w)
     cap = sum(model_storages(w.model).values()) + 4 * 2**20
     handle = fail_inside_a_step(w, None, where, memory_cap=cap, emulate_link=True, link_gb_s=5.0)
-    assert not handle.engine.swaps.engine.d2h.running
+    assert not handle.engine.swaps.engine.running  # every copy landed
     assert handle.engine.swaps.pool.checked_out_bytes == 0 and not handle.engine.swaps.in_flight
     assert not handle.hooks_installed and handle.active_steps == 0
     assert_same(reference, run_and_grads(w))

@@ -4,14 +4,14 @@ Under a slow link (copying every swapped byte one way takes longer than the step
 hybrid plans give the unplanned gradients and module buffers bit for bit, and so do solved plans, whose
 measured peak stays within the cap + 5%. The tests fail when a consumer does not wait for its copy-in,
 and when a host range is written again before the copy-in reading it has landed (each check is also run
-with that wait taken away, and must then see wrong bytes). Copy threads stop on remove(), on an
-exception, and at interpreter exit. Only order, bytes and memory are asserted, never speed.
+with that wait taken away, and must then see wrong bytes). A copy lands at its due time, never before; every
+copy has landed once the handle is removed or an exception ends its block, and an interpreter that exits with
+copies pending exits cleanly. Only order, bytes and memory are asserted, never speed.
 """
 
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -25,17 +25,16 @@ from handmade import PLANS
 from regen.errors import InfeasibleCapError, RegenError
 from regen.measure import measure_memory
 from regen.runtime.swap import EmulatedEngine, HostPool
-from regen.runtime.swap.emulated import POISON_BYTE, POISON_WORDS, CopyThread, poison_stride_bytes
+from regen.runtime.swap.emulated import POISON_BYTE, POISON_WORDS, poison_stride_bytes
 
 SLOW_LINK_RATIO = 2.0  # the swapped bytes take twice a step to copy one way: copies stall compute
-LINK_THREAD_PREFIX = "regen-link"
 CAP_TOLERANCE = 0.05
 SOLVED_CAP_FRACTION = 0.7  # of the unplanned peak, for the solved plans
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _link_threads():
-    return [t for t in threading.enumerate() if t.name.startswith(LINK_THREAD_PREFIX)]
+def _copies_pending(handle) -> bool:
+    return any(engine.running for engine in handle.engines.values())
 
 
 def _slow_plan(name: str, strategy: str):
@@ -77,9 +76,9 @@ def test_slow_link_gives_exact_gradients_and_buffers(name, strategy):
     handle = planned[3]
     assert handle.stats.planned_steps == 1 and handle.stats.swapped_tensors == plan.action_counts()["swap"]
     assert handle.stats.link_wait_s > 0  # the link was slow enough to stall compute
-    assert handle.stats.link_copy_cpu_s > 0  # the copy threads' byte moving is counted
+    assert handle.stats.link_copy_cpu_s > 0  # the link's moving of the bytes is counted
     assert_nothing_left(handle, w.model)
-    assert not _link_threads()
+    assert not _copies_pending(handle)
 
 
 def test_a_consumer_that_does_not_wait_reads_stale_bytes(monkeypatch):
@@ -123,51 +122,43 @@ def test_a_host_range_is_written_again_only_after_its_copy_in(monkeypatch):
 
 
 def test_a_copy_takes_its_time_and_lands_at_the_end():
-    thread = CopyThread("regen-link-test", bytes_per_s=1e7)
+    engine = EmulatedEngine(torch.device("cpu"), HostPool(0), d2h_bytes_per_s=1e7, h2d_bytes_per_s=1e7)
     try:
-        src, dst = torch.ones(500_000, dtype=torch.uint8), torch.zeros(500_000, dtype=torch.uint8)
+        src = torch.ones(500_000, dtype=torch.uint8)
         t0 = time.perf_counter()
-        done = thread.submit(src, dst)
-        assert not done.query() and int(dst.sum()) == 0  # nothing has landed yet
-        done.wait()
-        assert time.perf_counter() - t0 >= 0.05 and torch.equal(dst, src)  # 500 kB at 10 MB/s
-        bad = thread.submit(torch.ones(3), torch.zeros(4))
-        with pytest.raises(RegenError, match="emulated link copy failed"):
-            bad.wait()
+        out = engine.copy_out(src)
+        assert not out.done_event.query()  # nothing has landed yet...
+        out.slot.tensor.zero_()  # ...so whatever the range held is overwritten when it lands
+        engine.release_source(out)  # waits for the copy: 500 kB at 10 MB/s
+        assert time.perf_counter() - t0 >= 0.05 and torch.equal(out.slot.tensor, src)
+        assert out.done_event.query() and not engine.running
     finally:
-        thread.close()
-    assert not thread.running and not _link_threads()
+        engine.close()
+    with pytest.raises(RegenError, match="emulated link was closed"):
+        engine.copy_out(src)
 
 
-LANDING_TRIES = 8
+def test_a_copy_lands_when_due_never_before():
+    """A copy-in issued behind a copy-out on the other direction starts when the copy-out lands; each lands at
+    its due time, and a wait for it stalls until then."""
+    from regen.runtime.stats import RuntimeStats
 
-
-def test_a_large_copy_lands_when_due_not_a_memcpy_later():
-    """The thread starts moving the bytes ahead of the due time by its measured memcpy rate, so waiters
-    are released at the due time; after the copy, not before."""
-    thread = CopyThread("regen-link-test", bytes_per_s=2e9)
+    stats = RuntimeStats()
+    engine = EmulatedEngine(torch.device("cpu"), HostPool(0), d2h_bytes_per_s=2e8, h2d_bytes_per_s=1e8, stats=stats)
     try:
-        nbytes = 64 * 2**20
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-        thread.submit(src, dst).wait()  # the first copy measures the thread's memcpy rate
-        memcpy_s = thread._memcpy_s(nbytes)
-        assert memcpy_s > 0
-        lateness_s = []
-        for _ in range(LANDING_TRIES):
-            dst.zero_()
-            done = thread.submit(src, dst)
-            assert not done.query()
-            done.wait()
-            lateness_s.append(time.perf_counter() - done.landed_at)
-            assert torch.equal(dst, src)
-            if lateness_s[-1] < 0.5 * memcpy_s:
-                break
-        assert min(lateness_s) >= 0  # never before it is due
-        # a thread that started the memcpy at the due time would land every copy a memcpy late; a busy
-        # machine may wake it late on some tries, never on all of them
-        assert min(lateness_s) < 0.5 * memcpy_s, (lateness_s, memcpy_s)
+        src = torch.randn(2 * 2**20 // 4)  # 2 MiB: 10 ms out, 20 ms back in
+        out = engine.copy_out(src)
+        engine.release_source(out)
+        landed_s = time.perf_counter()
+        assert landed_s >= out.done_event.landed_at and torch.equal(out.slot.tensor.view(torch.float32), src)
+        cin = engine.copy_in(out)
+        assert cin.done_event.landed_at >= landed_s + 2 * 2**20 / 1e8
+        engine.wait_copy_in(cin)
+        assert time.perf_counter() >= cin.done_event.landed_at
+        assert torch.equal(cin.buffer.view(torch.float32), src)
+        assert stats.link_wait_s >= 0.025 and stats.link_copy_cpu_s > 0
     finally:
-        thread.close()
+        engine.close()
 
 
 def test_copy_in_buffers_start_as_poison():
@@ -191,29 +182,28 @@ def test_copy_in_buffers_start_as_poison():
         engine.close()
 
 
-def test_threads_stop_on_remove_and_on_an_exception():
+def test_every_copy_lands_on_remove_and_on_an_exception():
     w, plan = _slow_plan("mlp", "swap")
     handle = regen.apply(w.model, plan, emulate_link=True)
     loss = w.loss_fn(w.model(*w.batch), w.batch)
-    assert len(_link_threads()) == 2
+    assert _copies_pending(handle)
     handle.remove()  # the step's graph is alive: it finishes its backward over the link
-    assert len(_link_threads()) == 2
     loss.backward()
     del loss
-    assert not _link_threads()
+    assert not _copies_pending(handle)
     assert_nothing_left(handle, w.model)
     with pytest.raises(ValueError, match="boom"):
         with regen.apply(w.model, plan, emulate_link=True) as handle:
             loss = w.loss_fn(w.model(*w.batch), w.batch)
             raise ValueError("boom")
     del loss
-    assert not _link_threads()
+    assert not _copies_pending(handle)
     assert_nothing_left(handle, w.model)
 
 
 def test_interpreter_exit_with_copies_in_flight():
     script = textwrap.dedent("""
-        import sys, threading
+        import sys
         sys.path.insert(0, "tests/runtime")
         import regen
         from common import traced
@@ -223,7 +213,7 @@ def test_interpreter_exit_with_copies_in_flight():
         plan.d2h_bytes_per_s = plan.h2d_bytes_per_s = 1e6  # slow: copies are still queued at exit
         handle = regen.apply(w.model, plan, emulate_link=True)
         loss = w.loss_fn(w.model(*w.batch), w.batch)
-        assert sum(t.name.startswith("regen-link") for t in threading.enumerate()) == 2
+        assert any(engine.running for engine in handle.engines.values())
         print("exiting")
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -270,4 +260,4 @@ def test_solved_plans_under_a_slow_link_are_exact_and_within_the_cap(strategy):
     cap_increase = plan.memory_cap_bytes - start
     assert measured.peak_increase_bytes <= cap_increase * (1 + CAP_TOLERANCE), (
         f"measured peak increase {measured.peak_increase_bytes} B over the cap's {cap_increase} B (+5%)")
-    assert handle.stats.planned_steps == 2 and not _link_threads()
+    assert handle.stats.planned_steps == 2 and not _copies_pending(handle)

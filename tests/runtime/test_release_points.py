@@ -21,7 +21,7 @@ from plan_choices import choices_from_plan
 from regen.planner.graph import build_graph
 from regen.planner.simulator import simulate
 from regen.runtime.swap import SwapQueue
-from regen.runtime.swap.emulated import LinkEvent
+from regen.runtime.swap.emulated import LinkCopy
 from regen.runtime.tracker import STAGE_CLOSED
 
 LINK_RATIO = 0.9  # PCIe next to a fast GPU
@@ -162,13 +162,13 @@ def test_the_forward_does_not_wait_for_copy_outs_due_in_backward():
 def test_a_pack_looks_only_at_the_first_pending_copy_out(monkeypatch):
     w, plan = _slow_swap_plan(release_in_backward=True)
     queries = [0]
-    query = LinkEvent.query
+    query = LinkCopy.query
 
     def counted(event):
         queries[0] += 1
         return query(event)
 
-    monkeypatch.setattr(LinkEvent, "query", counted)
+    monkeypatch.setattr(LinkCopy, "query", counted)
     with regen.apply(w.model, plan, emulate_link=True) as handle:
         step(w)
         queries[0] = 0

@@ -71,8 +71,8 @@ class DynamicStats:
     swap_evictions: int = 0  # of the evictions, nodes let go as swapped out (their bytes on the host)
     copy_ins: int = 0  # copies back to the device
     synchronous_copy_ins: int = 0  # of which issued at the unpack that needed them (none ahead)
-    link_wait_s: float = 0.0  # time the step waited on the link (an emulated link's copy threads)
-    link_copy_cpu_s: float = 0.0  # an emulated link's copy threads' CPU time (emulation only)
+    link_wait_s: float = 0.0  # time the step waited on the link (an emulated link's copies not yet due)
+    link_copy_cpu_s: float = 0.0  # an emulated link's memmoves on the compute thread (emulation only)
     reserve_bytes: int = 0  # kept free at every check, learned from measured peaks (Note [ The learned reserve ])
 
 
@@ -224,7 +224,7 @@ class DynamicEngine:
         self.stats.reserve_bytes = min(grown, int(MAX_RESERVE_FRACTION * self.cap_bytes))
 
     def _close_link(self) -> None:
-        """The link's copy threads stop once the handle is removed and no step can copy any more."""
+        """Every copy over the link lands once the handle is removed and no step can copy any more."""
         if self.removed and not self.live_steps and self.swaps is not None:
             self.swaps.close()
 

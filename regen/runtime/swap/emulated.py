@@ -1,46 +1,39 @@
 """The emulated host link: a CPU device's swaps run as they would over a GPU's link.
 
 `regen.apply(model, plan, emulate_link=True)` on a CPU device gives it an `EmulatedEngine`, the
-`SwapEngine` backend (interface.py) with one `CopyThread` per direction. Each thread runs its copies one at a
-time in issue order, as a CUDA copy stream does: a copy of n bytes starts once the thread is free and the
-copies it depends on have landed, takes n / bandwidth of wall time (the plan's d2h_ or h2d_bytes_per_s),
-and only then writes its bytes into the destination, so a reader that does not wait reads stale bytes.
-Times are kept on the link's own clock (a copy starts when it was issued, the copy before it was due to
-end and its dependencies were due to land), so a copy thread that wakes up late (the GIL, a loaded
-machine) delays the copy it is doing, never the ones after it. Moving the bytes itself takes time
-(memcpy, about 10 GB/s on one core): the thread starts it that long before the copy is due, by its
-running estimate of its own memcpy rate, so the bytes land when the copy is due rather than a memcpy
-later. A thread wakes from a sleep about 0.2 ms after it meant to
-(sleep granularity on 2 busy cores), so it sleeps that much less, by a running estimate of its own lag;
-its bytes may then land a little before the copy is due, and its waiters, not the thread, yield the
-rest of the way (`LinkEvent.wait`: the compute thread is idle while it waits, whereas a copy thread
-yielding in a loop would take the GIL from the compute thread at every op). A copy's `LinkEvent` is
-set once its bytes have landed and counts as done from its due time; the compute thread waits on these
-events (a copy-in's consumer, the release of a copy-out's source), and those waits are real stalls
-(`RuntimeStats.link_wait_s`). Moving the bytes takes CPU time on the copy threads, which a GPU's copy
-engines do not take from compute; it is counted apart (`RuntimeStats.link_copy_cpu_s`) so that a
-benchmark can say how much of a swap plan's measured time is the emulation's own. A copy-in's buffer is
-allocated by the compute thread when the copy-in is issued, so its memory counts from then, and poisoned
-(`poison`: POISON_WORDS 8-byte words spread over it, at least POISON_STRIDE_BYTES apart, and its tail set
-to POISON_BYTE, a NaN in float lanes) so that a read before the copy landed cannot pass for the right
-bytes (a NaN spreads through whatever reads it). Only a few words, since the fill is the compute
-thread's work, which a GPU does not do, and each word touches a page of a fresh buffer, whose fault the
-compute thread then takes instead of the copy's memmove (a few dozen words cost a few microseconds
-where a whole fill costs about as much as the copy). A host range given back to the pool is written by
-the next copy-out only after the copy-in that last read it has landed (`HostPool.pending_read_events`).
+`SwapEngine` backend (interface.py). Each direction of the link is a clock: a copy of n bytes starts once
+it was issued, the copy before it in its direction was due to end and the copies it depends on were due to
+land, and is due n / bandwidth later (the plan's d2h_ or h2d_bytes_per_s), as a CUDA copy stream runs its
+copies one at a time in issue order. A copy counts as landed from its due time: a consumer that needs it
+earlier waits until then, and those waits are real stalls (`RuntimeStats.link_wait_s`; the compute thread
+sleeps, then spins the last SPIN_S).
 
-The threads drop their references to the copied tensors before setting an event, so every tensor is
-freed by the compute thread (where the allocator's timeline, regen.measure, sees it). They stop at
-`close()`: the handle's remove() once no step holds copies, an exception in its `with` block, or
-interpreter exit; copies still queued then land at once. An error inside a copy is raised to the
-thread that waits on it.
+No thread moves the bytes. The compute thread moves those of every copy that is due, in the order they are
+due, whenever it calls the engine (`_land_due`), and a wait lands the copy it waits for the same way. So a
+copy-in's buffer holds its poison until then (`poison`: POISON_WORDS 8-byte words spread over it, at least
+POISON_STRIDE_BYTES apart, and its tail set to POISON_BYTE, a NaN in float lanes), and a reader that does
+not wait reads it rather than the right bytes (a NaN spreads through whatever reads it). Only a few words,
+since the fill is the compute thread's work, which a GPU does not do. A copy-out's source is held until
+its release (interface.py), so its bytes are still there when it lands; a host range given back to the
+pool is written again only by a copy-out that starts after the copy-in that last read it was due
+(`HostPool.pending_read_events`), so it lands after that read.
+
+Why not copy threads, as a GPU's copy engines run beside its compute: on a machine of a few cores, a
+thread per direction took the GIL and the cores from the compute thread at every copy (its wake-ups, its
+Python), 0.2-0.3 ms a swap next to compute on 2 cores even with no byte moved, against about 0.15 ms per
+MiB for the compute thread to move the bytes itself (docs/benchmarks.md has the figures). Moving the bytes
+is still the emulation's own cost, which a GPU's compute does not pay: it is counted apart
+(`RuntimeStats.link_copy_cpu_s`) so that a benchmark can say how much of a swap plan's measured time it is.
+Every tensor is allocated and freed by the compute thread, where the allocator's timeline (regen.measure)
+sees it. `close()` (the handle's remove() once no step holds copies, or an exception in its `with` block)
+lands every copy at once.
 """
 
 from __future__ import annotations
 
 import ctypes
-import queue
-import threading
+import heapq
+import itertools
 import time
 
 import torch
@@ -54,16 +47,12 @@ from regen.runtime.swap.host_pool import HostPool
 POISON_BYTE = 0xFF  # a float32 / bfloat16 NaN in every lane it fills
 POISON_WORDS = 64  # poisoned 8-byte words in a copy-in buffer, at most...
 POISON_STRIDE_BYTES = 256  # ... and at least this many bytes apart (every 256 bytes in buffers up to 16 KiB)
-MEMCPY_RATE_MIN_BYTES = 64 * 1024  # smaller copies are mostly call overhead: they do not set the rate
-MEMCPY_RATE_SMOOTHING = 0.8  # weight of the running memcpy rate against the latest copy's
-WAKE_LAG_SMOOTHING = 0.8  # the same for the wake-up lag...
-MAX_WAKE_LAG_S = 2e-3  # ...of which one sample counts this much at most (a thread descheduled for long)
+SPIN_S = 0.5e-3  # a wait spins (rather than sleeps) this last stretch: a sleep wakes about 0.2 ms late here
 
 
 def _copy_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """`dst.copy_(src)` without torch's intra-op thread pool when both are plain contiguous byte ranges: a
-    torch op in this thread would start an OpenMP team of its own, whose spinning workers then take the
-    cores from the compute thread (measured: unplanned steps 24% slower while a link thread existed)."""
+    """`dst.copy_(src)`, by one memmove when both are plain contiguous byte ranges (no op dispatched: the
+    compute thread's dispatch mode, if any, does not see it)."""
     nbytes = dst.numel() * dst.element_size()
     if (src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.numel() == dst.numel()
             and src.device.type == "cpu" and dst.device.type == "cpu"):
@@ -87,131 +76,36 @@ def poison(buf: torch.Tensor) -> None:
         buf[words * 8:].fill_(POISON_BYTE)
 
 
-class LinkEvent:
-    """Set by a copy thread when a copy's bytes have landed (or the copy failed: `error`)."""
+class LinkCopy:
+    """One copy over the emulated link: due at `landed_at` (time.perf_counter()), its bytes moved once landed."""
 
-    __slots__ = ("_flag", "error", "landed_at")
+    __slots__ = ("src", "dst", "landed_at", "landed")
 
-    def __init__(self):
-        self._flag = threading.Event()
-        self.error: BaseException | None = None
-        self.landed_at = 0.0  # time.perf_counter() when the copy's bytes were due to land
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, due_s: float):
+        self.src, self.dst = src, dst
+        self.landed_at = due_s
+        self.landed = False
 
     def query(self) -> bool:
-        return self._flag.is_set() and (self.error is not None or time.perf_counter() >= self.landed_at)
-
-    def wait(self) -> None:
-        """Until the copy's bytes are there and its due time has come (a copy thread may move them a
-        wake-up early; the waiter, idle anyway, yields the rest of the way)."""
-        self._flag.wait()
-        if self.error is not None:
-            raise RegenError(f"regen.apply: an emulated link copy failed: {self.error!r}") from self.error
-        while time.perf_counter() < self.landed_at:
-            time.sleep(0)  # releases the GIL to the copy threads
-
-    def set(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._flag.set()
+        """Its bytes are in the destination."""
+        return self.landed
 
 
-class _Copy:
-    __slots__ = ("src", "dst", "after", "done", "issued_at")
+class _Direction:
+    """One direction of the link: its bandwidth and when it finishes the copies issued so far."""
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, after: tuple, done: LinkEvent):
-        self.src, self.dst, self.after, self.done = src, dst, after, done
-        self.issued_at = time.perf_counter()
-
-
-class CopyThread:
-    """One direction of the link: copies one at a time, in issue order, each nbytes / bytes_per_s long."""
-
-    def __init__(self, name: str, bytes_per_s: float, on_copied=None):
+    def __init__(self, name: str, bytes_per_s: float):
         if not bytes_per_s > 0:
             raise RegenError(f"regen.apply: the emulated link needs a positive bandwidth (got {bytes_per_s} B/s)")
+        self.name = name
         self.bytes_per_s = float(bytes_per_s)
-        self._on_copied = on_copied  # called with each copy's CPU seconds (thread time of moving its bytes)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._hurry = False  # closing: queued copies land at once
-        self._free_at = 0.0  # when the link finishes the copy before (its due time, not the thread's)
-        self._memcpy_bytes_per_s: float | None = None  # this thread's own memcpy rate, measured as it copies
-        self._wake_lag_s = 0.0  # how long after its target this thread wakes from a sleep, running estimate
-        self._thread: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.free_at_s = 0.0
 
-    def submit(self, src: torch.Tensor, dst: torch.Tensor, after: tuple = ()) -> LinkEvent:
-        """Copy `src` into `dst` (same bytes) after the copies of the events `after` have landed."""
-        if self._thread is None:
-            raise RegenError("regen.apply: the emulated link was closed (the handle was removed)")
-        done = LinkEvent()
-        self._queue.put(_Copy(src, dst, tuple(after), done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            task = self._queue.get()
-            if task is None:
-                return
-            self._do(task)
-
-    def _do(self, task: _Copy) -> None:
-        error = None
-        try:
-            for event in task.after:
-                event._flag.wait()
-                if event.error is not None:
-                    raise RuntimeError("a copy it depends on failed") from event.error
-            # the copy starts when it was issued, the link was free and what it depends on had landed, on
-            # the link's clock: a late wake-up of this thread delays no later copy
-            start = max([task.issued_at, self._free_at] + [e.landed_at for e in task.after])
-            nbytes = task.dst.numel() * task.dst.element_size()
-            due = start + nbytes / self.bytes_per_s
-            self._free_at = task.done.landed_at = due
-            self._sleep_until(due - self._memcpy_s(nbytes))
-            self._copy(task, nbytes)  # its waiters still wait for `due` (LinkEvent.wait)
-            if self._hurry:  # closing: it lands now
-                task.done.landed_at = min(due, time.perf_counter())
-        except BaseException as exc:  # raised to whoever waits on the copy
-            error = exc
-        task.src = task.dst = None  # the compute thread frees the tensors
-        task.done.set(error)
-
-    def _sleep_until(self, t: float) -> None:
-        """Sleep until about `t`, waking early by the thread's wake-up lag."""
-        target = t - self._wake_lag_s
-        while not self._hurry and (left := target - time.perf_counter()) > 0:
-            time.sleep(left)
-            lag_s = max(0.0, time.perf_counter() - target)
-            self._wake_lag_s = (WAKE_LAG_SMOOTHING * self._wake_lag_s
-                                + (1 - WAKE_LAG_SMOOTHING) * min(lag_s, MAX_WAKE_LAG_S))
-
-    def _memcpy_s(self, nbytes: int) -> float:
-        """How long moving `nbytes` will take this thread (0 before its first copy)."""
-        return nbytes / self._memcpy_bytes_per_s if self._memcpy_bytes_per_s else 0.0
-
-    def _copy(self, task: _Copy, nbytes: int) -> None:
-        """Move the bytes; update the memcpy rate (copies of 64 KiB and more) and the CPU time spent."""
-        wall_start_s, cpu_start_s = time.perf_counter(), time.thread_time()
-        _copy_bytes(task.src, task.dst)
-        wall_s = time.perf_counter() - wall_start_s
-        if nbytes >= MEMCPY_RATE_MIN_BYTES and wall_s > 0:
-            rate = nbytes / wall_s
-            self._memcpy_bytes_per_s = rate if self._memcpy_bytes_per_s is None else (
-                MEMCPY_RATE_SMOOTHING * self._memcpy_bytes_per_s + (1 - MEMCPY_RATE_SMOOTHING) * rate)
-        if self._on_copied is not None:
-            self._on_copied(time.thread_time() - cpu_start_s)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
-    def close(self) -> None:
-        """Land every queued copy at once and stop the thread."""
-        if self._thread is None:
-            return
-        self._hurry = True
-        self._queue.put(None)
-        self._thread.join()
-        self._thread = None
+    def schedule(self, nbytes: int, now_s: float, after: list[LinkCopy]) -> float:
+        """The due time of a copy of `nbytes` issued at `now_s`, after the copies `after` have landed."""
+        start_s = max([now_s, self.free_at_s] + [c.landed_at for c in after])
+        self.free_at_s = start_s + nbytes / self.bytes_per_s
+        return self.free_at_s
 
 
 class EmulatedEngine(SwapEngine):
@@ -221,34 +115,56 @@ class EmulatedEngine(SwapEngine):
                  stats: RuntimeStats | None = None):
         super().__init__(device, pool)
         self.stats = stats
-        self._stats_lock = threading.Lock()  # both copy threads add to stats.link_copy_cpu_s
-        self.d2h = CopyThread("regen-link-d2h", d2h_bytes_per_s, self._count_copy_cpu)
-        self.h2d = CopyThread("regen-link-h2d", h2d_bytes_per_s, self._count_copy_cpu)
+        self.d2h = _Direction("d2h", d2h_bytes_per_s)
+        self.h2d = _Direction("h2d", h2d_bytes_per_s)
+        self._due: list[tuple[float, int, LinkCopy]] = []  # heap (due time, issue order, copy) not landed yet
+        self._issued = itertools.count()
+        self._closed = False
 
-    def _count_copy_cpu(self, cpu_s: float) -> None:
-        if self.stats is not None:
-            with self._stats_lock:
-                self.stats.link_copy_cpu_s += cpu_s
+    def _issue(self, direction: _Direction, src: torch.Tensor, dst: torch.Tensor, after: list[LinkCopy]) -> LinkCopy:
+        if self._closed:
+            raise RegenError("regen.apply: the emulated link was closed (the handle was removed)")
+        now_s = time.perf_counter()
+        self._land_due(now_s)
+        copy = LinkCopy(src, dst, direction.schedule(dst.numel() * dst.element_size(), now_s, after))
+        heapq.heappush(self._due, (copy.landed_at, next(self._issued), copy))
+        return copy
 
-    def _wait(self, event: LinkEvent) -> None:
-        if event.query():
-            event.wait()  # raises a failed copy's error
+    def _land_due(self, until_s: float) -> None:
+        """Move the bytes of every copy due by `until_s`, in the order they are due."""
+        due = self._due
+        while due and due[0][0] <= until_s:
+            copy = heapq.heappop(due)[2]
+            t0 = time.perf_counter()
+            _copy_bytes(copy.src, copy.dst)
+            copy.src = copy.dst = None  # the compute thread frees the tensors
+            copy.landed = True
+            if self.stats is not None:
+                self.stats.link_copy_cpu_s += time.perf_counter() - t0
+
+    def _wait(self, copy: LinkCopy) -> None:
+        """Until `copy` is due (a stall when it is not yet), then land it."""
+        if copy.query():
             return
         t0 = time.perf_counter()
-        event.wait()
-        if self.stats is not None:
-            self.stats.link_wait_s += time.perf_counter() - t0
+        if t0 < copy.landed_at:
+            while (left_s := copy.landed_at - time.perf_counter()) > 0:
+                if left_s > SPIN_S:
+                    time.sleep(left_s - SPIN_S)
+            if self.stats is not None:
+                self.stats.link_wait_s += time.perf_counter() - t0
+        self._land_due(copy.landed_at)
 
     # ---- forward -------------------------------------------------------------------------------
     def copy_out(self, t: torch.Tensor) -> CopyOut:
         src = storage_bytes_view(t)
         slot = self.pool.allocate(src.numel())
-        after = tuple(self.pool.take_read_events())  # recycled ranges: their last copy-in has read them
-        done = self.d2h.submit(src, slot.tensor, after)
+        after = self.pool.take_read_events()  # recycled ranges: their last copy-in has read them
+        done = self._issue(self.d2h, src, slot.tensor, after)
         return CopyOut(slot=slot, done_event=done, source=src, device=self.device)
 
     def release_source(self, out: CopyOut) -> None:
-        """Wait for the copy-out (a stall when it is still running), then let the device storage go."""
+        """Wait for the copy-out (a stall when it is not due yet), then let the device storage go."""
         if out.source is None:
             return
         self._wait(out.done_event)
@@ -258,7 +174,7 @@ class EmulatedEngine(SwapEngine):
     def copy_in(self, out: CopyOut) -> CopyIn:
         buf = torch.empty(out.slot.nbytes, dtype=torch.uint8, device=self.device)
         poison(buf)
-        done = self.h2d.submit(out.slot.tensor, buf, (out.done_event,))  # after the host bytes are there
+        done = self._issue(self.h2d, out.slot.tensor, buf, [out.done_event])  # after the host bytes are there
         out.slot.last_read_event = done
         return CopyIn(buffer=buf, done_event=done)
 
@@ -268,9 +184,21 @@ class EmulatedEngine(SwapEngine):
             cin.waited_streams.add(None)
 
     def drop_copy_in(self, cin: CopyIn) -> None:
-        """The buffer goes back to the allocator only once no copy writes it."""
+        """The buffer goes back to the allocator only once its copy has landed."""
         self.wait_copy_in(cin)
 
+    def wait_landed(self, copies: list[LinkCopy | None]) -> None:
+        """Wait, as a consumer would, until every copy of `copies` has landed."""
+        for copy in copies:
+            if copy is not None:
+                self._wait(copy)
+
+    @property
+    def running(self) -> bool:
+        """Copies issued and not landed yet."""
+        return bool(self._due)
+
     def close(self) -> None:
-        self.d2h.close()
-        self.h2d.close()
+        """Land every copy at once; no copy is issued after."""
+        self._land_due(float("inf"))
+        self._closed = True
