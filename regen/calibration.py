@@ -41,8 +41,10 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
    replays' plan; recompute_scale = (extra - runtime_step_s - region_scale x replays - dispatch - swap calls -
    link waits) / charged recipes, from the recompute plan (over all its recomputes when it has too few
    recipes, or no region_scale was measured); swap_byte_s = (extra - runtime_step_s - the recomputes as
-   scaled - dispatch - swap calls - link waits) / swapped bytes, from the swap plan; the median over rounds
-   of each. Module replays and per-tensor recipes get scales of their own because they measure apart (the
+   scaled - dispatch - swap calls - link waits) / swapped bytes, from the swap plan, at least what an
+   emulated link's memmoves took per swapped byte in those steps (`RuntimeStats.link_copy_cpu_s`: measured,
+   where the residual takes the others' errors: it read 0 to 0.8 ms per MiB on the zoo's decoders); the
+   median over rounds of each. Module replays and per-tensor recipes get scales of their own because they measure apart (the
    zoo's Qwen3 at bench size: replays x0.87, recipes x1.21), and one scale over both made the planner trade
    replays for recipes and swaps that measured slower (NOTE [ Replays and recipes apart ]).
 
@@ -123,6 +125,7 @@ class _Variant:
     name: str
     plan: Plan | None
     times_s: list[list[float]] = field(default_factory=list)  # per round, the block's timed steps
+    memmove_s: float = 0.0  # an emulated link's memmoves over all its blocks' steps (RuntimeStats.link_copy_cpu_s)
 
 
 def calibrate(workload: Workload, profile: Profile, progress: Callable[[str], None] | None = None) -> Calibration:
@@ -228,6 +231,7 @@ def _measure(workload: Workload, variants: list[_Variant], device_type: str, say
                     finally:
                         if handle is not None:
                             handle.remove()
+                            v.memmove_s += handle.stats.link_copy_cpu_s
                 say(f"calibration: round {r + 1} (at most {MAX_ROUNDS})")
     finally:
         caches.restore()
@@ -351,13 +355,15 @@ def _scale_within_bounds(base: _Variant, v: _Variant, runtime_s: float, known_s:
 
 def _fit_swap_byte_s(base: _Variant, v: _Variant | None, scales: _Scales, notes: list[str],
                      runtime_s: float = 0.0) -> float:
+    """Seconds per swapped byte beyond the swap calls: the swap plan's residual, at least its memmoves'."""
     if v is None:
         return 0.0
     parts = v.plan.simulated_parts
     swapped = sum(d.bytes for d in v.plan.decisions if d.action == ACTION_SWAP)
     per_round = [(e - runtime_s - scales.recompute_s(parts) - _unexplained_s(parts)) / swapped
                  for e in _extras_s(base, v)]
-    byte_s = max(0.0, statistics.median(per_round))
+    memmove_byte_s = v.memmove_s / (sum(len(block) for block in v.times_s) * swapped)
+    byte_s = max(memmove_byte_s, statistics.median(per_round))
     if byte_s > CALIBRATION_MAX_SWAP_BYTE_S:
         notes.append(f"swaps measured {byte_s * 1e9:.1f} ns a byte, over {CALIBRATION_MAX_SWAP_BYTE_S * 1e9:g}: "
                      f"no per-byte charge")
