@@ -19,7 +19,8 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
 
 1. it takes the plan that keeps every tensor (the runtime's cost alone), the plan that replays every
    repeated block and nothing else (per-block checkpointing, REGIONS: module replays alone, when the profile
-   has such blocks), and solves a recompute plan and a swap plan at CAP_FRACTION of the profile's peak
+   has such blocks), and solves a recompute plan (per-tensor recipes only when REGIONS is timed beside it:
+   NOTE [ Replays and recipes apart ]) and a swap plan at CAP_FRACTION of the profile's peak
    increase (or the smallest cap each reaches), the swaps over the device's link (on a CPU device an
    emulated link at LINK_RATIO): one unknown per plan. A calibration plan need only be a typical one:
    each solve stops at its SOLVE_REL_GAPS or after SOLVE_STEPS of the profile's steps (within
@@ -85,9 +86,9 @@ SETTLED_FRACTION = 0.05  # rounds agree when each plan's extra time spreads less
 BUDGET_S = 60.0  # rounds after MIN_ROUNDS stop once the calibration has taken this long
 SOLVE_STEPS = 4  # a calibration solve's time limit, in the profile's steps...
 SOLVE_MIN_S, SOLVE_MAX_S = 1.0, 20.0  # ... within these
-# the gap each calibration plan is solved to: the recompute plan's as the plans users solve are (regions and
-# recipes mixed as theirs are: what a recompute costs beyond its charge depends on that mix), the swap plan's
-# looser (the per-byte charge does not depend on which tensors move)
+# the gap each calibration plan is solved to: the recompute plan's as the plans users solve are (what a recipe
+# costs beyond its charge depends on which recipes a plan takes), the swap plan's looser (the per-byte charge
+# does not depend on which tensors move)
 SOLVE_REL_GAPS = {"recompute": 0.05, "swap": 0.10}
 MIN_SIGNAL_FRACTION = 0.02  # of the unplanned step: less charged recompute than this is not measured
 METHOD = (f"a keep-everything plan, per-block checkpointing, and a recompute and a swap plan at {CAP_FRACTION:.0%} "
@@ -107,6 +108,11 @@ METHOD = (f"a keep-everything plan, per-block checkpointing, and a recompute and
 # traded a replay for recipes and 5 swaps for a predicted 0.7% gain, measured 3% slower than the replays alone.
 # Fitted apart (per-block checkpointing timed beside the other plans): Llama replays x0.80 / recipes x0.88,
 # Qwen3 x0.87 / x1.21.
+# Where per-block checkpointing is timed, the recompute plan is solved with per-tensor recipes only
+# (SolveOptions.module_replays=False): at half the peak a decoder's recompute plan is otherwise per-block
+# checkpointing again (the zoo's Llama: 19.3 ms of replays, no recipe; Qwen3: 15.0 ms of replays and 0.6 ms of
+# recipes), so the recipes' scale was a second reading of the replays' (x1.64 against x1.30 in one calibration
+# of Qwen3) while the hybrid plans at checkpointing's peak recompute by recipes.
 
 
 # NOTE [ A block's time ]
@@ -182,9 +188,11 @@ def _calibration_plans(profile: Profile, notes: list[str], say) -> list[_Variant
     variants = [_Variant(KEEP_ALL, solve(profile, profile.peak_bytes, KEEP_ALL))]
     try:  # the module replays alone, when the profile has repeated blocks to replay
         variants.append(_Variant(REGIONS, solve(profile, profile.peak_bytes, REGIONS)))
+        recipes_only = {"module_replays": False}  # NOTE [ Replays and recipes apart ]
     except RegenError as exc:
         notes.append(f"no plan of module replays alone ({exc}): recompute's scale stands for them")
-    for strategy, options in (("recompute", {}), ("swap", link)):
+        recipes_only = {}
+    for strategy, options in (("recompute", recipes_only), ("swap", link)):
         plan = None
         for limit_s in (time_limit_s, retry_limit_s):
             try:

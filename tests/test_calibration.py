@@ -193,6 +193,9 @@ def test_calibrate_times_both_plans_on_the_workload_and_leaves_the_profile_alone
     replays = [p for p in applied if p.strategy == cal.REGIONS]
     assert len(kept_all) == 2 and len(replays) == 2 and len(applied) == 8
     assert all(p.regions and p.region_member_count() == p.action_counts()["recompute"] for p in replays)
+    # the recompute plan measures recipes apart from those replays: it replays no block
+    recipes = [p for p in applied if p.strategy == "recompute"]
+    assert len(recipes) == 2 and all(not p.regions and p.action_counts()["recompute"] for p in recipes)
     lo, hi = cal.CALIBRATION_SCALE_BOUNDS
     assert lo <= calibration.recompute_scale <= hi and 0 <= calibration.swap_byte_s <= CALIBRATION_MAX_SWAP_BYTE_S
     assert calibration.region_scale is None or lo <= calibration.region_scale <= hi

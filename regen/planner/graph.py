@@ -228,10 +228,11 @@ class PlanningGraph:
 
 def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None,
                 host_memory_cap_bytes: int | None = None,
-                start_plans: list[tuple[str, dict]] | None = None) -> PlanningGraph:
+                start_plans: list[tuple[str, dict]] | None = None, module_replays: bool = True) -> PlanningGraph:
     """Candidates, lifetimes, windows and recipes of a profile, over a link of the given bandwidths (the
     profile's own, else FALLBACK_BANDWIDTH_BYTES_PER_S, where None), with the bound on the host pool and
-    the plans the MILP may start from (regen.planner.solve)."""
+    the plans the MILP may start from (regen.planner.solve); with its module calls as regions unless
+    `module_replays` is False."""
     if not profile.ops:
         raise RegenError("the profile has no ops; nothing to plan")
     d2h = d2h_bytes_per_s or profile.device.d2h_bytes_per_s or FALLBACK_BANDWIDTH_BYTES_PER_S
@@ -288,7 +289,8 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
         _set_windows(graph, c, max_steps, transfer_factor)
     add_recipes(graph)
     add_rebuilt_with_options(graph)
-    add_regions(graph)
+    if module_replays:
+        add_regions(graph)
     return graph
 
 

@@ -36,6 +36,9 @@ class SolveOptions:
     # of an InfeasibleCapError: regen.planner.solve.solve_within_reach)
     start_plans: tuple[tuple[str, dict], ...] = field(default_factory=tuple)
     profile_path: str | None = None  # the profile file the plan records, when it came from one
+    # False: recompute by per-tensor recipes only, no module call replayed whole (the calibration times such a
+    # plan beside per-block checkpointing, to measure recipes apart from replays)
+    module_replays: bool = True
 
 
 def solve_options(options: SolveOptions | str | None = None, **settings) -> SolveOptions:

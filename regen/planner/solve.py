@@ -64,7 +64,7 @@ def solve(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str |
     reset_solver_threads()
     t0 = time.perf_counter()
     graph = build_graph(profile, bw, bw, host_memory_cap_bytes=host_memory_cap_bytes,
-                        start_plans=list(options.start_plans))
+                        start_plans=list(options.start_plans), module_replays=options.module_replays)
     decidable = [c for c in graph.candidates if c.can_swap or c.can_recompute]
     say(f"planning {len(graph.candidates)} saved tensors ({len(decidable)} with a choice) over "
         f"{graph.num_steps} ops; cap {format_bytes(memory_cap_bytes)} of unplanned peak "

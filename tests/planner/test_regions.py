@@ -8,6 +8,7 @@ from regen.errors import FormatError
 from regen.formats import load_plan, save_plan
 from regen.formats.plan import ACTION_RECOMPUTE
 from regen.planner import solve
+from regen.planner.solve import solve_within_reach
 from plan_choices import choices_from_plan
 from regen.planner.graph import build_graph
 from regen.planner.heuristics import block_regions, checkpoint_blocks
@@ -201,3 +202,16 @@ def test_profiles_without_module_calls_have_no_regions(small_transformer):
     graph = build_graph(small_transformer)
     assert graph.regions == [] and all(not c.regions for c in graph.candidates)
     assert checkpoint_blocks(graph) == {}
+
+
+def test_without_module_replays_a_plan_recomputes_by_recipes_alone(real_gpt_profile):
+    """SolveOptions.module_replays=False (the calibration's recipes plan): the same profile, whose plans at this
+    cap replay blocks, gets a plan of per-tensor recipes only, under the same cap."""
+    start = real_gpt_profile.memory_at_start_bytes
+    cap = start + int(0.6 * (real_gpt_profile.peak_bytes - start))
+    assert build_graph(real_gpt_profile).regions
+    assert build_graph(real_gpt_profile, module_replays=False).regions == []
+    plan = solve_within_reach(real_gpt_profile, cap, "recompute", time_limit_s=20, module_replays=False)
+    recomputed = [d for d in plan.decisions if d.action == ACTION_RECOMPUTE]
+    assert recomputed and not plan.regions and all(d.region is None for d in recomputed)
+    assert plan.simulated.peak_bytes <= plan.memory_cap_bytes < real_gpt_profile.peak_bytes
