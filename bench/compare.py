@@ -3,9 +3,10 @@
 The default run is over an emulated host link (`--link-ratio R`, default R = 0.9 and R = 0.1): the link
 copies every saved tensor of the step one way in R x the unplanned step time, as a GPU's host link
 does (0.9: PCIe next to a fast GPU; 0.1: NVLink-C2C), and regen's runtime runs every swap over it
-(`regen.apply(..., emulate_link=True)`: copy threads, real stalls), with compute on one core fewer than
-the (at most 2) it would use, so that the copy threads have a core of their own as a GPU's copy engines
-do (`--compute-threads` sets it). Rows, per model and ratio: no plan;
+(`regen.apply(..., emulate_link=True)`: copies on the link's clock, real stalls, their bytes moved by the
+compute thread), with compute on one core fewer than the (at most 2) it would use, as in the runs whose
+tables docs/benchmarks.md keeps, when the link's copies ran on threads of their own (`--compute-threads`
+sets it). Rows, per model and ratio: no plan;
 per-block `torch.utils.checkpoint`; offload-all (every saved tensor of 1 MiB or more swapped, as
 torchtune's activation offloading, through the same link); regen's recompute-only, swap-only and
 hybrid plans at 50% of the unplanned peak and at each peer's measured peak. Every row gives the
@@ -419,14 +420,12 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         f"{timed_steps} forward+backward steps after {WARMUP_STEPS} warm-up steps, round-robin over all variants. "
         "The predicted step time is the plan's simulated one (the profile's for no plan). regen's plans are "
         f"solved at {LINK_CAP_FRACTION:.0%} of the unplanned peak and at each peer's measured peak. Compute runs "
-        f"on {compute_threads} thread{'s' if compute_threads > 1 else ''} (`--compute-threads`; the profile too), "
-        "leaving a core to the copy threads, which move the bytes with the CPU (the note's \"copy threads' "
-        "CPU\"): a GPU's copy engines are not its SMs. With every core computing, the copy threads' memcpy "
-        "took its time from compute (swap rows 1.1-1.6x their prediction on 2 cores, in a run before the swap "
-        "probe below). What the emulation still costs the compute thread (the copy "
-        "threads' wake-ups and Python taking the GIL and the cores from it, 0.2-0.3 ms a swap on this machine) is "
-        "in the measured time and, since the profile's swap probe measures it next to compute, in the plans' "
-        "swap charge and so in the prediction: plans solved here swap less than they would for a GPU.",
+        f"on {compute_threads} thread{'s' if compute_threads > 1 else ''} (`--compute-threads`; the profile too). "
+        "The compute thread moves the copies' bytes when they are due (the note's \"link's memmoves\", about "
+        "0.1-0.2 ms per MiB each way on this machine), which a GPU's copy engines would do beside its SMs: an "
+        "emulation cost in the measured time and, since the profile's swap probe and the calibration's per-MiB "
+        "charge measure it, in the plans' swap charge and so in the prediction: plans solved here swap less than "
+        "they would for a GPU.",
         "",
         body,
     ])
@@ -472,8 +471,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timed-steps", type=int, default=TIMED_STEPS, help="timed steps per variant (link runs)")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON (a list of objects) to PATH")
     parser.add_argument("--compute-threads", type=int, default=None, metavar="N",
-                        help="torch's intra-op threads (default: at most 2; link runs leave one core of those "
-                             "to the emulated link's copy threads)")
+                        help="torch's intra-op threads (default: at most 2; link runs use one fewer, as the runs "
+                             "in docs/benchmarks.md did)")
     args = parser.parse_args(argv)
     keep_freed_host_memory()  # every variant's step meets the heap alike (regen.heap)
     warnings.filterwarnings("ignore")

@@ -235,7 +235,7 @@ def main():
         link_gb_s = plan.link.candidate_bytes / (args.link_ratio * plan.baseline.step_time_s) / 1e9
         link = {"emulate_link": True, "link_gb_s": link_gb_s}
         print(f"dynamic-swap: an emulated link of {link_gb_s:.2f} GB/s (link ratio {args.link_ratio} at length "
-              f"{args.max_len}; the copy threads' CPU comes out of the same 2 cores: emulation only)")
+              f"{args.max_len}; its memmoves run on the compute thread: emulation only)")
     print(f"{'variant':14s} {'tokens/s':>10s} {'warm-up ms':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
     for name, pad_to, context, reference in variants:
         with warnings.catch_warnings():

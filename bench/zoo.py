@@ -11,7 +11,7 @@ layers, width 192; `--size tiny` for a quick look), one after the other, in one 
 * regen's smallest cap (recompute only): where regen goes at the least, next to checkpointing's peak;
 * regen recompute and hybrid plans at checkpointing's measured peak and at 50% of the unplanned peak (or at
   the smallest cap a strategy reaches, when 50% is below it), their swaps over an emulated host link at
-  R = 0.9 (`regen.apply(..., emulate_link=True)`: copy threads, real stalls), each measured (peak, step
+  R = 0.9 (`regen.apply(..., emulate_link=True)`: copies on the link's clock, real stalls), each measured (peak, step
   time) next to the plan's predicted step time.
 
 Step times are medians of the timed steps, taken round-robin over the variants of one architecture (one
