@@ -94,10 +94,9 @@ class LinkCopy:
 class _Direction:
     """One direction of the link: its bandwidth and when it finishes the copies issued so far."""
 
-    def __init__(self, name: str, bytes_per_s: float):
+    def __init__(self, bytes_per_s: float):
         if not bytes_per_s > 0:
             raise RegenError(f"regen.apply: the emulated link needs a positive bandwidth (got {bytes_per_s} B/s)")
-        self.name = name
         self.bytes_per_s = float(bytes_per_s)
         self.free_at_s = 0.0
 
@@ -115,8 +114,8 @@ class EmulatedEngine(SwapEngine):
                  stats: RuntimeStats | None = None):
         super().__init__(device, pool)
         self.stats = stats
-        self.d2h = _Direction("d2h", d2h_bytes_per_s)
-        self.h2d = _Direction("h2d", h2d_bytes_per_s)
+        self.d2h = _Direction(d2h_bytes_per_s)
+        self.h2d = _Direction(h2d_bytes_per_s)
         self._due: list[tuple[float, int, LinkCopy]] = []  # heap (due time, issue order, copy) not landed yet
         self._issued = itertools.count()
         self._closed = False
