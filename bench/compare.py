@@ -422,10 +422,10 @@ def link_document(body: str, command: str, elapsed_s: float, timed_steps: int, c
         f"solved at {LINK_CAP_FRACTION:.0%} of the unplanned peak and at each peer's measured peak. Compute runs "
         f"on {compute_threads} thread{'s' if compute_threads > 1 else ''} (`--compute-threads`; the profile too). "
         "The compute thread moves the copies' bytes when they are due (the note's \"link's memmoves\", about "
-        "0.1-0.2 ms per MiB each way on this machine), which a GPU's copy engines would do beside its SMs: an "
-        "emulation cost in the measured time and, since the profile's swap probe and the calibration's per-MiB "
-        "charge measure it, in the plans' swap charge and so in the prediction: plans solved here swap less than "
-        "they would for a GPU.",
+        "0.1-0.15 ms per MiB each way on this machine, besides the cache they evict), which a GPU's copy "
+        "engines would do beside its SMs: an emulation cost in the measured time and, since the profile's swap "
+        "probe and the calibration's per-MiB charge measure it, in the plans' swap charge and so in the "
+        "prediction: plans solved here swap less than they would for a GPU.",
         "",
         body,
     ])

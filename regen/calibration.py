@@ -45,9 +45,9 @@ steps under `regen.apply`, the figures back into the Profile as `formats.Calibra
    scaled - dispatch - swap calls - link waits) / swapped bytes, from the swap plan, at least what an
    emulated link's memmoves took per swapped byte in those steps (`RuntimeStats.link_copy_cpu_s`: measured,
    where the residual takes the others' errors: it read 0 to 0.8 ms per MiB on the zoo's decoders); the
-   median over rounds of each. Module replays and per-tensor recipes get scales of their own because they measure apart (the
-   zoo's Qwen3 at bench size: replays x0.87, recipes x1.21), and one scale over both made the planner trade
-   replays for recipes and swaps that measured slower (NOTE [ Replays and recipes apart ]).
+   median over rounds of each. Module replays and per-tensor recipes get scales of their own because they
+   measure apart (the zoo's Qwen3 at bench size: replays x0.87, recipes x1.21), and one scale over both made
+   the planner trade replays for recipes and swaps that measured slower (NOTE [ Replays and recipes apart ]).
 
 All of it costs MIN_ROUNDS to MAX_ROUNDS x 5 x STEPS_PER_BLOCK steps and two short solves (`bench/profile_cost.py`).
 A figure whose plan has too little of it to measure (charged recompute under MIN_SIGNAL_FRACTION of the

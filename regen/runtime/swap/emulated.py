@@ -20,8 +20,8 @@ pool is written again only by a copy-out that starts after the copy-in that last
 
 Why not copy threads, as a GPU's copy engines run beside its compute: on a machine of a few cores, a
 thread per direction took the GIL and the cores from the compute thread at every copy (its wake-ups, its
-Python), 0.2-0.3 ms a swap next to compute on 2 cores even with no byte moved, against about 0.15 ms per
-MiB for the compute thread to move the bytes itself (docs/benchmarks.md has the figures). Moving the bytes
+Python), 0.24-0.27 ms a swap next to compute on 2 cores even with no byte moved, against about 0.1-0.15 ms
+per MiB for the compute thread to move the bytes itself (docs/benchmarks.md has the figures). Moving the bytes
 is still the emulation's own cost, which a GPU's compute does not pay: it is counted apart
 (`RuntimeStats.link_copy_cpu_s`) so that a benchmark can say how much of a swap plan's measured time it is.
 Every tensor is allocated and freed by the compute thread, where the allocator's timeline (regen.measure)
