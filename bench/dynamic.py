@@ -33,7 +33,11 @@ variant sees the same weights and its gradients are compared bit for bit with it
 --warmup-steps (default 1: a step time is the steady state's; dynamic mode's first step also records its
 backward's temporaries on CPU, a plan's first step has none of that) whose mean time is printed apart
 ("warm-up ms"); the peak is the highest per-step peak the allocator saw (regen.measure), every step's, in a
-second, measured pass. Figures on a shared, loaded machine are only comparable side by side, within one run.
+second, measured pass. Each variant trains its own copy of the model under its own handle, and the variants
+are interleaved: step k of every variant, one after the other, then step k + 1 (a machine's drift over the run
+reaches them alike; `dynamic-learn`'s background solves are waited for outside the timed steps, as a host core
+beside a GPU would run them). Figures on a shared, loaded machine are only comparable side by side, within one
+run.
 
 With `--min-len` equal to `--max-len` every step has the plan's shape: `pad-plan` is then the MILP plan
 itself, next to dynamic mode's overhead at the same cap.
@@ -46,6 +50,10 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from contextlib import ExitStack
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -133,35 +141,63 @@ def bucket_of(length, buckets):
     return next(b for b in buckets if b >= length)
 
 
-def run_variant(model, data, pad_to, context, device, warmup_steps):
-    """(tokens/s over the steps after the first `warmup_steps`, the warm-up steps' seconds, highest per-step
-    absolute peak, gradients per step); `pad_to(length)`: the padded length, or None for no padding."""
-    grads, seconds, tokens, peak, warmup_s = [], 0.0, 0, 0, 0.0
+@dataclass
+class Running:
+    """One variant as the interleaved rounds time it: its own copy of the model under its own handle."""
+
+    name: str
+    model: torch.nn.Module
+    pad_to: Callable[[int], int] | None  # the padded length, or None for no padding
+    handle: object
+    reference: str | None
+    grads: list = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    peak: int = 0
+    warmup_s: float = 0.0
+
+
+def run_step(v: Running, k: int, idx, targets, device, warmup_steps, start) -> None:
+    """Step `k` of variant `v`, timed, then measured untimed (the allocator's peak, a second pass)."""
+    real = idx.numel()
+    if v.pad_to is not None:
+        idx, targets = padded(idx, targets, v.pad_to(idx.size(1)))
+    idx, targets = idx.to(device), targets.to(device)
     cuda = device.startswith("cuda")
-    model.zero_grad(set_to_none=True)
-    start = sum(model_storages(model).values())
-    with context() as handle:
-        for k, (idx, targets) in enumerate(data):
-            real = idx.numel()
-            if pad_to is not None:
-                idx, targets = padded(idx, targets, pad_to(idx.size(1)))
-            idx, targets = idx.to(device), targets.to(device)
-            t0 = time.perf_counter()
-            grads.append(one_step(model, idx, targets, seed=k))
-            if cuda:
-                torch.cuda.synchronize()
-            if k < warmup_steps:
-                warmup_s += time.perf_counter() - t0
-            else:
-                seconds += time.perf_counter() - t0
-                tokens += real
-            # gradients dropped first: the measured increase is over the model's own memory, as `start` counts it
-            # (left, the step before's gradients would be in the baseline and freed by the step's zero_grad)
-            model.zero_grad(set_to_none=True)
-            # the profiler's garbage collected now, not inside the next timed step
-            m = measure_memory(lambda: one_step(model, idx, targets, seed=k), device, collect_garbage=True)
-            peak = max(peak, m.peak_bytes if cuda else start + m.peak_increase_bytes)
-    return tokens / seconds, warmup_s, peak, grads, handle
+    t0 = time.perf_counter()
+    v.grads.append(one_step(v.model, idx, targets, seed=k))
+    if cuda:
+        torch.cuda.synchronize()
+    if k < warmup_steps:
+        v.warmup_s += time.perf_counter() - t0
+    else:
+        v.seconds += time.perf_counter() - t0
+        v.tokens += real
+    # gradients dropped first: the measured increase is over the model's own memory, as `start` counts it
+    # (left, the step before's gradients would be in the baseline and freed by the step's zero_grad)
+    v.model.zero_grad(set_to_none=True)
+    # the profiler's garbage collected now, not inside the next timed step
+    m = measure_memory(lambda: one_step(v.model, idx, targets, seed=k), device, collect_garbage=True)
+    v.peak = max(v.peak, m.peak_bytes if cuda else start + m.peak_increase_bytes)
+    v.model.zero_grad(set_to_none=True)
+    wait_for_learning = getattr(v.handle, "wait_for_learning", None)
+    if wait_for_learning is not None:  # learn=True's background solve never runs beside a timed step
+        wait_for_learning()
+
+
+def run_interleaved(variants: list[Running], data, device, warmup_steps, start) -> None:
+    """Every variant's step k, one variant after the other, for each k: a machine's drift between the start
+    and the end of the run reaches every variant alike."""
+    from regen.runtime import stacks
+
+    for k, (idx, targets) in enumerate(data):
+        for v in variants:
+            # what a regen step leaves pushed until its handle's next step would take the next variant's
+            # packs: popped untimed
+            stacks.pop_finished()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run_step(v, k, idx, targets, device, warmup_steps, start)
 
 
 def same(a, b):
@@ -170,6 +206,9 @@ def same(a, b):
 
 class _Nothing:
     stats = None
+
+    def __init__(self, model=None):
+        pass
 
     def __enter__(self):
         return self
@@ -217,18 +256,18 @@ def main():
                                       cap_bytes=plan.memory_cap_bytes)[0] for b in used]
     model.zero_grad(set_to_none=True)
     to_max, to_bucket = (lambda n: args.max_len), (lambda n: bucket_of(n, buckets))
+    # (name, padding, handle of a model copy, the variant whose gradients it must equal)
     variants = [
         ("none", None, _Nothing, None),
         ("none-padded", to_max, _Nothing, None),
-        ("pad-plan", to_max, lambda: regen.apply(model, plan), "none-padded"),
+        ("pad-plan", to_max, lambda m: regen.apply(m, plan), "none-padded"),
         ("none-buckets", to_bucket, _Nothing, None),
-        ("bucket-plans", to_bucket, lambda: regen.apply(model, bucket_plans), "none-buckets"),
-        ("dynamic-graph", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="graph"), "none"),
-        ("dynamic-dtr", None, lambda: regen.apply(model, memory_cap=dyn_cap, policy="dtr"), "none"),
-        ("dynamic-swap", None, lambda: regen.apply(model, memory_cap=dyn_cap, **link), "none"),
-        ("dynamic-learn", to_bucket, lambda: regen.apply(model, memory_cap=dyn_cap, learn=True), "none-buckets"),
+        ("bucket-plans", to_bucket, lambda m: regen.apply(m, bucket_plans), "none-buckets"),
+        ("dynamic-graph", None, lambda m: regen.apply(m, memory_cap=dyn_cap, policy="graph"), "none"),
+        ("dynamic-dtr", None, lambda m: regen.apply(m, memory_cap=dyn_cap, policy="dtr"), "none"),
+        ("dynamic-swap", None, lambda m: regen.apply(m, memory_cap=dyn_cap, **link), "none"),
+        ("dynamic-learn", to_bucket, lambda m: regen.apply(m, memory_cap=dyn_cap, learn=True), "none-buckets"),
     ]
-    results = {}
     print(f"buckets {buckets}: plans for {used}")
     link = {}
     if not args.device.startswith("cuda"):
@@ -236,16 +275,21 @@ def main():
         link = {"emulate_link": True, "link_gb_s": link_gb_s}
         print(f"dynamic-swap: an emulated link of {link_gb_s:.2f} GB/s (link ratio {args.link_ratio} at length "
               f"{args.max_len}; its memmoves run on the compute thread: emulation only)")
+    start = sum(model_storages(model).values())
+    with ExitStack() as stack:
+        running = []
+        for name, pad_to, context, reference in variants:
+            copy = deepcopy(model)
+            handle = stack.enter_context(context(copy))
+            running.append(Running(name, copy, pad_to, handle, reference))
+        run_interleaved(running, data, args.device, args.warmup_steps, start)
     print(f"{'variant':14s} {'tokens/s':>10s} {'warm-up ms':>10s} {'peak MiB':>9s} {'exact':>6s}  stats")
-    for name, pad_to, context, reference in variants:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rate, warmup_s, peak, grads, handle = run_variant(model, data, pad_to, context, args.device,
-                                                              args.warmup_steps)
-        results[name] = grads
-        exact = "-" if reference is None else ("yes" if same(grads, results[reference]) else "NO")
-        warmup_ms = f"{warmup_s / args.warmup_steps * 1e3:10.1f}" if args.warmup_steps else f"{'-':>10s}"
-        print(f"{name:14s} {rate:10.0f} {warmup_ms} {peak / 2**20:9.2f} {exact:>6s}  {describe_stats(handle)}")
+    grads = {v.name: v.grads for v in running}
+    for v in running:
+        exact = "-" if v.reference is None else ("yes" if same(v.grads, grads[v.reference]) else "NO")
+        warmup_ms = f"{v.warmup_s / args.warmup_steps * 1e3:10.1f}" if args.warmup_steps else f"{'-':>10s}"
+        print(f"{v.name:14s} {v.tokens / v.seconds:10.0f} {warmup_ms} {v.peak / 2**20:9.2f} {exact:>6s}  "
+              f"{describe_stats(v.handle)}")
 
 
 def describe_stats(handle) -> str:

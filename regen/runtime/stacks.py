@@ -13,6 +13,10 @@ go. So:
   (`packs_no_more()`: its saved set is final), whichever handle it belongs to;
 * a mode its owner lets go while it is not on top is `orphan`ed, and `pop_finished` pops orphaned modes
   once they are on top;
+* a dispatch mode pushed with `push_mode(mode, done)` (dynamic mode's: it must see its step's backward,
+  which runs after the model returned) is popped by `pop_finished` once it is on top and `done()`: its
+  owner needs it no more until it pushes it again. Left pushed, every op of the program between two of
+  its steps (an optimizer step, another model's step) would pass through it in Python;
 * every step start and every `remove()` calls `pop_finished`, so the stacks do not grow from step to
   step, and what could not be popped is popped as soon as it is on top again (after the last handle's
   `remove()`, nothing of regen's is left on them);
@@ -42,6 +46,7 @@ class HookedStep(Protocol):
 _pushed: dict[Callable, HookedStep] = {}
 _below: dict[Callable, Callable | None] = {}  # pack hook -> the pack hook on top when it was pushed
 _orphans: list = []  # modes let go by their owners while other modes were above them
+_done_when: list[tuple[object, Callable[[], bool]]] = []  # push_mode's modes, each with its done()
 
 
 def push_hooks(step: HookedStep, pack: Callable, unpack: Callable) -> None:
@@ -63,6 +68,28 @@ def pop_hooks(pack: Callable) -> None:
         _forget(pack)
 
 
+def push_mode(mode, done: Callable[[], bool]) -> None:
+    """Push dispatch mode `mode`, to be popped once it is on top and `done()` (or let go by `let_go`)."""
+    mode.__enter__()
+    _done_when.append((mode, done))
+
+
+def mode_pushed(mode) -> bool:
+    """`mode` was pushed by `push_mode` and is neither popped nor let go."""
+    return any(m is mode for m, _ in _done_when)
+
+
+def let_go(mode) -> None:
+    """A `push_mode` mode its owner no longer wants: popped now when on top, else orphaned."""
+    if not mode_pushed(mode):
+        return
+    _done_when[:] = [(m, d) for m, d in _done_when if m is not mode]
+    if _get_current_dispatch_mode() is mode:
+        mode.__exit__(None, None, None)
+    else:
+        orphan(mode)
+
+
 def orphan(mode) -> None:
     """`mode` (a dispatch or function mode, not on top) is no longer wanted: popped once it is on top;
     nothing to do when it is on neither of this thread's stacks."""
@@ -77,7 +104,7 @@ def pop_finished() -> None:
     undoing what a foreign exit that took a step's hooks meant to pop)."""
     _undo_foreign_pops()
     while _pop_finished_hooks() or _pop_orphan(_get_current_dispatch_mode()) \
-            or _pop_orphan(_get_current_function_mode()):
+            or _pop_done_mode(_get_current_dispatch_mode()) or _pop_orphan(_get_current_function_mode()):
         pass
 
 
@@ -137,6 +164,16 @@ def _undo_foreign_pops() -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
     for pack, unpack in keep:
         torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _pop_done_mode(mode) -> bool:
+    for m, done in _done_when:
+        if m is mode:
+            if not done():
+                return False
+            let_go(mode)
+            return True
+    return False
 
 
 def _pop_orphan(mode) -> bool:

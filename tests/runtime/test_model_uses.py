@@ -263,6 +263,35 @@ def test_two_handles_trained_in_turn_leave_no_hooks_behind(mode):
     assert not _get_current_dispatch_mode_stack() and not _get_current_function_mode_stack()
 
 
+def test_a_dynamic_step_over_leaves_no_mode_under_the_next_models_step():
+    """Dynamic mode's dispatch mode stays pushed after a step's forward (its backward's ops count against the
+    cap), and goes once no step of its handle is alive: another model's step in the same thread, and the
+    program's ops between steps after it, run without it (every op would pass through it in Python). A step
+    whose graph is kept alive (retain_graph) keeps it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from common import make
+
+    models = [make("gpt"), make("gpt")]
+    cap = int(_profile(make("gpt")).peak_bytes * 0.6)
+    handles = [regen.apply(w.model, memory_cap=cap) for w in models]
+    seen = []
+    models[1].model.register_forward_hook(lambda *_: seen.append(list(_get_current_dispatch_mode_stack())))
+    for _ in range(2):
+        for w in models:
+            run_and_grads(w)
+    assert len(seen) == 2 and all(handles[0].mode not in stack for stack in seen)
+    assert all(handles[1].mode in stack for stack in seen)
+    loss = models[0].loss_fn(models[0].model(*models[0].batch), models[0].batch)
+    loss.backward(retain_graph=True)
+    run_and_grads(models[1])  # its step's start: model 0's step is alive (its graph kept)
+    assert handles[0].mode in seen[-1]
+    del loss
+    for h in handles:
+        h.remove()
+    assert not _get_current_dispatch_mode_stack()
+
+
 @pytest.mark.parametrize("around", ["each step", "the loop"])
 def test_a_users_saved_tensor_hooks_around_steps_are_popped_as_the_user_meant(around):
     """A context manager's exit pops the top of the hook stack: a user's `saved_tensors_hooks` entered

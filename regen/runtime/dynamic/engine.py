@@ -8,8 +8,11 @@ owns no module hook, so one handle's hooks decide every step and the two sets ne
   mode (`DynamicMode`) if it is not pushed yet;
 * `close_current()`: the next step (of either kind) begins: the current step's saved-tensor hooks are
   popped and it is let go once autograd holds none of its handles;
-* `pop_mode()`: a planned step begins: the mode is popped when it is on top of the stack (it stays
-  pushed across consecutive dynamic steps, so their backward ops are seen: counted as memory in use on CPU);
+* `pop_mode()`: a planned step begins: the mode is popped when it is on top of the stack. It stays
+  pushed after a step's forward, so the step's backward ops are seen (counted as memory in use on CPU),
+  and `regen.runtime.stacks.pop_finished` (at any handle's step start) pops it once it is on top and no
+  step of the engine is alive: the program's ops between steps (an optimizer step, another model's step
+  in the same thread) then run without it;
 * `remove(abort)`: the handle is removed.
 
 On CUDA the allocator's peak (`torch.cuda.max_memory_allocated`, never reset: the loop's own figures stay
@@ -127,7 +130,6 @@ class DynamicEngine:
         self.memory = DeviceMemory(device) if on_cuda else TrackedMemory()
         self.read_peak = cuda_peak_reader(device)  # the allocator's peak so far, or None (CPU)
         self.mode = DynamicMode()
-        self.mode_pushed = False
         self.stats = DynamicStats()
         self.swaps = new_swaps(device, link_bytes_per_s, emulate_link, self.stats)
         self.removed = False
@@ -137,6 +139,10 @@ class DynamicEngine:
         # CPU: backward op -> its temporaries (transients.py), once a step's backward learned them
         self.temporaries: dict[int, int] | None = None
         self.recorder: TransientRecorder | None = None  # recording a step's backward now
+
+    @property
+    def mode_pushed(self) -> bool:
+        return stacks.mode_pushed(self.mode)
 
     @property
     def hooks_installed(self) -> bool:
@@ -164,8 +170,7 @@ class DynamicEngine:
         self.live_steps.append(step)
         self.mode.step = step
         if not self.mode_pushed:
-            self.mode.__enter__()
-            self.mode_pushed = True
+            stacks.push_mode(self.mode, lambda: not self.live_steps)
         stacks.push_hooks(step, step.pack, step.unpack)
         return step
 
@@ -182,12 +187,8 @@ class DynamicEngine:
     def pop_mode(self, force: bool = False) -> None:
         """Pop the dispatch mode when it is on top of the stack (with `force`, forget it when it is not
         on the stack at all)."""
-        if self.mode_pushed and _get_current_dispatch_mode() is self.mode:
-            self.mode.__exit__(None, None, None)
-            self.mode_pushed = False
-        elif force and self.mode_pushed:  # let go: popped once it is on top (regen.runtime.stacks)
-            stacks.orphan(self.mode)
-            self.mode_pushed = False
+        if self.mode_pushed and (force or _get_current_dispatch_mode() is self.mode):
+            stacks.let_go(self.mode)  # popped now when on top, else once it is (regen.runtime.stacks)
         if not self.mode_pushed:
             self.mode.step = None
 

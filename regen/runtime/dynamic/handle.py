@@ -2,8 +2,8 @@
 
 A forward pre-hook on the root module starts a step whenever the model is called with grad enabled; the
 steps run on the handle's `DynamicEngine` (engine.py), which pushes each step's saved-tensor hooks (popped
-when the next step starts or the handle is removed) and its dispatch mode at the first step (popped by
-`remove()`).
+when the next step starts or the handle is removed) and its dispatch mode at a step's start (popped at
+the start of a later step of any handle, once no step of the engine is alive, or by `remove()`).
 
 With a host link (CUDA's, or an emulated one on a CPU device) steps also swap (swaps.py).
 
