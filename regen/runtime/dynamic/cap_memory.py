@@ -47,6 +47,11 @@ class TrackedMemory:
         self.start_bytes = 0
         self._tracked_bytes = 0
         self._live = FreedStorages()  # by storage key
+        self._made_in_backward: set = set()  # keys of the live storages a backward op made
+        self.backward_bytes = 0  # their bytes
+        # counted on top of the tracked storages: what a backward run without the dispatch mode made, as the
+        # step before's backward recorded it (backward_figures.py)
+        self.untracked_bytes = 0
 
     def begin_step(self, model: nn.Module) -> None:
         """A step starts: its start figure is the model's memory (storages tracked already, such as
@@ -54,11 +59,17 @@ class TrackedMemory:
         ignored: regen.storage_frees)."""
         storages = model_storages(model)
         for key in storages:
-            self._tracked_bytes -= self._live.forget(key)
+            nbytes = self._live.forget(key)
+            self._tracked_bytes -= nbytes
+            if key in self._made_in_backward:
+                self._made_in_backward.discard(key)
+                self.backward_bytes -= nbytes
         self.start_bytes = sum(storages.values())
+        self.untracked_bytes = 0
 
-    def track(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage while it lives (once, however many tensors view it)."""
+    def track(self, t: torch.Tensor, made_in_backward: bool = False) -> None:
+        """Count `t`'s storage while it lives (once, however many tensors view it); `made_in_backward`: a
+        backward op made it (`backward_bytes`)."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = storage.data_ptr()
@@ -70,21 +81,29 @@ class TrackedMemory:
                 return
         self._live.watch_storage(key, storage, nbytes)
         self._tracked_bytes += nbytes
+        if made_in_backward:
+            self._made_in_backward.add(key)
+            self.backward_bytes += nbytes
 
     def in_use_bytes(self) -> int:
         """The memory in use."""
         self._settle()
-        return self.start_bytes + self._tracked_bytes
+        return self.start_bytes + self._tracked_bytes + self.untracked_bytes
 
     def _settle(self) -> None:
-        for _, nbytes in self._live.pop_freed():
+        for key, nbytes in self._live.pop_freed():
             self._tracked_bytes -= nbytes
+            if key in self._made_in_backward:
+                self._made_in_backward.discard(key)
+                self.backward_bytes -= nbytes
 
 
 class DeviceMemory:
     """CUDA: the allocator's figure."""
 
     cheap_reads = False  # a reading costs about 19 us (regen/allocator.py)
+    backward_bytes = 0  # the allocator's figure counts everything
+    untracked_bytes = 0
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -94,7 +113,7 @@ class DeviceMemory:
     def begin_step(self, model: nn.Module) -> None:
         self.start_bytes = self.read()
 
-    def track(self, t: torch.Tensor) -> None:
+    def track(self, t: torch.Tensor, made_in_backward: bool = False) -> None:
         pass
 
     def in_use_bytes(self) -> int:

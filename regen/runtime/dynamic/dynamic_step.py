@@ -27,6 +27,8 @@ import torch
 
 from regen.errors import RegenError
 from regen.opinfo import is_inplace, is_random, op_outputs, storage_key, tensor_outputs, written_outputs
+from regen.runtime import stacks
+from regen.runtime.dynamic.backward_figures import BackwardFigures, BackwardGate, BackwardRecord
 from regen.runtime.dynamic.cap_memory import new_storage_bytes
 from regen.runtime.dynamic.nodes import TensorNode, new_node
 from regen.runtime.dynamic.eviction import Residency
@@ -132,6 +134,17 @@ class DynamicStep:
         self.warned = False
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
+        self.start_bytes = memory.start_bytes  # the model's memory at its start (begin_step ran)
+        # Note [ A backward without the dispatch mode ]: this backward's record (under the mode, CPU), or the
+        # figures it runs on without the mode, the gate that lets it, and the count of its unpacks
+        self.record: BackwardRecord | None = BackwardRecord() if memory.cheap_reads else None
+        self.figures: BackwardFigures | None = None
+        self.gate: BackwardGate | None = None
+        self.gate_up = False  # pushed (popped once the step closed and it is on top: drop_gate)
+        self.ops_at_backward: int | None = None  # forward ops counted when the program's backward call began
+        self.mode_free = False
+        self.unpacks = 0
+        self._leave_mode: Callable[[], bool] = lambda: False
         self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap,
                                    lambda: self.largest_bytes, lambda: self.count, self._thrashing, swaps)
 
@@ -180,6 +193,51 @@ class DynamicStep:
         if self.foresight_exact:
             self._compare_foresight(0, i, (func, made_bytes))
         return out
+
+    # ---- a backward without the dispatch mode (backward_figures.py) --------------------------------
+    def gate_backward(self, figures: BackwardFigures | None, leave_mode: Callable[[], bool]) -> None:
+        """Raise a gate at the backward call once the model returned: it notes the forward ops counted then,
+        and with `figures`, runs the backward on them without the dispatch mode when the forward made what the
+        step before's made (`leave_mode()` pops the mode; False: it could not)."""
+        self.figures = figures
+        self._leave_mode = leave_mode
+        self.gate = BackwardGate(self._open_backward)
+
+    def model_returned(self) -> None:
+        """The model's root call returned: the gate goes up (the loss and the backward call come next)."""
+        gate = self.gate
+        if gate is not None and not self.gate_up and not self.in_backward and not self.closed:
+            gate.__enter__()
+            self.gate_up = True
+
+    def _open_backward(self) -> None:
+        """The gate fired: the program's backward call, before it starts."""
+        self.ops_at_backward = self.count
+        figures = self.figures
+        if (figures is None or self.closed or self.released or self.in_backward or not self.foresight_exact
+                or self.count != figures.ops_at_backward or not self._leave_mode()):
+            return
+        self.mode_free = True
+        self.record = None
+        self.stats.backwards_without_mode += 1
+        self.residency.make_room(0, headroom_bytes=figures.rise_bytes[0])
+
+    def drop_gate(self) -> None:
+        """The step closed: its gate, if one went up, fires no more and is popped once on top."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.disarm()
+            stacks.orphan(gate)  # nothing when it never went up
+
+    def _figures_at_unpack(self) -> None:
+        """Unpack k of a backward without the mode: the recorded live bytes counted, the recorded rise kept free."""
+        k, figures = self.unpacks, self.figures
+        if k < len(figures.live_bytes):
+            self.memory.untracked_bytes = figures.live_bytes[k]
+            self.residency.headroom_bytes = figures.rise_bytes[k + 1]
+        else:  # past the recorded backward
+            self.memory.untracked_bytes = max(figures.live_bytes)
+            self.residency.headroom_bytes = HEADROOM_PER_OUTPUT * self.largest_bytes
 
     def foresee(self, foreseen: tuple[list, list] | None) -> None:
         """What the step before made, op by op (Note [ Room for the next op ]); exact until an op differs."""
@@ -245,6 +303,8 @@ class DynamicStep:
                 if foreseen > self.largest_bytes:
                     # only past the largest: the unpacks' headroom keeps room for that much (Note [ Room ... ])
                     self.residency.make_room(foreseen - self.largest_bytes)
+        record = self.record
+        live = self.memory.backward_bytes if record is not None else 0
         if self.recorder is None or not self.recorder.recording:
             out = func(*args, **kwargs)
         else:  # learning the ops' temporaries (transients.py)
@@ -253,8 +313,10 @@ class DynamicStep:
         made_bytes = 0
         for t in tensor_outputs(out):
             if t is not None:
-                self.memory.track(t)
+                self.memory.track(t, made_in_backward=True)
                 made_bytes += new_storage_bytes(t, args)
+        if record is not None:
+            record.op(live, made_bytes, len(self.made_backward))
         if self.foresight_exact:
             self._compare_foresight(1, len(self.made_backward), (func, made_bytes))
         self.made_backward.append((func, made_bytes))
@@ -297,9 +359,14 @@ class DynamicStep:
         if op < len(self.largest_upto):  # Note [ Headroom in backward ]
             self.largest_bytes = self.largest_upto[op]
             self.residency.headroom_bytes = self._backward_headroom_per_output() * self.largest_bytes
+        if self.mode_free:
+            self._figures_at_unpack()
         with self.pause():
             base = self.residency.materialize(obj.node)
             self.residency.prefetch(obj.node)
+        if self.record is not None:
+            self.record.unpack(self.memory.backward_bytes)
+        self.unpacks += 1
         with regen_ops():
             return view_of(base, obj.geometry)
 

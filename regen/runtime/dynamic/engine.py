@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from regen.opinfo import is_counted
 from regen.runtime import stacks
+from regen.runtime.dynamic.backward_figures import BackwardFigures, figures
 from regen.runtime.dynamic.cap_memory import DeviceMemory, TrackedMemory
 from regen.runtime.dynamic.dynamic_step import DynamicStep
 from regen.runtime.dynamic.swaps import new_swaps
@@ -68,6 +69,7 @@ class DynamicStats:
     input_rebuilds: int = 0  # of which inputs of another rebuild (DTR's recursion)
     over_cap_steps: int = 0  # steps over the cap: nothing left to drop, or a measured peak (CUDA) (OverCapWarning)
     thrashing_steps: int = 0  # steps whose rebuilds passed their limit and stopped dropping (eviction.py)
+    backwards_without_mode: int = 0  # backwards run on the step before's figures (backward_figures.py)
     peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (cap_memory.py: on CPU
     # a figure never below it, exact wherever it decided an eviction)
     copy_outs: int = 0  # host link (swaps.py): copies to the host started ahead
@@ -139,6 +141,8 @@ class DynamicEngine:
         # CPU: backward op -> its temporaries (transients.py), once a step's backward learned them
         self.temporaries: dict[int, int] | None = None
         self.recorder: TransientRecorder | None = None  # recording a step's backward now
+        # what the last backward run under the mode did (backward_figures.py), or None
+        self.backward_figures: BackwardFigures | None = None
 
     @property
     def mode_pushed(self) -> bool:
@@ -151,10 +155,13 @@ class DynamicEngine:
     def start_step(self) -> DynamicStep:
         """A training forward begins as a dynamic step."""
         self._learn_temporaries()
-        if self.current is not None:
-            self.foreseen = (self.current.made_forward, self.current.made_backward)  # Note [ Room for the next op ]
+        previous = self.current
+        if previous is not None:  # Note [ Room for the next op ]; a backward without the mode made no figures
+            backward = previous.made_backward if not previous.mode_free else self.foreseen[1]
+            self.foreseen = (previous.made_forward, backward)
         self.close_current()
         stacks.pop_finished()  # this handle's and others' steps that pack no more
+        self._take_figures(previous)
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
@@ -165,6 +172,8 @@ class DynamicEngine:
             recorder = TransientRecorder()
             if recorder.start():
                 self.recorder = step.recorder = recorder
+        if step.record is not None and self.swaps is None:  # Note [ A backward without the dispatch mode ] 2
+            step.gate_backward(self.backward_figures if self._backward_without_mode(step) else None, self._leave_mode)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
@@ -174,12 +183,40 @@ class DynamicEngine:
         stacks.push_hooks(step, step.pack, step.unpack)
         return step
 
+    def _take_figures(self, step: DynamicStep | None) -> None:
+        """The figures of `step`'s backward, when it ran in full under the mode (Note [ A backward without the
+        dispatch mode ] 1, 4)."""
+        if (step is None or step.record is None or not step.released or step.aborted or step.residency.thrashed
+                or self.temporaries is None or step.ops_at_backward is None):
+            return
+        self.backward_figures = figures(step.record, self.temporaries, step.start_bytes, step.ops_at_backward)
+
+    def _backward_without_mode(self, step: DynamicStep) -> bool:
+        """`step` may run its backward without the dispatch mode (Note [ A backward without the dispatch
+        mode ] 2): figures known for the model's memory at its start, the backward's temporaries learned
+        and not recording, no host link, and a step before whose forward it may repeat."""
+        return (self.backward_figures is not None and self.temporaries is not None and step.recorder is None
+                and self.foreseen is not None and self.backward_figures.start_bytes == step.start_bytes)
+
+    def model_returned(self) -> None:
+        """The model's root call returned (the handle's post-hook)."""
+        if self.current is not None:
+            self.current.model_returned()
+
+    def _leave_mode(self) -> bool:
+        """Pop the dispatch mode for a backward without it, when it is on top (False: it stays)."""
+        if _get_current_dispatch_mode() is not self.mode:
+            return False
+        stacks.let_go(self.mode)
+        return True
+
     def close_current(self) -> None:
         """The model's next call began: the current step packs no more."""
         step = self.current
         if step is None:
             return
         step.closed = True
+        step.drop_gate()
         stacks.pop_hooks(step.pack)  # or later, by pop_finished (the next step's start, remove()), once on top
         self.current = None
         step.maybe_release()

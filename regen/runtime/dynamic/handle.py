@@ -83,6 +83,8 @@ class DynamicHandle:
 
     def _post_hook(self, module, args, output):
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self.engine.model_returned()
 
 
 def check_policy(policy: str) -> None:
