@@ -657,13 +657,19 @@ def test_the_learned_reserve_grows_only_where_it_can_help(cap_bytes, overshoot_b
     assert handle.stats.reserve_bytes == reserve_bytes
 
 
-def test_the_step_before_tells_a_check_what_the_next_op_makes():
-    """Note [ Room for the next op ]: the head's output, several times any storage before it, passes the cap
-    in the first step (no check foresaw it); from the second step on, the check before the head makes room
-    for what it made the step before, and the step stays within its cap."""
+@pytest.mark.parametrize("head", ["product", "repeat"])
+def test_the_step_before_tells_a_check_what_the_next_op_makes(head):
+    """Note [ Room for the next op ]: the head's output is several times any storage before it. A matrix
+    product's output bytes are known from its operands, so the check before it keeps room for them from the
+    first step on (the zoo's Llama at bench size: its logits took its first step 8% over its cap before); any
+    other op's (a repeat) passes the cap in the first step, which no check foresaw, and from the second step on
+    the check before it makes room for what it made the step before: the step stays within its cap."""
     torch.manual_seed(0)
     depth, width, rows = 16, 64, 512
-    model = _Chain(depth, width, torch.sin, lambda m, y: (y @ m.head).mean(dim=1).sum(), 16 * width)
+    if head == "product":
+        model = _Chain(depth, width, torch.sin, lambda m, y: (y @ m.head).mean(dim=1).sum(), 16 * width)
+    else:
+        model = _Chain(depth, width, torch.sin, lambda _m, y: y.repeat(1, 16).mean(dim=1).sum())
     x = torch.randn(rows, width)
     reference = _grads(model, x)
     start = sum(model_storages(model).values())
@@ -675,8 +681,10 @@ def test_the_step_before_tells_a_check_what_the_next_op_makes():
             peaks.append(start + measure_memory(lambda: model(x).backward()).peak_increase_bytes)
             assert _same_grads(model, reference)
             model.zero_grad(set_to_none=True)
-    assert peaks[0] > (1 + CAP_TOLERANCE) * cap  # the first step could not know
-    assert all(p <= (1 + CAP_TOLERANCE) * cap for p in peaks[1:]), [p / cap for p in peaks]
+    later = peaks if head == "product" else peaks[1:]
+    if head == "repeat":
+        assert peaks[0] > (1 + CAP_TOLERANCE) * cap  # the first step could not know
+    assert all(p <= (1 + CAP_TOLERANCE) * cap for p in later), [p / cap for p in peaks]
     assert handle.stats.over_cap_steps == 0  # CPU: no allocator figure to warn with (limitations.md)
 
 
