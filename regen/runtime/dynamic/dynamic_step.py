@@ -82,10 +82,10 @@ _BMM = (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
 
 
 def matrix_product_bytes(func, args) -> int | None:
-    """The bytes of a matrix product's output, from its operands' shapes (None for any other op): a step without
-    the step before's figure for it keeps room for it exactly. A language model's logits, one product after its
-    last block, are several times any tensor before them, so a guess from the largest so far misses them (the
-    zoo's Llama at bench size: its first step 8% over its cap)."""
+    """The bytes of a matrix product's output, from its operands' shapes (None for any other op): its check keeps
+    room for exactly that, in a step of a new shape too. A language model's logits, one product after its last
+    block, are several times any tensor before them, so a guess from the largest so far misses them (the zoo's
+    Llama at bench size: its first step 8% over its cap), and the step before's figure misses a longer batch's."""
     if func in _MM:
         a, b = args[-2], args[-1]
         return a.shape[0] * b.shape[1] * a.element_size()
@@ -290,13 +290,13 @@ class DynamicStep:
         the largest storage so far (a backward op whose temporaries were learned: them, and no headroom, while
         every op so far made what it made the step before and no host link holds memory); else no figure and a
         headroom of HEADROOM_PER_OUTPUT x the largest (the output guessed: a check that cannot keep a guess free
-        is not over its cap), or for a forward matrix product its output's bytes, known from its operands, and
-        one temporary."""
+        is not over its cap); a forward matrix product keeps room for its output's bytes, known from its operands,
+        and one temporary."""
+        product_bytes = matrix_product_bytes(func, args) if phase == 0 else None
+        if product_bytes is not None:  # known whatever the step before made
+            return product_bytes, self.largest_bytes
         foreseen = self._foreseen_bytes(phase, i, func)
         if foreseen is None:
-            product_bytes = matrix_product_bytes(func, args) if phase == 0 else None
-            if product_bytes is not None:
-                return product_bytes, self.largest_bytes
             return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
         if phase == 1 and self.temporaries is not None:  # what the op allocates and frees inside itself
             foreseen += self.temporaries.get(i, 0)
