@@ -195,6 +195,26 @@ def test_a_backward_without_the_mode_counts_the_gradients_it_makes():
         assert start + m.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap, (start + m.peak_increase_bytes) / cap
 
 
+def test_a_gradient_penalty_keeps_the_mode_through_its_backward():
+    """A backward call that creates a graph (`torch.autograd.grad(..., create_graph=True)`, a gradient penalty)
+    runs ops the step must see: it never opens a backward without the mode, and the steps stay exact."""
+    torch.manual_seed(0)
+    model, x = _WideLayers(width=64, depth=3), torch.randn(32, 64, requires_grad=True)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(x)
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + gx.square().sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = step()
+    with regen.apply(model, memory_cap=10**9) as handle:
+        got = [step() for _ in range(3)]
+    assert handle.stats.backwards_without_mode == 0
+    assert all(torch.equal(g[n], reference[n]) for g in got for n in reference)
+
+
 def test_a_first_step_through_a_recurrent_scan_rebuilds_no_storm():
     """A rebuild keeps room for its known output and one temporary (eviction.py, Note [ Room for a rebuild ]):
     Jamba's Mamba layers run a scan of 64 states, each read by the next; keeping room for a guessed output too,

@@ -14,7 +14,8 @@ backward ops with the same outputs, so both can be read off a backward that ran 
    step is over.
 2. A step on CPU with no host link pushes a gate (`BackwardGate`, a torch function mode) when the model's root
    call returns; the program's backward call (`loss.backward()`, `torch.autograd.backward`,
-   `torch.autograd.grad`) made outside any backward fires it, before that backward starts. It notes the
+   `torch.autograd.grad`) made outside any backward fires it, before that backward starts (one that creates a
+   graph, `create_graph=True`, only disarms it: its ops are the step's to see). It notes the
    forward ops counted so far (the grad seed the call makes comes after), and where figures are known, the
    backward's temporaries learned, the model's memory at the step's start what the recorded step's was, every
    forward op made what the step before's made, and as many ops ran as before the recorded step's backward call,
@@ -27,6 +28,7 @@ backward ops with the same outputs, so both can be read off a backward that ran 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,5 +93,14 @@ class BackwardGate(TorchFunctionMode):
         opener = self.open_backward
         if opener is not None and func in BACKWARD_CALLS and torch._C._current_graph_task_id() == -1:
             self.open_backward = None
-            opener()
+            if not _creates_graph(func, args, kwargs or {}):  # a double backward's ops are the step's: the mode stays
+                opener()
         return func(*args, **(kwargs or {}))
+
+
+def _creates_graph(func, args, kwargs) -> bool:
+    """The backward call records a graph of its own (`create_graph=True`: a gradient penalty)."""
+    try:
+        return bool(inspect.signature(func).bind_partial(*args, **kwargs).arguments.get("create_graph"))
+    except (TypeError, ValueError):  # not bindable: take it as one that does
+        return True
