@@ -22,7 +22,7 @@ from torch import nn
 
 from regen.call_signature import call_signature, describe
 from regen.formats.plan import Plan
-from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats
+from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats, call_key
 from regen.runtime.learned import LearnedPlans, Learner
 from regen.runtime.mismatch import PlanMismatchWarning
 from regen.units import format_bytes
@@ -75,7 +75,7 @@ class DynamicFallback:
                           f"{learning})", PlanMismatchWarning, stacklevel=5)
         if self.engine is None:
             self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
-        step = self.engine.start_step()
+        step = self.engine.start_step(call_key(args, kwargs))
         self.learned.observe(step, self.root, signature, described, args, kwargs, self.cap_bytes)
 
     def planned_step_begins(self) -> None:
@@ -85,6 +85,7 @@ class DynamicFallback:
     def model_returned(self, output) -> None:
         if self.engine is not None and self.engine.current is not None:
             self.learned.model_returned(self.engine.current, output)
+            self.engine.model_returned()
 
     def remove(self, abort: bool) -> None:
         if self.engine is not None:

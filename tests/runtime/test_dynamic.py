@@ -195,6 +195,43 @@ def test_a_backward_without_the_mode_counts_the_gradients_it_makes():
         assert start + m.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap, (start + m.peak_increase_bytes) / cap
 
 
+def test_steps_of_two_shapes_in_turn_each_run_on_their_own_shapes_figures():
+    """Foresight and backward figures are kept per call shape (engine.call_key): with two batch shapes in turn,
+    every step from the third on repeats the last step of its own shape, though not the step before it, and runs
+    its backward without the mode: exact, within its cap."""
+    torch.manual_seed(0)
+    model = _WideLayers()
+    batches = [torch.randn(512, 512), torch.randn(384, 512)]
+
+    def step(x):
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+
+    def grads():
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = []
+    for x in batches:
+        step(x)
+        reference.append(grads())
+    unplanned = measure_memory(lambda: step(batches[0]))
+    model.zero_grad(set_to_none=True)
+    start = sum(model_storages(model).values())
+    cap = int(start + 0.8 * unplanned.peak_increase_bytes)
+    peaks = []
+    with regen.apply(model, memory_cap=cap) as handle:
+        for k in range(6):
+            x = batches[k % 2]
+            if k < 2:
+                step(x)
+            else:
+                peaks.append(start + measure_memory(lambda: step(x)).peak_increase_bytes)
+            got = grads()
+            assert all(torch.equal(got[n], reference[k % 2][n]) for n in got)
+    assert handle.stats.backwards_without_mode == 4, handle.stats
+    assert all(p <= (1 + CAP_TOLERANCE) * cap for p in peaks), [p / cap for p in peaks]
+
+
 def test_a_gradient_penalty_keeps_the_mode_through_its_backward():
     """A backward call that creates a graph (`torch.autograd.grad(..., create_graph=True)`, a gradient penalty)
     runs ops the step must see: it never opens a backward without the mode, and the steps stay exact."""

@@ -24,12 +24,13 @@ reserve ]).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from regen.call_signature import call_inputs
 from regen.opinfo import is_counted
 from regen.runtime import stacks
 from regen.runtime.dynamic.backward_figures import BackwardFigures, figures
@@ -79,6 +80,26 @@ class DynamicStats:
     link_wait_s: float = 0.0  # time the step waited on the link (an emulated link's copies not yet due)
     link_copy_cpu_s: float = 0.0  # an emulated link's memmoves on the compute thread (emulation only)
     reserve_bytes: int = 0  # kept free at every check, learned from measured peaks (Note [ The learned reserve ])
+
+
+# the call shapes whose last step an engine remembers (Note [ Room for the next op ]; backward_figures.py):
+# bucketed lengths, a training and an evaluation shape
+CALLS_REMEMBERED = 16
+
+
+@dataclass
+class _Seen:
+    """What the last dynamic step of one call made (forward and backward ops: their op and bytes), and the
+    figures of that call's last backward run under the mode."""
+
+    made_forward: list = field(default_factory=list)
+    made_backward: list = field(default_factory=list)
+    figures: BackwardFigures | None = None
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple:
+    """A call's tensor arguments as (name, shape, dtype, requires_grad): steps of one key run the same ops."""
+    return tuple((i.name, tuple(i.shape), i.dtype, i.requires_grad) for i in call_inputs(args, kwargs))
 
 
 class DynamicMode(TorchDispatchMode):
@@ -141,7 +162,9 @@ class DynamicEngine:
         # CPU: backward op -> its temporaries (transients.py), once a step's backward learned them
         self.temporaries: dict[int, int] | None = None
         self.recorder: TransientRecorder | None = None  # recording a step's backward now
-        # what the last backward run under the mode did (backward_figures.py), or None
+        # per call key (None: calls not told apart), the last step's ops' outputs and its call's last backward run
+        # under the mode (backward_figures.py); and the figures of the step starting
+        self._seen: dict = {}
         self.backward_figures: BackwardFigures | None = None
 
     @property
@@ -152,19 +175,26 @@ class DynamicEngine:
     def hooks_installed(self) -> bool:
         return self.mode_pushed or (self.current is not None and stacks.hooks_pushed(self.current.pack))
 
-    def start_step(self) -> DynamicStep:
-        """A training forward begins as a dynamic step."""
+    def start_step(self, call_key=None) -> DynamicStep:
+        """A training forward begins as a dynamic step; `call_key` tells its call's shapes apart (`call_key()`),
+        or None."""
         self._learn_temporaries()
         previous = self.current
-        if previous is not None:  # Note [ Room for the next op ]; a backward without the mode made no figures
-            backward = previous.made_backward if not previous.mode_free else self.foreseen[1]
-            self.foreseen = (previous.made_forward, backward)
+        if previous is not None:
+            self._remember(previous)
         self.close_current()
         stacks.pop_finished()  # this handle's and others' steps that pack no more
         self._take_figures(previous)
+        # Note [ Room for the next op ]: what the last step of this call made, else the step before's
+        seen = self._seen.get(call_key) if call_key is not None else None
+        if seen is None and previous is not None:
+            seen = self._seen.get(previous.call_key)
+        self.foreseen = (seen.made_forward, seen.made_backward) if seen is not None else None
+        self.backward_figures = seen.figures if seen is not None else None
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
+        step.call_key = call_key
         step.residency.reserve_bytes = self.stats.reserve_bytes
         step.foresee(self.foreseen)
         step.temporaries = self.temporaries
@@ -183,13 +213,25 @@ class DynamicEngine:
         stacks.push_hooks(step, step.pack, step.unpack)
         return step
 
+    def _remember(self, step: DynamicStep) -> None:
+        """What `step` made, op by op, as the last step of its call (a backward without the mode made no figures:
+        the call's earlier ones stand)."""
+        seen = self._seen.pop(step.call_key, None) or _Seen()
+        seen.made_forward = step.made_forward
+        if not step.mode_free:
+            seen.made_backward = step.made_backward
+        self._seen[step.call_key] = seen  # the most recent last
+        while len(self._seen) > CALLS_REMEMBERED:
+            self._seen.pop(next(iter(self._seen)))
+
     def _take_figures(self, step: DynamicStep | None) -> None:
-        """The figures of `step`'s backward, when it ran in full under the mode (Note [ A backward without the
-        dispatch mode ] 1, 4)."""
+        """The figures of `step`'s backward for its call, when it ran in full under the mode (Note [ A backward
+        without the dispatch mode ] 1, 4)."""
         if (step is None or step.record is None or not step.released or step.aborted or step.residency.thrashed
-                or self.temporaries is None or step.ops_at_backward is None):
+                or self.temporaries is None or step.ops_at_backward is None or step.call_key not in self._seen):
             return
-        self.backward_figures = figures(step.record, self.temporaries, step.start_bytes, step.ops_at_backward)
+        self._seen[step.call_key].figures = figures(step.record, self.temporaries, step.start_bytes,
+                                                    step.ops_at_backward)
 
     def _backward_without_mode(self, step: DynamicStep) -> bool:
         """`step` may run its backward without the dispatch mode (Note [ A backward without the dispatch

@@ -16,7 +16,7 @@ from torch import nn
 
 from regen.caches import announced_caches_off
 from regen.errors import RegenError
-from regen.runtime.dynamic.engine import DynamicEngine
+from regen.runtime.dynamic.engine import DynamicEngine, call_key
 from regen.runtime.dynamic.policy import POLICIES
 from regen.runtime.model_access import check_model, module_device, starts_a_step, unwrap_model
 from regen.units import parse_memory_cap
@@ -42,7 +42,7 @@ class DynamicHandle:
         self.stats = self.engine.stats
         self._depth = 0
         self._removed = False
-        self._hooks = [self.root.register_forward_pre_hook(self._pre_hook),
+        self._hooks = [self.root.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                        self.root.register_forward_hook(self._post_hook, always_call=True)]
 
     # ---- public -----------------------------------------------------------------------------------
@@ -75,11 +75,11 @@ class DynamicHandle:
         return bool(self._hooks) or self.engine.hooks_installed
 
     # ---- step boundaries --------------------------------------------------------------------------
-    def _pre_hook(self, module, args):
+    def _pre_hook(self, module, args, kwargs):
         self._depth += 1
         if not starts_a_step(self._depth, "dynamic mode runs"):
             return
-        self.engine.start_step()
+        self.engine.start_step(call_key(args, kwargs))
 
     def _post_hook(self, module, args, output):
         self._depth = max(0, self._depth - 1)
