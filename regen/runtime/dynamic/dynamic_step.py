@@ -62,8 +62,8 @@ op_clock = time.perf_counter
 # the bytes of the storages it made, and the next step's check before op i keeps room for what op i made last
 # time, when op i is the same op (the last step of the same call shapes: engine.call_key; a step of a shape
 # not seen before gets the step before's figure, a fair guess: it only sets how much is dropped ahead);
-# otherwise for a storage as large as the largest so far, which cannot see a storage larger than any before it. A matrix product's output is known from its operands, so its check keeps
-# room for exactly that in every step (`matrix_product_bytes`): a language model's logits, made by one product
+# otherwise for a storage as large as the largest so far, which cannot see a storage larger than any before it.
+# A matrix product's output is known from its operands, so its check keeps room for exactly that in every step (`matrix_product_bytes`): a language model's logits, made by one product
 # after the last block, several times any block's tensor, took the zoo Llama's first step 8% over its cap
 # before. Backward alike, op by op: a gradient as large as the logits comes right at
 # its start; on CPU a backward op's check also keeps room for the temporaries the op allocated and freed inside
