@@ -63,10 +63,10 @@ op_clock = time.perf_counter
 # time, when op i is the same op (the last step of the same call shapes: engine.call_key; a step of a shape
 # not seen before gets the step before's figure, a fair guess: it only sets how much is dropped ahead);
 # otherwise for a storage as large as the largest so far, which cannot see a storage larger than any before it.
-# A matrix product's output is known from its operands, so its check keeps room for exactly that in every step (`matrix_product_bytes`): a language model's logits, made by one product
-# after the last block, several times any block's tensor, took the zoo Llama's first step 8% over its cap
-# before. Backward alike, op by op: a gradient as large as the logits comes right at
-# its start; on CPU a backward op's check also keeps room for the temporaries the op allocated and freed inside
+# A matrix product's output is known from its operands, so its check keeps room for exactly that in every
+# step (`matrix_product_bytes`): a language model's logits, made by one product after the last block, several
+# times any block's tensor, took the zoo Llama's first step 8% over its cap before. Backward alike, op by op: a
+# gradient as large as the logits comes right at its start; on CPU a backward op's check also keeps room for the temporaries the op allocated and freed inside
 # itself in the recorded step (transients.py), which no check sees otherwise. Where a reading of the memory
 # costs (CUDA: the allocator's statistics), a backward op gets a check
 # only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
