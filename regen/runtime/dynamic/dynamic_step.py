@@ -66,10 +66,10 @@ op_clock = time.perf_counter
 # A matrix product's output is known from its operands, so its check keeps room for exactly that in every
 # step (`matrix_product_bytes`): a language model's logits, made by one product after the last block, several
 # times any block's tensor, took the zoo Llama's first step 8% over its cap before. Backward alike, op by op: a
-# gradient as large as the logits comes right at its start; on CPU a backward op's check also keeps room for the temporaries the op allocated and freed inside
-# itself in the recorded step (transients.py), which no check sees otherwise. Where a reading of the memory
-# costs (CUDA: the allocator's statistics), a backward op gets a check
-# only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
+# gradient as large as the logits comes right at its start; on CPU a backward op's check also keeps room for
+# the temporaries the op allocated and freed inside itself in the recorded step (transients.py), which no check
+# sees otherwise. Where a reading of the memory costs (CUDA: the allocator's statistics), a backward op gets a
+# check only when it made more the step before than the largest so far, and the checks at unpacks keep the room for
 # the op's outputs too (a headroom of HEADROOM_PER_OUTPUT x the largest). The checks at packs, and at unpacks
 # and rebuilds of a step whose ops have not all made what the step before's made, keep HEADROOM_PER_OUTPUT x
 # the largest as well, and so do all of them where a host link holds memory no check can drop
