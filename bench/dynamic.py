@@ -19,6 +19,8 @@ dropout seed fixed per step):
 * `dynamic-swap`: `dynamic-graph` with a host link (CPU: emulated, `emulate_link=True`) at link ratio
   --link-ratio (copying every saved tensor of the length-256 step one way takes that x its unplanned
   step time: 0.9 is PCIe next to a fast GPU), swapping as well as dropping (on CUDA the real link);
+* `dynamic-buckets`: `dynamic-graph` padded to its bucket: a bucket's steps after its first repeat the last
+  step of their shape, so their backward runs without the dispatch mode (docs/internals.md, "Dynamic mode");
 * `dynamic-learn`: padded to its bucket, no plan at first: dynamic mode at the cap, learning a plan per
   bucket (`learn=True`): a bucket's first step runs dynamic, the model's next call profiles it (the
   profile's time and memory are in that step's) and its plan is used once solved, so learning settles
@@ -266,6 +268,7 @@ def main():
         ("dynamic-graph", None, lambda m: regen.apply(m, memory_cap=dyn_cap, policy="graph"), "none"),
         ("dynamic-dtr", None, lambda m: regen.apply(m, memory_cap=dyn_cap, policy="dtr"), "none"),
         ("dynamic-swap", None, lambda m: regen.apply(m, memory_cap=dyn_cap, **link), "none"),
+        ("dynamic-buckets", to_bucket, lambda m: regen.apply(m, memory_cap=dyn_cap, policy="graph"), "none-buckets"),
         ("dynamic-learn", to_bucket, lambda m: regen.apply(m, memory_cap=dyn_cap, learn=True), "none-buckets"),
     ]
     print(f"buckets {buckets}: plans for {used}")
