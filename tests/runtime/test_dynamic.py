@@ -195,13 +195,16 @@ def test_a_backward_without_the_mode_counts_the_gradients_it_makes():
         assert start + m.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap, (start + m.peak_increase_bytes) / cap
 
 
-def test_steps_of_two_shapes_in_turn_each_run_on_their_own_shapes_figures():
-    """Foresight and backward figures are kept per call shape (engine.call_key): with two batch shapes in turn,
-    every step from the third on repeats the last step of its own shape, though not the step before it, and runs
-    its backward without the mode: exact, within its cap."""
+@pytest.mark.parametrize("differ", ["shape", "requires_grad"])
+def test_steps_of_two_calls_in_turn_each_run_on_their_own_calls_figures(differ):
+    """Foresight and backward figures are kept per call (engine.call_key: each tensor argument's shape, dtype and
+    requires_grad): with two calls in turn, every step from the third on repeats the last step of its own call,
+    though not the step before it, and runs its backward without the mode: exact, within its cap. A batch that
+    requires grad makes the same forward and a larger backward (its own gradient): never the other's figures."""
     torch.manual_seed(0)
     model = _WideLayers()
-    batches = [torch.randn(512, 512), torch.randn(384, 512)]
+    x = torch.randn(512, 512)
+    batches = [x, torch.randn(384, 512)] if differ == "shape" else [x, x.clone().requires_grad_()]
 
     def step(x):
         model.zero_grad(set_to_none=True)

@@ -176,8 +176,8 @@ class DynamicEngine:
         return self.mode_pushed or (self.current is not None and stacks.hooks_pushed(self.current.pack))
 
     def start_step(self, call_key=None) -> DynamicStep:
-        """A training forward begins as a dynamic step; `call_key` tells its call's shapes apart (`call_key()`),
-        or None."""
+        """A training forward begins as a dynamic step; `call_key` tells its call's shapes apart (`call_key()`;
+        None: not told apart, and never a backward without the mode)."""
         self._learn_temporaries()
         previous = self.current
         if previous is not None:
@@ -185,12 +185,13 @@ class DynamicEngine:
         self.close_current()
         stacks.pop_finished()  # this handle's and others' steps that pack no more
         self._take_figures(previous)
-        # Note [ Room for the next op ]: what the last step of this call made, else the step before's
-        seen = self._seen.get(call_key) if call_key is not None else None
-        if seen is None and previous is not None:
-            seen = self._seen.get(previous.call_key)
+        # Note [ Room for the next op ]: what the last step of this call made, else the step before's; a backward
+        # without the mode only on its own call's figures (another call's, differing in what requires grad, may
+        # make the same forward and a larger backward)
+        known = self._seen.get(call_key) if call_key is not None else None
+        seen = known if known is not None or previous is None else self._seen.get(previous.call_key)
         self.foreseen = (seen.made_forward, seen.made_backward) if seen is not None else None
-        self.backward_figures = seen.figures if seen is not None else None
+        self.backward_figures = known.figures if known is not None else None
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
