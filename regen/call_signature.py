@@ -80,6 +80,12 @@ def call_signature(model: nn.Module, args: tuple, kwargs: dict) -> CallSignature
     return CallSignature(inputs=call_inputs(args, kwargs), trainable_parameters=trainable_parameters(model))
 
 
+def signature_key(sig: CallSignature) -> tuple:
+    """`sig` as a hashable key: steps of one key run the same ops and save the same tensors (what requires grad
+    decides what backward makes)."""
+    return tuple((x.name, tuple(x.shape), x.dtype, x.requires_grad) for x in sig.inputs), sig.trainable_parameters
+
+
 def describe(sig: CallSignature) -> str:
     """`x: [4, 32] float32 requiring grad; 12 parameters requiring grad`"""
     parts = [f"{x.name}: {x.shape} {x.dtype.removeprefix('torch.')}{' requiring grad' if x.requires_grad else ''}"

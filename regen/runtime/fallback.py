@@ -20,9 +20,9 @@ from pathlib import Path
 
 from torch import nn
 
-from regen.call_signature import call_signature, describe
+from regen.call_signature import call_signature, describe, signature_key
 from regen.formats.plan import Plan
-from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats, call_key
+from regen.runtime.dynamic.engine import DynamicEngine, DynamicStats
 from regen.runtime.learned import LearnedPlans, Learner
 from regen.runtime.mismatch import PlanMismatchWarning
 from regen.units import format_bytes
@@ -75,7 +75,7 @@ class DynamicFallback:
                           f"{learning})", PlanMismatchWarning, stacklevel=5)
         if self.engine is None:
             self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
-        step = self.engine.start_step(call_key(args, kwargs))
+        step = self.engine.start_step(signature_key(signature))
         self.learned.observe(step, self.root, signature, described, args, kwargs, self.cap_bytes)
 
     def planned_step_begins(self) -> None:

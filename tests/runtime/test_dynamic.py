@@ -195,41 +195,45 @@ def test_a_backward_without_the_mode_counts_the_gradients_it_makes():
         assert start + m.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap, (start + m.peak_increase_bytes) / cap
 
 
-@pytest.mark.parametrize("differ", ["shape", "requires_grad"])
+@pytest.mark.parametrize("differ", ["shape", "requires_grad", "trainable"])
 def test_steps_of_two_calls_in_turn_each_run_on_their_own_calls_figures(differ):
-    """Foresight and backward figures are kept per call (engine.call_key: each tensor argument's shape, dtype and
-    requires_grad): with two calls in turn, every step from the third on repeats the last step of its own call,
-    though not the step before it, and runs its backward without the mode: exact, within its cap. A batch that
-    requires grad makes the same forward and a larger backward (its own gradient): never the other's figures."""
+    """Foresight and backward figures are kept per call (call_signature.signature_key: each tensor argument's
+    shape, dtype and requires_grad, and how many parameters require grad): with two calls in turn, every step
+    from the third on repeats the last step of its own call, though not the step before it, and runs its
+    backward without the mode: exact, within its cap. A batch that requires grad, or a first layer trained
+    again, makes the same forward and a larger backward: never on the other call's figures."""
     torch.manual_seed(0)
     model = _WideLayers()
     x = torch.randn(512, 512)
-    batches = [x, torch.randn(384, 512)] if differ == "shape" else [x, x.clone().requires_grad_()]
+    batches = {"shape": [x, torch.randn(384, 512)], "requires_grad": [x, x.clone().requires_grad_()],
+               "trainable": [x, x]}[differ]
 
-    def step(x):
+    def step(k):
+        if differ == "trainable":
+            model.layers[0].requires_grad_(k % 2 == 1)
         model.zero_grad(set_to_none=True)
-        model(x).backward()
+        model(batches[k % 2]).backward()
 
     def grads():
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     reference = []
-    for x in batches:
-        step(x)
+    for k in range(2):
+        step(k)
         reference.append(grads())
-    unplanned = measure_memory(lambda: step(batches[0]))
+    increase = max(measure_memory(lambda: step(k)).peak_increase_bytes for k in range(2))
     model.zero_grad(set_to_none=True)
     start = sum(model_storages(model).values())
-    cap = int(start + 0.8 * unplanned.peak_increase_bytes)
+    cap = int(start + 0.8 * increase)
     peaks = []
     with regen.apply(model, memory_cap=cap) as handle:
         for k in range(6):
-            x = batches[k % 2]
             if k < 2:
-                step(x)
+                step(k)
             else:
-                peaks.append(start + measure_memory(lambda: step(x)).peak_increase_bytes)
+                peaks.append(start + measure_memory(lambda: step(k)).peak_increase_bytes)
             got = grads()
+            assert got.keys() == reference[k % 2].keys()
             assert all(torch.equal(got[n], reference[k % 2][n]) for n in got)
     assert handle.stats.backwards_without_mode == 4, handle.stats
     assert all(p <= (1 + CAP_TOLERANCE) * cap for p in peaks), [p / cap for p in peaks]

@@ -23,10 +23,11 @@ backward ops with the same outputs, so both can be read off a backward that ran 
 3. That step's unpack k counts the recorded live bytes as memory in use on top of what the runtime tracks, and
    keeps the recorded rise free; past the recorded unpacks (a second backward through a kept graph) it counts
    the most any unpack recorded and keeps the headroom a step without foresight keeps.
-4. It records nothing itself: the figures of the last step of its call's shapes (engine.call_key) whose backward
-   ran under the mode stand. Figures and foresight are kept per call shape (the engine's CALLS_REMEMBERED most
-   recent): with bucketed lengths a step of a bucket seen before runs its backward without the mode; lengths
-   that never repeat keep it.
+4. It records nothing itself: the figures of the last step of its call whose backward ran under the mode
+   stand. Figures and foresight are kept per call (call_signature.signature_key: each tensor argument's shape,
+   dtype and requires_grad, and how many parameters require grad; the engine's CALLS_REMEMBERED most recent):
+   with bucketed lengths a step of a bucket seen before runs its backward without the mode; lengths that never
+   repeat keep it.
 """
 
 from __future__ import annotations

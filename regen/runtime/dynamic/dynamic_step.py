@@ -60,8 +60,8 @@ op_clock = time.perf_counter
 # (the headroom: as large as the largest storage made so far; a CPU convolution's buffers, which the runtime
 # does not track). Its outputs: training repeats its forward, so each step records, per forward op, the op and
 # the bytes of the storages it made, and the next step's check before op i keeps room for what op i made last
-# time, when op i is the same op (the last step of the same call shapes: engine.call_key; a step of a shape
-# not seen before gets the step before's figure, a fair guess: it only sets how much is dropped ahead);
+# time, when op i is the same op (the last step of the same call: call_signature.signature_key; a step of a
+# call not seen before gets the step before's figure, a fair guess: it only sets how much is dropped ahead);
 # otherwise for a storage as large as the largest so far, which cannot see a storage larger than any before it.
 # A matrix product's output is known from its operands, so its check keeps room for exactly that in every
 # step (`matrix_product_bytes`): a language model's logits, made by one product after the last block, several
@@ -165,7 +165,7 @@ class DynamicStep:
         self.mode_free = False
         self.unpacks = 0
         self._leave_mode: Callable[[], bool] = lambda: False
-        self.call_key = None  # its call's shapes (engine.call_key), or None
+        self.call_key = None  # its call (call_signature.signature_key), or None
         self.residency = Residency(self.nodes, self.captures, memory, cap_bytes, policy, stats, self._over_cap,
                                    lambda: self.largest_bytes, lambda: self.count, self._thrashing, swaps)
 

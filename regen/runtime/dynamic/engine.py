@@ -30,7 +30,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from regen.call_signature import call_inputs
 from regen.opinfo import is_counted
 from regen.runtime import stacks
 from regen.runtime.dynamic.backward_figures import BackwardFigures, figures
@@ -82,7 +81,7 @@ class DynamicStats:
     reserve_bytes: int = 0  # kept free at every check, learned from measured peaks (Note [ The learned reserve ])
 
 
-# the call shapes whose last step an engine remembers (Note [ Room for the next op ]; backward_figures.py):
+# the calls whose last step an engine remembers (Note [ Room for the next op ]; backward_figures.py):
 # bucketed lengths, a training and an evaluation shape
 CALLS_REMEMBERED = 16
 
@@ -95,11 +94,6 @@ class _Seen:
     made_forward: list = field(default_factory=list)
     made_backward: list = field(default_factory=list)
     figures: BackwardFigures | None = None
-
-
-def call_key(args: tuple, kwargs: dict) -> tuple:
-    """A call's tensor arguments as (name, shape, dtype, requires_grad): steps of one key run the same ops."""
-    return tuple((i.name, tuple(i.shape), i.dtype, i.requires_grad) for i in call_inputs(args, kwargs))
 
 
 class DynamicMode(TorchDispatchMode):
@@ -176,8 +170,8 @@ class DynamicEngine:
         return self.mode_pushed or (self.current is not None and stacks.hooks_pushed(self.current.pack))
 
     def start_step(self, call_key=None) -> DynamicStep:
-        """A training forward begins as a dynamic step; `call_key` tells its call's shapes apart (`call_key()`;
-        None: not told apart, and never a backward without the mode)."""
+        """A training forward begins as a dynamic step; `call_key` tells its call apart from others
+        (`call_signature.signature_key`; None: not told apart, and never a backward without the mode)."""
         self._learn_temporaries()
         previous = self.current
         if previous is not None:

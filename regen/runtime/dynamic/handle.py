@@ -15,8 +15,10 @@ from __future__ import annotations
 from torch import nn
 
 from regen.caches import announced_caches_off
+from regen.call_signature import TrainableCount, call_inputs, signature_key
 from regen.errors import RegenError
-from regen.runtime.dynamic.engine import DynamicEngine, call_key
+from regen.formats.profile import CallSignature
+from regen.runtime.dynamic.engine import DynamicEngine
 from regen.runtime.dynamic.policy import POLICIES
 from regen.runtime.model_access import check_model, module_device, starts_a_step, unwrap_model
 from regen.units import parse_memory_cap
@@ -42,8 +44,10 @@ class DynamicHandle:
         self.stats = self.engine.stats
         self._depth = 0
         self._removed = False
-        self._hooks = [self.root.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-                       self.root.register_forward_hook(self._post_hook, always_call=True)]
+        self._trainable = TrainableCount(self.root)  # part of each step's call key
+        self._hooks = self._trainable.hooks + [
+            self.root.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+            self.root.register_forward_hook(self._post_hook, always_call=True)]
 
     # ---- public -----------------------------------------------------------------------------------
     def __enter__(self) -> "DynamicHandle":
@@ -79,7 +83,8 @@ class DynamicHandle:
         self._depth += 1
         if not starts_a_step(self._depth, "dynamic mode runs"):
             return
-        self.engine.start_step(call_key(args, kwargs))
+        signature = CallSignature(inputs=call_inputs(args, kwargs), trainable_parameters=self._trainable())
+        self.engine.start_step(signature_key(signature))
 
     def _post_hook(self, module, args, output):
         self._depth = max(0, self._depth - 1)
