@@ -155,9 +155,9 @@ class DynamicStep:
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.start_bytes = memory.start_bytes  # the model's memory at its start (begin_step ran)
-        # Note [ A backward without the dispatch mode ]: this backward's record (under the mode, CPU), or the
-        # figures it runs on without the mode, the gate that lets it, and the count of its unpacks
-        self.record: BackwardRecord | None = BackwardRecord() if memory.cheap_reads else None
+        # Note [ A backward without the dispatch mode ]: this backward's record (under the mode, CPU without a host
+        # link), or the figures it runs on without the mode, the gate that lets it, and the count of its unpacks
+        self.record: BackwardRecord | None = BackwardRecord() if memory.cheap_reads and swaps is None else None
         self.figures: BackwardFigures | None = None
         self.gate: BackwardGate | None = None
         self.gate_up = False  # pushed (popped once the step closed and it is on top: drop_gate)

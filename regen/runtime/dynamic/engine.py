@@ -152,14 +152,12 @@ class DynamicEngine:
         self.removed = False
         self.current: DynamicStep | None = None
         self.live_steps: list[DynamicStep] = []
-        self.foreseen: tuple[list, list] | None = None  # the last dynamic step's made_forward, made_backward
         # CPU: backward op -> its temporaries (transients.py), once a step's backward learned them
         self.temporaries: dict[int, int] | None = None
         self.recorder: TransientRecorder | None = None  # recording a step's backward now
         # per call key (None: calls not told apart), the last step's ops' outputs and its call's last backward run
-        # under the mode (backward_figures.py); and the figures of the step starting
+        # under the mode (backward_figures.py)
         self._seen: dict = {}
-        self.backward_figures: BackwardFigures | None = None
 
     @property
     def mode_pushed(self) -> bool:
@@ -184,21 +182,21 @@ class DynamicEngine:
         # make the same forward and a larger backward)
         known = self._seen.get(call_key) if call_key is not None else None
         seen = known if known is not None or previous is None else self._seen.get(previous.call_key)
-        self.foreseen = (seen.made_forward, seen.made_backward) if seen is not None else None
-        self.backward_figures = known.figures if known is not None else None
         self.memory.begin_step(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         step.call_key = call_key
         step.residency.reserve_bytes = self.stats.reserve_bytes
-        step.foresee(self.foreseen)
+        step.foresee((seen.made_forward, seen.made_backward) if seen is not None else None)
         step.temporaries = self.temporaries
         if self.temporaries is None and self.read_peak is None:  # CPU: learn them in this step's backward
             recorder = TransientRecorder()
             if recorder.start():
                 self.recorder = step.recorder = recorder
-        if step.record is not None and self.swaps is None:  # Note [ A backward without the dispatch mode ] 2
-            step.gate_backward(self.backward_figures if self._backward_without_mode(step) else None, self._leave_mode)
+        if step.record is not None:  # Note [ A backward without the dispatch mode ] 2
+            figures_known = known.figures if known is not None else None
+            step.gate_backward(figures_known if self._backward_without_mode(step, figures_known) else None,
+                               self._leave_mode)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
@@ -228,12 +226,12 @@ class DynamicEngine:
         self._seen[step.call_key].figures = figures(step.record, self.temporaries, step.start_bytes,
                                                     step.ops_at_backward)
 
-    def _backward_without_mode(self, step: DynamicStep) -> bool:
-        """`step` may run its backward without the dispatch mode (Note [ A backward without the dispatch
-        mode ] 2): figures known for the model's memory at its start, the backward's temporaries learned
-        and not recording, no host link, and a step before whose forward it may repeat."""
-        return (self.backward_figures is not None and self.temporaries is not None and step.recorder is None
-                and self.foreseen is not None and self.backward_figures.start_bytes == step.start_bytes)
+    def _backward_without_mode(self, step: DynamicStep, figures_known: BackwardFigures | None) -> bool:
+        """`step` may run its backward without the dispatch mode on its call's `figures_known` (Note [ A backward
+        without the dispatch mode ] 2): taken with the model's memory at its start what it is now, the backward's
+        temporaries learned and not recording (whether its forward repeats that call's, the gate checks)."""
+        return (figures_known is not None and self.temporaries is not None and step.recorder is None
+                and figures_known.start_bytes == step.start_bytes)
 
     def model_returned(self) -> None:
         """The model's root call returned (the handle's post-hook)."""
