@@ -148,6 +148,34 @@ def test_a_step_repeating_the_one_before_runs_its_backward_without_the_mode_and_
     _assert_nothing_left(handle, w.model)
 
 
+def test_a_decoder_at_its_defaults_repeating_its_step_runs_its_backward_without_the_mode():
+    """The zoo's Llama at tiny size, `use_cache` and attention as shipped: the steps after the first two run their
+    backward without the mode, each exact (loss, gradients, buffers) and within the cap + 5% as the allocator
+    measures it."""
+    pytest.importorskip("transformers")
+    from regen.workloads import build_workload
+
+    w = build_workload("regen.zoo:llama", batch_size=4, args={"size": "tiny"})
+    run_and_grads(w)  # lazy initialisations out of the way
+    reference = run_and_grads(w)
+    start = _start_bytes(w)
+    unplanned = measure_memory(lambda: run_and_grads(w))
+    cap = int(start + 0.6 * unplanned.peak_increase_bytes)
+    assert start + unplanned.peak_increase_bytes > (1 + CAP_TOLERANCE) * cap  # the cap binds
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the cache notice
+        warnings.simplefilter("error", OverCapWarning)
+        with regen.apply(w.model, memory_cap=cap) as handle:
+            for _ in range(2):
+                assert_same(reference, run_and_grads(w))
+            for _ in range(2):
+                got = []
+                measured = measure_memory(lambda: got.append(run_and_grads(w)))
+                assert_same(reference, got[0])
+                assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * cap
+    assert handle.stats.backwards_without_mode >= 2 and handle.stats.evictions > 0, handle.stats
+
+
 class _WideLayers(nn.Module):
     """Gradients as large as the activations: a backward that runs without the mode must count the ones it
     makes (its figures' live bytes) and keep room for them (their rises)."""
