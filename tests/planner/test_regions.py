@@ -205,8 +205,8 @@ def test_profiles_without_module_calls_have_no_regions(small_transformer):
 
 
 def test_without_module_replays_a_plan_recomputes_by_recipes_alone(real_gpt_profile):
-    """SolveOptions.module_replays=False (the calibration's recipes plan): the same profile, whose plans at this
-    cap replay blocks, gets a plan of per-tensor recipes only, under the same cap."""
+    """SolveOptions.module_replays=False (the calibration's recipes plan): the same profile, whose graph has
+    regions to replay, gets a plan of per-tensor recipes only, under the same cap."""
     start = real_gpt_profile.memory_at_start_bytes
     cap = start + int(0.6 * (real_gpt_profile.peak_bytes - start))
     assert build_graph(real_gpt_profile).regions
