@@ -83,8 +83,9 @@ def test_dynamic_mode_exact_and_under_cap(name):
 
 def test_a_backward_ops_own_temporaries_are_learned_and_kept_free():
     """CPU: a convolution's backward allocates and frees temporaries inside itself, which no check sees; the
-    first step records them (transients.py) and the later steps keep room for them: the CNN at half its
-    unplanned increase measured 10% over its cap without that, within the cap + 5% with it."""
+    first step records them (transients.py), warns with the peak the recording measured, and the later steps keep
+    room for them: the CNN at half its unplanned increase measured 10% over its cap without that, within the
+    cap + 5% with it."""
     w = make("cnn")
     run_and_grads(w)
     reference = run_and_grads(w)
@@ -93,9 +94,13 @@ def test_a_backward_ops_own_temporaries_are_learned_and_kept_free():
     cap = int(start + 0.5 * unplanned.peak_increase_bytes)
     got = []
     with regen.apply(w.model, memory_cap=cap) as handle:
-        got.append(run_and_grads(w))  # recorded: no other profiler may run meanwhile
-        measured = measure_memory(lambda: got.append(run_and_grads(w)))
-        learned = handle.engine.temporaries
+        # recorded (no other profiler may run meanwhile): over the cap, which the recording's allocator figure tells
+        with pytest.warns(OverCapWarning, match="allocator"):
+            got.append(run_and_grads(w))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OverCapWarning)
+            measured = measure_memory(lambda: got.append(run_and_grads(w)))
+        learned = handle.engine.latest_temporaries
     assert learned and max(learned.values()) > 0
     assert_same(reference, got[0])
     assert_same(reference, got[1])
@@ -226,10 +231,12 @@ def test_a_backward_without_the_mode_counts_the_gradients_it_makes():
 @pytest.mark.parametrize("differ", ["shape", "requires_grad", "trainable"])
 def test_steps_of_two_calls_in_turn_each_run_on_their_own_calls_figures(differ):
     """Foresight and backward figures are kept per call (call_signature.signature_key: each tensor argument's
-    shape, dtype and requires_grad, and how many parameters require grad): with two calls in turn, every step
-    from the third on repeats the last step of its own call, though not the step before it, and runs its
-    backward without the mode: exact, within its cap. A batch that requires grad, or a first layer trained
-    again, makes the same forward and a larger backward: never on the other call's figures."""
+    shape, dtype and requires_grad, and how many parameters require grad), and so are the backward ops'
+    temporaries (the first call's recorded in its first step, the second's in its second, the first of it that
+    repeats one): with two calls in turn, every step from the third on repeats the last step of its own call,
+    though not the step before it, and once its call's temporaries are learned runs its backward without the
+    mode: exact, within its cap. A batch that requires grad, or a first layer trained again, makes the same
+    forward and a larger backward: never on the other call's figures."""
     torch.manual_seed(0)
     model = _WideLayers()
     x = torch.randn(512, 512)
@@ -255,16 +262,66 @@ def test_steps_of_two_calls_in_turn_each_run_on_their_own_calls_figures(differ):
     cap = int(start + 0.8 * increase)
     peaks = []
     with regen.apply(model, memory_cap=cap) as handle:
-        for k in range(6):
-            if k < 2:
+        for k in range(8):
+            if k < 4:  # no other profiler while a step records its temporaries
                 step(k)
             else:
                 peaks.append(start + measure_memory(lambda: step(k)).peak_increase_bytes)
             got = grads()
             assert got.keys() == reference[k % 2].keys()
             assert all(torch.equal(got[n], reference[k % 2][n]) for n in got)
-    assert handle.stats.backwards_without_mode == 4, handle.stats
+    assert handle.stats.backwards_without_mode == 5, handle.stats  # all but steps 0, 1 and 3
     assert all(p <= (1 + CAP_TOLERANCE) * cap for p in peaks), [p / cap for p in peaks]
+
+
+def test_a_calls_steps_keep_room_for_their_own_calls_temporaries():
+    """CPU: a backward op's temporaries are learned per call (transients.py; Note [ Temporaries per call ] in
+    engine.py). The CNN's convolution backwards allocate temporaries that grow with the batch: batch-16 steps
+    that repeat each other, on the temporaries of the batch-4 step that was recorded, took them as exact, ran
+    their backwards without the mode and measured 1.08x their cap, without a warning; as a guess (the batch-16
+    call not recorded yet: another profiler runs) they keep the headroom too, and stay within it."""
+    w = make("cnn", batch_size=16)
+    small = make("cnn", batch_size=4)
+    small.model = w.model
+    run_and_grads(w)
+    reference = run_and_grads(w)
+    start = _start_bytes(w)
+    unplanned = measure_memory(lambda: run_and_grads(w))
+    cap = int(start + 0.5 * unplanned.peak_increase_bytes)
+    with regen.apply(w.model, memory_cap=cap) as handle:
+        run_and_grads(small)  # recorded
+        run_and_grads(w)  # a call not seen before: not recorded
+        got, peaks = [], []
+        for _ in range(2):
+            peaks.append(start + measure_memory(lambda: got.append(run_and_grads(w))).peak_increase_bytes)
+    for g in got:
+        assert_same(reference, g)
+    assert all(p <= (1 + CAP_TOLERANCE) * cap for p in peaks), [p / cap for p in peaks]
+    assert handle.stats.backwards_without_mode == 0
+
+
+def test_a_step_its_checks_could_not_hold_under_its_cap_leaves_no_figures():
+    """Note [ A backward without the dispatch mode ] 1: the zoo's Bloom at half its increase is below what
+    dropping can hold (its checks run out of candidates: 1.10x the cap under the mode, with a warning). Run
+    without the mode on such a step's figures, the next step measured 1.32x; its figures are not taken, so it
+    runs under the mode again, warning again."""
+    pytest.importorskip("transformers")
+    from regen.workloads import build_workload
+
+    w = build_workload("regen.zoo:bloom", batch_size=4, args={"size": "tiny"})
+    run_and_grads(w)
+    reference = run_and_grads(w)
+    start = _start_bytes(w)
+    unplanned = measure_memory(lambda: run_and_grads(w))
+    cap = int(start + 0.5 * unplanned.peak_increase_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore", UserWarning)  # the cache notice
+        warnings.simplefilter("always", OverCapWarning)
+        with regen.apply(w.model, memory_cap=cap) as handle:
+            for _ in range(2):  # the first recorded, the second repeating it
+                assert_same(reference, run_and_grads(w))
+    assert handle.stats.backwards_without_mode == 0
+    assert handle.stats.over_cap_steps == 2 and len(caught) == 2
 
 
 def test_a_gradient_penalty_keeps_the_mode_through_its_backward():
@@ -754,8 +811,9 @@ def test_the_step_before_tells_a_check_what_the_next_op_makes(head):
     """Note [ Room for the next op ]: the head's output is several times any storage before it. A matrix
     product's output bytes are known from its operands, so the check before it keeps room for them from the
     first step on (the zoo's Llama at bench size: its logits took its first step 8% over its cap before); any
-    other op's (a repeat) passes the cap in the first step, which no check foresaw, and from the second step on
-    the check before it makes room for what it made the step before: the step stays within its cap."""
+    other op's (a repeat) passes the cap in the first step, which no check foresaw and the count read right after
+    it warns of, and from the second step on the check before it makes room for what it made the step before: the
+    step stays within its cap."""
     torch.manual_seed(0)
     depth, width, rows = 16, 64, 512
     if head == "product":
@@ -768,16 +826,19 @@ def test_the_step_before_tells_a_check_what_the_next_op_makes(head):
     head_bytes = rows * 16 * width * 4
     cap = start + head_bytes + head_bytes // 2  # the chain is larger than the room the head leaves
     peaks = []
-    with regen.apply(model, memory_cap=cap) as handle:
-        for _ in range(3):
-            peaks.append(start + measure_memory(lambda: model(x).backward()).peak_increase_bytes)
-            assert _same_grads(model, reference)
-            model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", OverCapWarning)
+        with regen.apply(model, memory_cap=cap) as handle:
+            for _ in range(3):
+                peaks.append(start + measure_memory(lambda: model(x).backward()).peak_increase_bytes)
+                assert _same_grads(model, reference)
+                model.zero_grad(set_to_none=True)
     later = peaks if head == "product" else peaks[1:]
     if head == "repeat":
         assert peaks[0] > (1 + CAP_TOLERANCE) * cap  # the first step could not know
+        assert len(caught) == 1 and "after aten.repeat" in str(caught[0].message)  # but tells
     assert all(p <= (1 + CAP_TOLERANCE) * cap for p in later), [p / cap for p in peaks]
-    assert handle.stats.over_cap_steps == 0  # CPU: no allocator figure to warn with (limitations.md)
+    assert handle.stats.over_cap_steps == (1 if head == "repeat" else 0)
 
 
 def test_a_cap_nothing_can_reach_drops_nothing_more_than_it_must():

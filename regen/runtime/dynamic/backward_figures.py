@@ -11,7 +11,10 @@ backward ops with the same outputs, so both can be read off a backward that ran 
    backward ops made that are still alive, and the most they rose above that before the next unpack (each
    op's outputs and, once learned, its temporaries: transients.py; what the step's checks evicted meanwhile
    not taken off); k = -1 is before the first unpack. `figures` turns that into `BackwardFigures` once the
-   step is over.
+   step is over, when its count held the cap (no check found it past the cap, no thrashing): at a cap below
+   what dropping can reach, the checks before each op keep the step as near the cap as they can, and the few
+   checks at unpacks of a backward without the mode did not (the zoo's Bloom at half its increase: 1.10x its
+   cap under the mode, 1.32x without).
 2. A step on CPU with no host link pushes a gate (`BackwardGate`, a torch function mode) when the model's root
    call returns; the program's backward call (`loss.backward()`, `torch.autograd.backward`,
    `torch.autograd.grad`) made outside any backward fires it, before that backward starts (one that creates a
@@ -24,10 +27,11 @@ backward ops with the same outputs, so both can be read off a backward that ran 
    keeps the recorded rise free; past the recorded unpacks (a second backward through a kept graph) it counts
    the most any unpack recorded and keeps the headroom a step without foresight keeps.
 4. It records nothing itself: the figures of the last step of its call whose backward ran under the mode
-   stand. Figures and foresight are kept per call (call_signature.signature_key: each tensor argument's shape,
-   dtype and requires_grad, and how many parameters require grad; the engine's CALLS_REMEMBERED most recent):
-   with bucketed lengths a step of a bucket seen before runs its backward without the mode; lengths that never
-   repeat keep it.
+   stand. Figures, foresight and temporaries are kept per call (call_signature.signature_key: each tensor
+   argument's shape, dtype and requires_grad, and how many parameters require grad; the engine's
+   CALLS_REMEMBERED most recent): with bucketed lengths a step of a bucket seen twice before runs its backward
+   without the mode (its second step records its temporaries: engine.py, Note [ Temporaries per call ]);
+   lengths that never repeat keep it.
 """
 
 from __future__ import annotations

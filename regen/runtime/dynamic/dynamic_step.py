@@ -141,9 +141,11 @@ class DynamicStep:
         self.made_forward: list[tuple] = []
         self.made_backward: list[tuple] = []
         self.foreseen: tuple[list, list] | None = None  # the step before's (made_forward, made_backward): foresee()
-        # CPU: backward op -> its temporaries, learned by an earlier step (transients.py), or None; and the
-        # recorder learning them in this step's backward, or None
+        # CPU: backward op -> its temporaries, learned by an earlier step (transients.py), or None; whether a step
+        # of this step's call learned them (else another call's: a guess); and the recorder learning them in this
+        # step's backward, or None
         self.temporaries: dict[int, int] | None = None
+        self.temporaries_exact = False
         self.recorder = None
         self.foresight_exact = False  # every op so far made what it made in the step before
         self.in_backward = False
@@ -152,6 +154,7 @@ class DynamicStep:
         self.released = False
         self.live = 0  # handles autograd holds
         self.warned = False
+        self.passed_cap = False  # its count passed the cap + PEAK_TOLERANCE (not: only the allocator's peak did)
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.start_bytes = memory.start_bytes  # the model's memory at its start (begin_step ran)
@@ -213,6 +216,7 @@ class DynamicStep:
         self.made_forward.append((func, made_bytes))
         if self.foresight_exact:
             self._compare_foresight(0, i, (func, made_bytes))
+        self._read_after_op(func)
         return out
 
     # ---- a backward without the dispatch mode (backward_figures.py) --------------------------------
@@ -275,7 +279,7 @@ class DynamicStep:
         temporary). Forward keeps HEADROOM_PER_OUTPUT: one there as well took a CNN's convolution temporaries
         past its cap."""
         exact = self.foresight_exact and self.memory.cheap_reads and self.residency.swaps is None
-        if exact and self.temporaries is not None:  # every backward op's check keeps room for all it needs
+        if exact and self.temporaries_exact:  # every backward op's check keeps room for all it needs
             return 0
         return 1 if exact else HEADROOM_PER_OUTPUT
 
@@ -303,7 +307,7 @@ class DynamicStep:
             return 0, HEADROOM_PER_OUTPUT * self.largest_bytes
         if phase == 1 and self.temporaries is not None:  # what the op allocates and frees inside itself
             foreseen += self.temporaries.get(i, 0)
-            if self.foresight_exact and self.residency.swaps is None:  # all it needs, known
+            if self.foresight_exact and self.temporaries_exact and self.residency.swaps is None:  # all it needs
                 return foreseen, 0
         if self.foresight_exact:
             return foreseen, self.largest_bytes
@@ -345,7 +349,24 @@ class DynamicStep:
         if self.foresight_exact:
             self._compare_foresight(1, len(self.made_backward), (func, made_bytes))
         self.made_backward.append((func, made_bytes))
+        self._read_after_op(func)
         return out
+
+    def _read_after_op(self, func) -> None:
+        """Where a reading is cheap (CPU), the count right after an op is what the allocator holds then (the op's
+        own temporaries are freed; cap_memory.py): the step's peak, and past the cap + PEAK_TOLERANCE one
+        OverCapWarning with it (the check before the op foresaw less than the op made, or could drop nothing)."""
+        if not self.memory.cheap_reads:
+            return
+        used = self.memory.in_use_bytes()
+        if used > self.stats.peak_in_use_bytes:
+            self.stats.peak_in_use_bytes = used
+            if used > self.cap_bytes * (1 + PEAK_TOLERANCE):
+                self.passed_cap = True
+                self._warn_over_cap(f"{format_bytes(used)} in use after {func} passes the cap "
+                                    f"{format_bytes(self.cap_bytes)}: the op made more than its check kept room for, "
+                                    f"or nothing more could be dropped; this step runs over the cap, its results "
+                                    f"exact. Raise the cap or lower the batch size")
 
     # ---- saved-tensor hooks -----------------------------------------------------------------------
     def packs_no_more(self) -> bool:
@@ -413,6 +434,7 @@ class DynamicStep:
         from the step before)."""
         if in_use_bytes <= self.cap_bytes * (1 + PEAK_TOLERANCE):
             return
+        self.passed_cap = True
         self._warn_over_cap(f"{format_bytes(in_use_bytes)} in use passes the cap {format_bytes(self.cap_bytes)} and "
                             f"nothing more can be dropped (parameters, gradients, what the program holds and tensors "
                             f"that cannot be rebuilt stay); this step runs over the cap, its results exact. Raise the "
@@ -431,8 +453,9 @@ class DynamicStep:
         """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in
         backward, which the checks at packs and unpacks do not see): warn when it is over the cap + 5%."""
         if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE):
+            over = f"{peak_bytes / self.cap_bytes - 1:.0%} " if self.cap_bytes > 0 else ""
             self._warn_over_cap(f"a step peaked at {format_bytes(peak_bytes)} of device memory (the allocator's "
-                                f"figure), {peak_bytes / self.cap_bytes - 1:.0%} over the cap "
+                                f"figure), {over}over the cap "
                                 f"{format_bytes(self.cap_bytes)}: what the checks at packs and unpacks cannot see (an "
                                 f"op's own temporaries, backward's gradients) or could not drop; its results are "
                                 f"exact. Lower the cap or the batch size to stay under it")

@@ -1,9 +1,9 @@
-"""CPU: what each backward op allocates and frees inside itself, learned once, so later checks keep room for it.
+"""CPU: what each backward op allocates and frees inside itself, learned per call, so later checks keep room for it.
 
 A CPU kernel's temporaries are no tensors the runtime sees (cap_memory.py counts storages the step's ops
 return): a depthwise convolution's backward converts its operands inside the op, 6.5 MB on ConvNeXtV2's
 tiny config against a cap of 8.2 MB, and its steps measured 7% over the cap by the allocator, none of it in
-the runtime's count. A CPU allocator keeps no counter to read either. So one dynamic step runs under
+the runtime's count. A CPU allocator keeps no counter to read either. So a dynamic step of each call runs under
 torch.profiler's allocator events, each backward op inside a marker (`TransientRecorder`), and each op's
 temporary (its peak inside the op over what it still holds at its end) becomes part of the room the later
 steps' checks keep before that op (dynamic_step.py, Note [ Room for the next op ]).
@@ -18,15 +18,18 @@ Note [ Recording a step's backward ]
    mode is popped at the model's next call (regen.runtime.stacks: an orphan from the start), planned,
    profiled or dynamic: left on, every torch call of the steps after would pass through it.
 2. Nothing is recorded while another profiler runs (torch.profiler does not nest): a later step tries again.
-3. One step is recorded per engine (every op an event: the built-in GPT's first step took 113 ms recorded, 92 ms
-   unrecorded in a run before this change, its later steps 72); its figures
-   stand for the backward ops at the same index in later steps, as the step before's outputs do.
+3. One step is recorded per call (every op an event: the built-in GPT's first step took 113 ms recorded, 92 ms
+   unrecorded, its later steps 72): the engine's first, then a call's second (engine.py, Note [ Temporaries per
+   call ]); its figures stand for the backward ops at the same index in the later steps of its call, as the step
+   before's outputs do. The recording's allocator events also give the step's own peak (`peak_increase_bytes`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from itertools import accumulate
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
@@ -39,12 +42,16 @@ _BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autogra
 
 
 class TransientRecorder:
-    """One step's backward ops' temporaries by backward op index (`bytes_by_op`, once its backward returned)."""
+    """One step's backward ops' temporaries by backward op index (`bytes_by_op`) and the most the step allocated
+    and still held at once from its start (`peak_increase_bytes`: the allocator's figure), once its backward
+    returned; then `done(recorder)` is called."""
 
-    def __init__(self):
+    def __init__(self, done: Callable[["TransientRecorder"], None] = lambda recorder: None):
         self._prof = None
         self._watcher: _AfterBackward | None = None
+        self._done = done
         self.bytes_by_op: dict[int, int] | None = None
+        self.peak_increase_bytes: int | None = None
 
     @property
     def recording(self) -> bool:
@@ -86,7 +93,11 @@ class TransientRecorder:
 
     def _finish(self) -> None:
         if self._prof is not None:
-            self.bytes_by_op = _temporaries_by_marker(self._stop())
+            roots = list(self._stop().profiler.kineto_results.experimental_event_tree())
+            counted = cpu_allocator_events(roots)  # no free of a block allocated before the recording
+            self.bytes_by_op = _temporaries_by_marker(roots, set(counted))
+            self.peak_increase_bytes = max(accumulate((e.size_bytes for e in counted), initial=0))
+            self._done(self)
 
     def _stop(self):
         prof, self._prof = self._prof, None
@@ -110,12 +121,10 @@ class _AfterBackward(TorchFunctionMode):
         return out
 
 
-def _temporaries_by_marker(prof) -> dict[int, int]:
-    """Per marked op: the most its allocations rose inside it over what it held at its end."""
-    roots = list(prof.profiler.kineto_results.experimental_event_tree())
-    counted = set(cpu_allocator_events(roots))  # no free of a block allocated before the recording
+def _temporaries_by_marker(roots, counted: set) -> dict[int, int]:
+    """Per marked op: the most its allocations (those `counted`) rose inside it over what it held at its end."""
     out: dict[int, int] = {}
-    stack = roots
+    stack = list(roots)
     while stack:
         event = stack.pop()
         if not event.name.startswith(_MARK):
