@@ -207,8 +207,7 @@ def hf_gpt2(batch_size: int = 2, seq_len: int = 64, n_layer: int = 2, n_embd: in
     torch.manual_seed(seed)
     config = tf.GPT2Config(vocab_size=vocab_size, n_positions=max(seq_len, 64), n_embd=n_embd,
                            n_layer=n_layer, n_head=n_head, resid_pdrop=dropout, embd_pdrop=dropout,
-                           attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
-                           use_cache=False)  # training: no key/value cache in the output
+                           attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     model = tf.GPT2LMHeadModel(config)
     return model, _token_batch(vocab_size, batch_size, seq_len, seed)
 
@@ -233,8 +232,7 @@ def hf_llama(batch_size: int = 2, seq_len: int = 64, num_layers: int = 2, hidden
     torch.manual_seed(seed)
     config = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                             num_hidden_layers=num_layers, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                            max_position_embeddings=max(seq_len, 64), attn_implementation="eager",
-                            use_cache=False)  # training: no key/value cache (a replay would append to it again)
+                            max_position_embeddings=max(seq_len, 64), attn_implementation="eager")
     model = tf.LlamaForCausalLM(config)
     return model, _token_batch(vocab_size, batch_size, seq_len, seed)
 

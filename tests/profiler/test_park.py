@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from regen.caches import training_caches_off
 from regen.cli import main
 from regen.formats import load_profile
 from regen.measure import measure_memory
@@ -20,11 +21,15 @@ HELD_TOLERANCE = 1.05  # the allocator against the bookkeeping's parked timeline
 
 
 def _build(name):
+    """The workload, its key/value cache off as `regen profile` turns it off around record_step (regen.caches)."""
     if name == "hf-bert":
         from regen.workloads import build_workload
 
-        return build_workload("hf-bert", batch_size=2, args=BERT_ARGS)
-    return build_small(name)
+        workload = build_workload("hf-bert", batch_size=2, args=BERT_ARGS)
+    else:
+        workload = build_small(name)
+    training_caches_off(workload.model)
+    return workload
 
 
 def _recorded(name, park):

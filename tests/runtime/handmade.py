@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from regen.caches import training_caches_off
 from regen.formats import Decision, Plan, PlanFigures, RecipeOp, SolverReport
 from regen.formats.profile import OpFingerprint
 from regen.opinfo import is_counted, is_inplace, is_random, op_name, op_outputs, storage_key, written_outputs
@@ -122,10 +123,11 @@ def trace_workload(workload, seed: int = 0) -> Trace:
         return t
 
     torch.manual_seed(seed)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        with tracer:
-            loss = forward_loss(workload)
-    loss.backward()
+    with training_caches_off(workload.model):  # as `regen profile` traces and regen.apply runs a step
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with tracer:
+                loss = forward_loss(workload)
+        loss.backward()
     workload.model.zero_grad(set_to_none=True)
     return Trace(ops=tracer.ops, candidates=candidates, overwritten=tracer.overwritten,
                  fingerprint=tracer.fp.hexdigest(), num_forward_ops=len(tracer.ops), loss=float(loss),
