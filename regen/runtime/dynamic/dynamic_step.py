@@ -102,6 +102,16 @@ class OverCapWarning(UserWarning):
 
 
 
+# NOTE [ Counted to the backward's end ]
+# A step is let go (its nodes and captures dropped, the dispatch mode passing its ops by) once autograd holds
+# none of its handles. Backward's last nodes often hold none: a patch embedding's convolution saved the batch and
+# its weight, an embedding its token ids. Let go at its last unpack, the step's ops after it went uncounted: the
+# held-out VideoMAE's convolution backward, its weight's gradient and 0.3 MiB of temporaries, took every step to
+# 1.19x a cap the count read 1.03x of, with no warning. So the first backward op or unpack, inside autograd's
+# backward, queues a callback for that backward's end (`queue_callback`), and the step is let go only after it:
+# every backward op is checked and counted (and recorded: transients.py, backward_figures.py) to the end.
+
+
 class Held:
     """What autograd stores for a saved entry of a node: the node and the entry's view geometry."""
 
@@ -154,7 +164,10 @@ class DynamicStep:
         self.released = False
         self.live = 0  # handles autograd holds
         self.warned = False
-        self.passed_cap = False  # its count passed the cap + PEAK_TOLERANCE (not: only the allocator's peak did)
+        # Note [ Counted to the backward's end ]: its backward asked to be told its end, and has ended
+        self.end_awaited = False
+        self.backward_ended = False
+        self.passed_cap = False  # its count (with the ops' temporaries) or the allocator's peak passed the cap + 5%
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.start_bytes = memory.start_bytes  # the model's memory at its start (begin_step ran)
@@ -321,7 +334,7 @@ class DynamicStep:
             self.foresight_exact = False
 
     def backward_op(self, func, args, kwargs):
-        self.in_backward = True
+        self._in_backward()
         if not self.released:  # before the op allocates its outputs
             i = len(self.made_backward)
             if self.memory.cheap_reads:
@@ -341,32 +354,36 @@ class DynamicStep:
                 out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
-            if t is not None:
+            nbytes = new_storage_bytes(t, args) if t is not None else 0
+            if nbytes:  # not a view of an argument: the batch's storage, which a backward op may view, is not counted
                 self.memory.track(t, made_in_backward=True)
-                made_bytes += new_storage_bytes(t, args)
+                made_bytes += nbytes
         if record is not None:
             record.op(live, made_bytes, len(self.made_backward))
         if self.foresight_exact:
             self._compare_foresight(1, len(self.made_backward), (func, made_bytes))
+        index = len(self.made_backward)
         self.made_backward.append((func, made_bytes))
-        self._read_after_op(func)
+        self._read_after_op(func, self.temporaries.get(index, 0) if self.temporaries_exact else 0)
         return out
 
-    def _read_after_op(self, func) -> None:
+    def _read_after_op(self, func, temporary_bytes: int = 0) -> None:
         """Where a reading is cheap (CPU), the count right after an op is what the allocator holds then (the op's
-        own temporaries are freed; cap_memory.py): the step's peak, and past the cap + PEAK_TOLERANCE one
-        OverCapWarning with it (the check before the op foresaw less than the op made, or could drop nothing)."""
+        own temporaries are freed; cap_memory.py), and with the op's learned `temporary_bytes` (transients.py:
+        the most it held inside over what it holds at its end) what it held at its peak inside: the step's peak,
+        and past the cap + PEAK_TOLERANCE one OverCapWarning with it (the check before the op foresaw less than
+        the op made, or could drop nothing)."""
         if not self.memory.cheap_reads:
             return
-        used = self.memory.in_use_bytes()
-        if used > self.stats.peak_in_use_bytes:
-            self.stats.peak_in_use_bytes = used
-            if used > self.cap_bytes * (1 + PEAK_TOLERANCE):
-                self.passed_cap = True
-                self._warn_over_cap(f"{format_bytes(used)} in use after {func} passes the cap "
-                                    f"{format_bytes(self.cap_bytes)}: the op made more than its check kept room for, "
-                                    f"or nothing more could be dropped; this step runs over the cap, its results "
-                                    f"exact. Raise the cap or lower the batch size")
+        peak_bytes = self.memory.in_use_bytes() + temporary_bytes
+        if peak_bytes > self.stats.peak_in_use_bytes:
+            self.stats.peak_in_use_bytes = peak_bytes
+        if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE) and not self.passed_cap:
+            self.passed_cap = True
+            self._warn_over_cap(f"{format_bytes(peak_bytes)} in use at {func} passes the cap "
+                                f"{format_bytes(self.cap_bytes)}: the op made more than its check kept room for (its "
+                                f"outputs, its own temporaries), or nothing more could be dropped; this step runs over "
+                                f"the cap, its results exact. Raise the cap or lower the batch size")
 
     # ---- saved-tensor hooks -----------------------------------------------------------------------
     def packs_no_more(self) -> bool:
@@ -399,7 +416,7 @@ class DynamicStep:
             return obj
         if self.aborted or self.released:
             raise RegenError("regen.apply: this step was aborted by an exception; its saved tensors are gone")
-        self.in_backward = True
+        self._in_backward()
         self.residency.clock += 1
         op = obj.node.key[0]
         if op < len(self.largest_upto):  # Note [ Headroom in backward ]
@@ -453,6 +470,7 @@ class DynamicStep:
         """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in
         backward, which the checks at packs and unpacks do not see): warn when it is over the cap + 5%."""
         if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE):
+            self.passed_cap = True
             over = f"{peak_bytes / self.cap_bytes - 1:.0%} " if self.cap_bytes > 0 else ""
             self._warn_over_cap(f"a step peaked at {format_bytes(peak_bytes)} of device memory (the allocator's "
                                 f"figure), {over}over the cap "
@@ -476,8 +494,22 @@ class DynamicStep:
             self.residency.drop(node)
         self.maybe_release()
 
+    def _in_backward(self) -> None:
+        """A backward op or an unpack of this step: the first, inside autograd's backward, asks to be told when
+        that backward ends (Note [ Counted to the backward's end ])."""
+        self.in_backward = True
+        if not self.end_awaited and torch._C._current_graph_task_id() != -1:
+            self.end_awaited = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self.backward_ended = True
+        self.maybe_release()
+
     def maybe_release(self) -> None:
-        if self.live <= 0 and (self.in_backward or self.closed) and not self.released:
+        """Released once autograd holds none of its handles and its backward is over (or a later step began)."""
+        backward_over = self.backward_ended or (self.in_backward and not self.end_awaited)
+        if self.live <= 0 and (backward_over or self.closed) and not self.released:
             self.release()
 
     def release(self, aborted: bool = False) -> None:

@@ -86,8 +86,8 @@ class DynamicStats:
     over_cap_steps: int = 0  # steps over the cap: nothing left to drop, or a measured peak (CUDA) (OverCapWarning)
     thrashing_steps: int = 0  # steps whose rebuilds passed their limit and stopped dropping (eviction.py)
     backwards_without_mode: int = 0  # backwards run on the step before's figures (backward_figures.py)
-    peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack or rebuild (cap_memory.py: on CPU
-    # a figure never below it, exact wherever it decided an eviction)
+    peak_in_use_bytes: int = 0  # the highest memory in use seen at a pack, unpack, rebuild or (CPU) after an op, with
+    # its learned temporaries (cap_memory.py, transients.py: on CPU the allocator's figure then)
     copy_outs: int = 0  # host link (swaps.py): copies to the host started ahead
     swap_evictions: int = 0  # of the evictions, nodes let go as swapped out (their bytes on the host)
     copy_ins: int = 0  # copies back to the device
