@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import regen  # noqa: E402
 from regen.caches import training_caches_off  # noqa: E402
+from regen.check import compare_results  # noqa: E402
 from regen.errors import WorkloadError  # noqa: E402
 from regen.measure import measure_memory  # noqa: E402
 from regen.runtime.dynamic import OverCapWarning  # noqa: E402
@@ -101,8 +102,10 @@ def _step(w: Workload, measured: bool = False):
 
 
 def _same(a, b) -> bool:
-    return (torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
-            and all(torch.equal(a[2][k], b[2][k]) for k in a[2]))
+    """Loss, gradients and buffers bit for bit (`regen check`'s comparison)."""
+    differences: list[str] = []
+    compare_results(a[:3], b[:3], differences, "")
+    return not differences
 
 
 def run(source: str, name: str, fractions: list[float]) -> list[str]:

@@ -140,7 +140,7 @@ def _unreproducible(build: Callable[[], object], initial_state: dict, plain_step
     with training_caches_off(again.model):
         _one_step(again)  # its first step, as the others ran it
         for k, first in enumerate(plain_steps):
-            _compare_results(first, _one_step(again), differences, _step_label(k))
+            compare_results(first, _one_step(again), differences, _step_label(k))
     return differences
 
 
@@ -162,11 +162,11 @@ def _one_step(workload) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str
 def _compare_one_step(plain, planned, report: CheckReport, label: str = "") -> tuple:
     """One step of each from the same seeds, compared into `report`; the unplanned step's results."""
     first = _one_step(plain)
-    report.compared_tensors += _compare_results(first, _one_step(planned), report.differences, label)
+    report.compared_tensors += compare_results(first, _one_step(planned), report.differences, label)
     return first
 
 
-def _compare_results(first: tuple, second: tuple, differences: list[str], label: str) -> int:
+def compare_results(first: tuple, second: tuple, differences: list[str], label: str) -> int:
     """Two steps' (loss, gradients, buffers) compared bit for bit, what differs appended to `differences`;
     the number of tensors compared."""
     (loss_a, grads_a, buffers_a), (loss_b, grads_b, buffers_b) = first, second

@@ -163,11 +163,10 @@ class DynamicStep:
         self.aborted = False
         self.released = False
         self.live = 0  # handles autograd holds
-        self.warned = False
+        self.warned = False  # its memory passed the cap + PEAK_TOLERANCE (count, learned temporaries or allocator)
         # Note [ Counted to the backward's end ]: its backward asked to be told its end, and has ended
         self.end_awaited = False
         self.backward_ended = False
-        self.passed_cap = False  # its count (with the ops' temporaries) or the allocator's peak passed the cap + 5%
         self._tail_from: int | None = None  # learning: the first op after the model returned (learned.py)
         self._tail_ops: list | None = None
         self.start_bytes = memory.start_bytes  # the model's memory at its start (begin_step ran)
@@ -335,8 +334,8 @@ class DynamicStep:
 
     def backward_op(self, func, args, kwargs):
         self._in_backward()
+        i = len(self.made_backward)
         if not self.released:  # before the op allocates its outputs
-            i = len(self.made_backward)
             if self.memory.cheap_reads:
                 need, headroom = self._room_for(1, i, func)
                 self.residency.make_room(need, headroom_bytes=headroom)
@@ -350,7 +349,7 @@ class DynamicStep:
         if self.recorder is None or not self.recorder.recording:
             out = func(*args, **kwargs)
         else:  # learning the ops' temporaries (transients.py)
-            with self.recorder.around(len(self.made_backward)):
+            with self.recorder.around(i):
                 out = func(*args, **kwargs)
         made_bytes = 0
         for t in tensor_outputs(out):
@@ -359,12 +358,11 @@ class DynamicStep:
                 self.memory.track(t, made_in_backward=True)
                 made_bytes += nbytes
         if record is not None:
-            record.op(live, made_bytes, len(self.made_backward))
+            record.op(live, made_bytes, i)
         if self.foresight_exact:
-            self._compare_foresight(1, len(self.made_backward), (func, made_bytes))
-        index = len(self.made_backward)
+            self._compare_foresight(1, i, (func, made_bytes))
         self.made_backward.append((func, made_bytes))
-        self._read_after_op(func, self.temporaries.get(index, 0) if self.temporaries_exact else 0)
+        self._read_after_op(func, self.temporaries.get(i, 0) if self.temporaries_exact else 0)
         return out
 
     def _read_after_op(self, func, temporary_bytes: int = 0) -> None:
@@ -378,8 +376,7 @@ class DynamicStep:
         peak_bytes = self.memory.in_use_bytes() + temporary_bytes
         if peak_bytes > self.stats.peak_in_use_bytes:
             self.stats.peak_in_use_bytes = peak_bytes
-        if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE) and not self.passed_cap:
-            self.passed_cap = True
+        if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE) and not self.warned:
             self._warn_over_cap(f"{format_bytes(peak_bytes)} in use at {func} passes the cap "
                                 f"{format_bytes(self.cap_bytes)}: the op made more than its check kept room for (its "
                                 f"outputs, its own temporaries), or nothing more could be dropped; this step runs over "
@@ -451,7 +448,6 @@ class DynamicStep:
         from the step before)."""
         if in_use_bytes <= self.cap_bytes * (1 + PEAK_TOLERANCE):
             return
-        self.passed_cap = True
         self._warn_over_cap(f"{format_bytes(in_use_bytes)} in use passes the cap {format_bytes(self.cap_bytes)} and "
                             f"nothing more can be dropped (parameters, gradients, what the program holds and tensors "
                             f"that cannot be rebuilt stay); this step runs over the cap, its results exact. Raise the "
@@ -470,7 +466,6 @@ class DynamicStep:
         """The allocator measured this step's peak at `peak_bytes` (CUDA: what it allocated inside ops and in
         backward, which the checks at packs and unpacks do not see): warn when it is over the cap + 5%."""
         if peak_bytes > self.cap_bytes * (1 + PEAK_TOLERANCE):
-            self.passed_cap = True
             over = f"{peak_bytes / self.cap_bytes - 1:.0%} " if self.cap_bytes > 0 else ""
             self._warn_over_cap(f"a step peaked at {format_bytes(peak_bytes)} of device memory (the allocator's "
                                 f"figure), {over}over the cap "

@@ -223,7 +223,7 @@ class DynamicEngine:
     def _give_temporaries(self, step: DynamicStep, known: _Seen | None) -> None:
         """CPU: the temporaries `step`'s backward checks keep room for (Note [ Temporaries per call ]), and a
         recorder when they are to be learned in its backward."""
-        own = self._seen[step.call_key].temporaries if step.call_key in self._seen else None
+        own = known.temporaries if known is not None else None
         step.temporaries = own if own is not None else self.latest_temporaries
         step.temporaries_exact = own is not None
         if self.read_peak is not None or own is not None:
@@ -236,9 +236,7 @@ class DynamicEngine:
     def _recorded(self, step: DynamicStep, recorder: TransientRecorder) -> None:
         """A recorded step's backward returned: its call's temporaries, and the allocator's peak of the step (Note
         [ Temporaries per call ] 4)."""
-        seen = self._seen.get(step.call_key)
-        if seen is None:
-            seen = self._seen[step.call_key] = _Seen()
+        seen = self._seen.setdefault(step.call_key, _Seen())
         seen.temporaries = self.latest_temporaries = recorder.bytes_by_op
         if not step.aborted:
             step.measured_peak(step.start_bytes + recorder.peak_increase_bytes)
@@ -259,7 +257,7 @@ class DynamicEngine:
         [ A backward without the dispatch mode ] 1, 4)."""
         seen = self._seen.get(step.call_key) if step is not None else None
         if (seen is None or step.record is None or not step.released or step.aborted or step.residency.thrashed
-                or step.passed_cap or seen.temporaries is None or step.ops_at_backward is None):
+                or step.warned or seen.temporaries is None or step.ops_at_backward is None):
             return
         seen.figures = figures(step.record, seen.temporaries, step.start_bytes, step.ops_at_backward)
 
