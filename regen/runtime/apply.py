@@ -99,11 +99,22 @@ ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 # NOTE [ A step that leaves its plan ]
 # A step can find that its ops are not its plan's only once it has begun (the call matched the plan's): a
 # model whose first forward builds modules or buffers (BigBird at a short sequence swaps its attention
-# modules for full attention in its first call, which the profile's warm-up hid), or a branch on the data.
-# A step cannot turn to dynamic mode midway, so under on_mismatch="dynamic" it runs the rest unplanned,
-# keeping what it saves from there (warned: it can pass the cap), as "keep" does; "raise" raises. The call's
-# later steps keep the plan (a first forward differs once), until MAX_DIVERGED_STEPS of them have left it:
-# from then on that call runs in dynamic mode (the count and the warnings: regen/runtime/mismatch.py).
+# modules for full attention in its first call, which the profile's warm-up hid), or a branch on the data (a
+# Hugging Face decoder given a padding mask builds its attention mask, and skips it for a batch without
+# padding: the same call, another forward). Under on_mismatch="dynamic":
+#   1. a step that leaves its plan in forward goes on in dynamic mode under the cap from there (the fallback's
+#      engine: its saved-tensor hooks and dispatch mode pushed above the plan's, so every later pack and op is
+#      its). What the planned part packed stays the planned step's (its drops rebuilt in backward as planned);
+#      on CPU the dynamic step counts, on top of the model, what that part holds (the verified step's pack
+#      records up to there: PackRecord.held_bytes) and each storage its ops read that the planned part made;
+#      on CUDA the allocator counts everything. Such a step is not remembered for later steps (its forward is
+#      a part);
+#   2. a step that leaves it once backward began (a forward shorter than the plan's, found at the first unpack;
+#      with torch.distributed, the ranks' agreement there) runs the rest unplanned: its saved set is final;
+#   3. the call's later steps keep the plan (a first forward differs once, a padding mask now and then), until
+#      MAX_DIVERGED_STEPS of them have left it and they are more than half of the call's steps: from then on
+#      the call runs in dynamic mode from its start (the count and the warnings: regen/runtime/mismatch.py).
+# "raise" raises; "keep" keeps what the step saves from there (warned: it can pass the cap).
 
 
 def _checked_plan_states(model: nn.Module, plan: Plan | str | Path | list | None, on_mismatch: str,
@@ -147,6 +158,7 @@ class RegenHandle:
         self.current: Step | None = None
         self.live_steps: list[Step] = []
         self._depth = 0
+        self._call: tuple | None = None  # the current planned step's call (args, kwargs) until its forward returns
         self._removed = False
         self.compiled: CompiledCalls | None = None  # set when the model is compiled under this handle
         # code compiled before would run in place of the plan's (Note [ Plans under torch.compile ] 8)
@@ -273,6 +285,8 @@ class RegenHandle:
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
+        state.steps += 1
+        self._call = (args, kwargs)
         if self.peak_check.step_started(step, self.stats.steps, state.plan.memory_cap_bytes):
             step.storages.watch_drops()
         self.current = step
@@ -284,10 +298,16 @@ class RegenHandle:
             self._pop_tracker(force=False)
         stacks.push_hooks(step, step.pack_fn, step.unpack_fn)
 
-    @staticmethod
-    def _diverged(state: PlanState) -> None:
-        """One of `state`'s steps left its plan mid-step (Note [ A step that leaves its plan ])."""
+    def _diverged(self, state: PlanState) -> bool:
+        """One of `state`'s steps left its plan mid-step: True when dynamic mode takes its forward over from here
+        (Note [ A step that leaves its plan ] 1, 2)."""
         state.diverged_steps += 1
+        step, call = self.current, self._call
+        if (self.on_mismatch != "dynamic" or step is None or call is None or step.mismatches.any_rank is not None
+                or torch._C._current_graph_task_id() != -1):
+            return False
+        step.release_held = self.fallback.take_over(*call, held_bytes=step.held_bytes())
+        return True
 
     def _close_previous_step(self) -> None:
         """The model's next call begins: the step before packs no more, and what it left pushed goes."""
@@ -307,7 +327,7 @@ class RegenHandle:
         state, problem = choose(self.plan_states, self.root, args, kwargs, by_call=dynamic,
                                 trainable=self.trainable)
         left_plan = None
-        if dynamic and state is not None and state.diverged_steps >= MAX_DIVERGED_STEPS:
+        if dynamic and state is not None and MAX_DIVERGED_STEPS <= state.diverged_steps > state.steps / 2:
             state, left_plan = None, f"{state.diverged_steps} steps of this call left its plan mid-step"
         if dynamic and self._any_rank is not None and self._any_rank(state is None):
             state = None  # every rank runs the same kind of step (a planned step's collectives need them all)
@@ -331,6 +351,7 @@ class RegenHandle:
             return
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
+            self._call = None
             self.fallback.model_returned(output)
         step = self.current
         if self._depth == 0 and step is not None and step.stage == STAGE_TAIL:

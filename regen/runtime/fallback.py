@@ -8,6 +8,8 @@
 * `run(args, kwargs)`: this call runs as a dynamic step on the fallback's `DynamicEngine` (made at the
   first), whose saved-tensor hooks and dispatch mode stand in for the plan's tracker and hooks, with a
   notice the first time per call signature;
+* `take_over(args, kwargs, held_bytes)`: a planned step left its plan in forward: the rest of it runs as a
+  dynamic step;
 * `planned_step_begins()`: the engine's dispatch mode is popped, so a planned step runs as without it;
 * `model_returned(output)`: the model's forward returned (the loss tail of a step observed for learning).
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
+from typing import Callable
 
+import torch
 from torch import nn
 
 from regen.call_signature import call_signature, describe, signature_key
@@ -77,6 +81,15 @@ class DynamicFallback:
             self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
         step = self.engine.start_step(signature_key(signature))
         self.learned.observe(step, self.root, signature, described, args, kwargs, self.cap_bytes)
+
+    def take_over(self, args: tuple, kwargs: dict, held_bytes: int) -> Callable[[torch.Tensor], None]:
+        """A planned step of this call left its plan in forward: dynamic mode runs the rest of it (Note [ A step
+        that leaves its plan ] in apply.py); `held_bytes`: what the planned part holds. Not learned from: its
+        forward is a part. Returns what the planned step calls with each kept tensor its backward reads."""
+        if self.engine is None:
+            self.engine = DynamicEngine(self.root, self.cap_bytes, self.policy)
+        self.engine.start_step(signature_key(call_signature(self.root, args, kwargs)), held_bytes=held_bytes)
+        return self.engine.memory.release_held
 
     def planned_step_begins(self) -> None:
         if self.engine is not None:

@@ -1,8 +1,9 @@
-"""What a step does when it does not match its plan: raise, or warn and run the rest unplanned.
+"""What a step does when it does not match its plan: raise, or warn and run the rest in dynamic mode or unplanned.
 
-on_mismatch="raise" raises `PlanMismatchError`; "keep" and "dynamic" warn (`PlanMismatchWarning`) and the
-step keeps every later tensor (a step cannot turn to dynamic mode once it has begun; under "dynamic" the
-handle sends calls whose steps keep leaving their plan to dynamic mode: regen.runtime.apply). With
+on_mismatch="raise" raises `PlanMismatchError`; "keep" and "dynamic" warn (`PlanMismatchWarning`). Under "keep"
+the step keeps every later tensor; under "dynamic" a step that leaves its plan in forward goes on in dynamic mode
+(one that leaves it in backward runs the rest unplanned), and the handle sends calls whose steps keep leaving
+their plan to dynamic mode from their start (regen.runtime.apply, Note [ A step that leaves its plan ]). With
 torch.distributed initialized, a mismatch found before backward is held until
 the first unpack, where the ranks agree on it (regen/ranks.py), so all ranks raise or all go on.
 The step applies the verdicts (regen.runtime.step); this module words them and holds the deferral.
@@ -55,15 +56,22 @@ class MismatchPolicy:
             self.deferred = message
         return True
 
-    def act(self, message: str, planned: bool) -> None:
-        """Raise (on_mismatch="raise"), or warn and count the unplanned step once (`planned`: it was
-        following the plan until now)."""
+    def act(self, message: str, planned: bool, taken_over: bool = False) -> None:
+        """Raise (on_mismatch="raise"), or warn and count the step once (`planned`: it was following the plan
+        until now; `taken_over`: dynamic mode runs the rest of its forward)."""
         if self.on_mismatch == "raise":
             raise PlanMismatchError(f"regen.apply: {message}. Profile and solve for this model and batch "
                                     f"shape, or pass on_mismatch='keep' to run such steps unplanned (a model whose "
                                     f"first forward builds modules or buffers leaves its plan so in its first step "
                                     f"only: run one step before regen.apply)")
         if not planned:
+            return
+        if taken_over:
+            self.stats.dynamic_steps += 1
+            warnings.warn(f"regen.apply: {message}; the rest of this step runs in dynamic mode under the cap "
+                          f"(on_mismatch='dynamic'). Calls like this one keep their plan until {MAX_DIVERGED_STEPS} "
+                          f"steps, and more than half of their steps, have left it, then run in dynamic mode",
+                          PlanMismatchWarning, stacklevel=4)
             return
         self.stats.unplanned_steps += 1
         if self.on_mismatch == "keep":
@@ -73,8 +81,9 @@ class MismatchPolicy:
             warnings.warn(f"regen.apply: {message}; the rest of this step runs unplanned (it keeps every tensor "
                           f"it saves from here, over the plan's cap if it needs more). A model whose first forward "
                           f"differs from its later ones (one that builds modules or buffers at its first call) does "
-                          f"this once; calls like this one keep their plan until {MAX_DIVERGED_STEPS} such steps, then "
-                          f"run in dynamic mode", PlanMismatchWarning, stacklevel=4)
+                          f"this once; calls like this one keep their plan until {MAX_DIVERGED_STEPS} steps, and "
+                          f"more than half of their steps, have left it, then run in dynamic mode",
+                          PlanMismatchWarning, stacklevel=4)
 
     def agree(self) -> str | None:
         """At the first unpack: the message to act on when any rank's step did not match the plan, or

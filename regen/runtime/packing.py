@@ -24,15 +24,23 @@ from regen.runtime.writers import Writer, live_writer
 class PackRecord:
     """One forward pack of the verified step: what later steps must pack at the same position."""
 
-    __slots__ = ("shape", "dtype", "info", "checked")
+    __slots__ = ("shape", "dtype", "info", "checked", "made")
 
-    def __init__(self, shape, dtype, info, checked: bool):
+    def __init__(self, shape, dtype, info, checked: bool, made: bool):
         self.shape: torch.Size = shape
         self.dtype: torch.dtype = dtype
         self.info: DecisionInfo | None = info  # None: keep the tensor; else swap, recompute or a kept recipe input
         # dropped for a recipe or kept as a recipe's input: a later step checks that the writer map names the
         # same op output for it (writer_mismatch), so a step with another data flow is a mismatch
         self.checked = checked
+        self.made = made  # an op of the step made it (not a parameter, a buffer or the batch)
+
+    def held_bytes(self) -> int:
+        """What the step holds for this pack until backward reads it: its bytes when an op of the step made it and
+        the plan does not drop it for a recompute (a swap's device copy counted: it may not have landed yet)."""
+        if not self.made or (self.info is not None and self.info.action == ACTION_RECOMPUTE):
+            return 0
+        return self.shape.numel() * self.dtype.itemsize
 
 
 class WriterMatch:
@@ -54,7 +62,7 @@ class WriterMatch:
         recipe_input = info is not None and info.key in self.recipe_input_keys
         checked = recipe_input or (info is not None and info.action == ACTION_RECOMPUTE and info.region is None)
         self.recording.append(PackRecord(x.shape, x.dtype, None if info is None or (
-            info.action == ACTION_KEEP and not recipe_input) else info, checked))
+            info.action == ACTION_KEEP and not recipe_input) else info, checked, w is not None))
         if info is None:
             return None, None
         if w.shape != info.shape or w.dtype != info.dtype:

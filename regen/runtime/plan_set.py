@@ -40,7 +40,8 @@ class PlanState:
     verified: bool = False
     pack_sequence: tuple[PackRecord, ...] | None = None  # the fast path's (docs/internals.md)
     fast_ops: FastOps | None = None  # with recompute decisions: what fast steps still track
-    diverged_steps: int = 0  # steps that left the plan mid-step (on_mismatch="dynamic": regen.runtime.apply)
+    steps: int = 0  # steps begun under the plan
+    diverged_steps: int = 0  # of which left the plan mid-step (on_mismatch="dynamic": regen.runtime.apply)
 
 
 def plan_states(plans) -> list[PlanState]:

@@ -48,6 +48,18 @@ from regen.runtime.swap import CopyIn, CopyOut, SwapQueue
 #      rebuilt or restored storage still goes after its last real use, not at the step's release.
 
 
+# NOTE [ A rebuilder that was not dropped ]
+# A candidate t "rebuilt with" r (Decision.rebuilt_with) is dropped at its pack and rebuilt when r's recipe runs,
+# which computes t's output on the way. A step that leaves its plan after t's pack and before r's (a batch without
+# padding, regen/runtime/apply.py: Note [ A step that leaves its plan ]) keeps r, or hands it to dynamic mode, so
+# r's recipe never runs in this step. Then:
+#   1. t is rebuilt by the ops of r's recipe up to t's own producer (its ancestors in the chain run before it:
+#      ops are numbered in forward order), all of which ran, and were captured, before t's pack;
+#   2. that part reads r's recipe inputs that this step kept for them; one it did not keep is a PlanMismatchError;
+#   3. where r was dropped and its recipe has not run when backward reads t, backward ran in another order than
+#      profiled: a PlanMismatchError, as before.
+
+
 class PlannedStorage:
     """One storage of one step: what the runtime did with it and what it still owes."""
 
@@ -233,10 +245,7 @@ class PlannedStorages:
             return ps.storage
         if ps.mode == ACTION_RECOMPUTE:
             if ps.info.rebuilt_with is not None:
-                raise PlanMismatchError(
-                    f"regen.apply: op {ps.key[0]}'s saved tensor is rebuilt by the recipe of op "
-                    f"{ps.info.rebuilt_with[0]}'s, which had not run when backward first read it: backward ran "
-                    f"in another order than profiled; the plan does not fit this run")
+                return self._rebuild_without_its_rebuilder(ps)
             return self._recompute(ps)
         raise PlanMismatchError(f"regen.apply: a recompute recipe reads op {ps.key[0]} output {ps.key[1]}, "
                                 f"which this step never saved; the plan does not fit this model")
@@ -275,6 +284,32 @@ class PlannedStorages:
                 a_cand = self.storages.get(a)
                 if a_cand is not None:
                     self.used(a_cand)
+        return result
+
+    def _rebuild_without_its_rebuilder(self, ps: PlannedStorage) -> torch.Tensor:
+        """A dropped tensor rebuilt with another candidate's recipe, which has not run: Note [ A rebuilder that was
+        not dropped ]."""
+        rebuilder = self.storages.get(ps.info.rebuilt_with)
+        if rebuilder is not None and rebuilder.mode == ACTION_RECOMPUTE:
+            raise PlanMismatchError(
+                f"regen.apply: op {ps.key[0]}'s saved tensor is rebuilt by the recipe of op "
+                f"{ps.info.rebuilt_with[0]}'s, which had not run when backward first read it: backward ran "
+                f"in another order than profiled; the plan does not fit this run")
+        info = self.index.decisions[ps.info.rebuilt_with]
+        allowed = set(info.recipe_inputs)
+
+        def recipe_input(key):
+            a = self.storages.get(key) if key in allowed else None
+            if a is None:
+                raise PlanMismatchError(f"regen.apply: op {ps.key[0]}'s saved tensor, rebuilt with the recipe of op "
+                                        f"{info.key[0]}'s (which this step kept), needs op {key[0]} output {key[1]}, "
+                                        f"which this step did not keep for it; the plan does not fit this run")
+            return self.materialize(a)
+
+        chain = [op for op in info.decision.recipe if op <= ps.key[0]]
+        result, _ = replay_recipe(ps.key, chain, self.captures, recipe_input, ps.info.shape, ps.info.dtype)
+        self.stats.recomputes += 1
+        ps.storage = result
         return result
 
     def replay_region(self, rid: int) -> None:

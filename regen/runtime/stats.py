@@ -12,7 +12,8 @@ class RuntimeStats:
     steps: int = 0  # steps started (training forwards with grad)
     planned_steps: int = 0  # steps whose every pack followed the plan
     unplanned_steps: int = 0  # steps that fell back to keep (on_mismatch="keep")
-    dynamic_steps: int = 0  # steps no plan fits, run in dynamic mode (on_mismatch="dynamic"; dynamic_stats)
+    # steps no plan fits, or that left their plan in forward, run in dynamic mode (on_mismatch="dynamic"; dynamic_stats)
+    dynamic_steps: int = 0
     swapped_tensors: int = 0
     swapped_bytes: int = 0
     dropped_tensors: int = 0  # dropped in forward for recompute

@@ -81,7 +81,8 @@ class StepContext:
     track: Callable  # (step): a fast step's tracking window opens: the dispatch mode follows its ops
     released: Callable  # (step, followed_plan: bool)
     drops_held: Callable  # (step, bytes): on a watched step, the dropped storages still held as backward began
-    diverged: Callable = lambda: None  # (): the step left its plan mid-step and runs the rest unplanned
+    # (): the step left its plan mid-step; True when dynamic mode runs the rest of its forward, else it runs unplanned
+    diverged: Callable = lambda: False
 
 
 
@@ -128,6 +129,8 @@ class Step:
         self.forward_packs_seen = 0  # every tensor autograd packed before backward began (the saved set)
         self.pack_fn = self.pack if pack_sequence is None else self.fast_pack
         self.unpack_fn = self.unpack
+        # taken over midway by dynamic mode: told of each kept tensor backward reads (its count lets it go)
+        self.release_held: Callable[[torch.Tensor], None] | None = None
 
     # ---- forward ops (called back by ForwardOps) --------------------------------------------------
     def _last_op_ran(self, fingerprint_matched: bool):
@@ -188,9 +191,14 @@ class Step:
         if self.ctx.on_mismatch == "raise":
             self.failed = True
             self.end_forward()
-        self.mismatches.act(message, planned)
-        if planned:
-            self.ctx.diverged()
+        taken_over = planned and self.ctx.on_mismatch == "dynamic" and self.ctx.diverged()
+        self.mismatches.act(message, planned, taken_over)
+
+    def held_bytes(self) -> int:
+        """What the tensors packed so far that an op of the step made and the plan keeps hold until backward reads
+        them (their records: the verified step's up to here on the fast path)."""
+        records = self.matcher.recording if self.matcher is not None else (self.sequence or ())[:self.pack_count]
+        return sum(r.held_bytes() for r in records)
 
     # ---- pack ---------------------------------------------------------------------------------------
     def pack(self, x: torch.Tensor):
@@ -298,6 +306,8 @@ class Step:
             tensor = obj.tensor
             if tensor._version != obj.version:
                 check_version(tensor, obj.version)
+            if self.release_held is not None:
+                self.release_held(tensor)
             return tensor
         if not isinstance(obj, Saved):
             return obj.unpack()

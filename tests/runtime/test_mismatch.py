@@ -1,11 +1,13 @@
 """A plan applied to another batch shape or model raises PlanMismatchError with on_mismatch="raise", or
 warns and runs the step unplanned (same gradients as without regen); under the default ("dynamic") a call
-whose steps keep leaving their plan mid-step runs in dynamic mode."""
+whose steps keep leaving their plan mid-step runs in dynamic mode (a step that leaves it in forward goes on in
+dynamic mode)."""
 
 import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import regen
 from common import assert_nothing_left, assert_same, make, run_and_grads, step, traced
@@ -256,19 +258,19 @@ def _recompute_plan(w: Workload):
     return plan
 
 
-def test_a_step_that_leaves_its_plan_mid_step_runs_the_rest_unplanned_and_the_next_keep_the_plan():
+def test_a_step_that_leaves_its_plan_mid_step_runs_the_rest_in_dynamic_mode_and_the_next_keep_the_plan():
     plan = _recompute_plan(_first_call_workload())
     reference_w = _first_call_workload()
     reference = [run_and_grads(reference_w) for _ in range(3)]
     w = _first_call_workload()
     with regen.apply(w.model, plan) as handle:
-        with pytest.warns(PlanMismatchWarning, match="rest of this step runs unplanned"):
+        with pytest.warns(PlanMismatchWarning, match="rest of this step runs in dynamic mode under the cap"):
             first = run_and_grads(w)
         later = [run_and_grads(w) for _ in range(2)]
     for a, b in zip(reference, [first] + later):
         assert_same(a, b)
-    assert handle.stats.unplanned_steps == 1 and handle.stats.planned_steps == 2
-    assert handle.dynamic_stats.steps == 0
+    assert handle.stats.unplanned_steps == 0 and handle.stats.dynamic_steps == 1 and handle.stats.planned_steps == 2
+    assert handle.dynamic_stats.steps == 1
     assert_nothing_left(handle, w.model)
 
 
@@ -279,9 +281,53 @@ def test_a_call_whose_steps_keep_leaving_their_plan_runs_in_dynamic_mode():
     with regen.apply(w.model, plan) as handle:
         for k in range(4):
             w.model.built = False  # every step builds again: its ops leave the plan's mid-step
-            said = ["rest of this step runs unplanned"] * 2 + ["2 steps of this call left its plan mid-step"]
+            said = ["rest of this step runs in dynamic mode"] * 2 + ["2 steps of this call left its plan mid-step"]
             with pytest.warns(PlanMismatchWarning, match=said[k]) if k < 3 else warnings.catch_warnings():
                 assert_same(reference, run_and_grads(w))
-    assert handle.stats.unplanned_steps == 2 and handle.stats.planned_steps == 0
-    assert handle.dynamic_stats.steps == 2
+    assert handle.stats.unplanned_steps == 0 and handle.stats.planned_steps == 0
+    assert handle.stats.dynamic_steps == 4 and handle.dynamic_stats.steps == 4
     assert_nothing_left(handle, w.model)
+
+
+class _Attention(nn.Module):
+    """One attention call on CPU (its kernel allocates its output through the dispatcher, then fills it); with
+    `detour` set, in float64 (a forward the plan did not see, which leaves it at the attention's saved query)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.proj = nn.Linear(32, 32)
+        self.detour = False
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(4, 16, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.detour:
+            q, k, v = q.double(), k.double(), v.double()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v).float()
+        return self.proj(out.transpose(1, 2).reshape(4, 16, 32)).pow(2).mean()
+
+
+def test_a_step_that_leaves_its_plan_at_a_kernels_saved_input_goes_on_exactly():
+    """The step leaves its plan at the attention's saved query (another dtype), packed before the kernel runs:
+    dynamic mode must not see the ops that kernel dispatches (the empty output it then fills), or a rebuild of the
+    output gives the empty buffer (engine.py, `_follow_ops_from_next_module_call`). The plan keeps every tensor (its
+    later steps match packs by order, with no dispatch mode)."""
+    from handmade import build_plan
+
+    torch.manual_seed(0)
+    w = Workload(name="attention", model=_Attention(), batch=(torch.randn(4, 16, 32),), loss_fn=None)
+    plan = build_plan(trace_workload(w), lambda i, c: "keep", "keep")
+    # the model, its gradients and 64 KiB: a dynamic mode that saw the kernel's own ops dropped its output and
+    # rebuilt an empty buffer here
+    plan.memory_cap_bytes = sum(p.numel() * 4 for p in w.model.parameters()) * 2 + 64 * 1024
+    w.model.detour = True
+    reference = run_and_grads(w)
+    w.model.detour = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the leaving step's, and a cap no step can hold
+        with regen.apply(w.model, plan) as handle:
+            run_and_grads(w)  # the verified step
+            w.model.detour = True
+            got = run_and_grads(w)
+    assert_same(reference, got)
+    assert handle.stats.dynamic_steps == 1

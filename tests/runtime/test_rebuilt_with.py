@@ -1,6 +1,7 @@
 """Rebuilt-with decisions in the runtime, on hand-made plans (docs/internals.md, "Rebuilt with another's
-recipe"): the rebuilding decision's recipe hands over the intermediate, gradients stay exact, and a rebuilt
-tensor that backward reads before that recipe ran is a PlanMismatchError, never a stale or missing tensor."""
+recipe"): the rebuilding decision's recipe hands over the intermediate, gradients stay exact, a rebuilt
+tensor that backward reads before that recipe ran is a PlanMismatchError, never a stale or missing tensor, and
+one whose rebuilder the step never dropped (it left its plan in between) is rebuilt on its own."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import regen
 from common import assert_same, run_and_grads
 from handmade import build_plan, trace_workload
 from regen.errors import PlanMismatchError
+from regen.runtime.mismatch import PlanMismatchWarning
 from regen.workloads import Workload
 
 
@@ -80,3 +82,35 @@ def test_rebuilt_tensor_read_before_its_rebuilder_ran_is_a_clear_error():
     with pytest.raises(PlanMismatchError, match="had not run"):
         with regen.apply(w.model, bad):
             run_and_grads(w)
+
+
+class Detour(nn.Module):
+    """Chain's forward, with a detour (an extra op before sin) the plan did not see when `detour` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.detour = False
+
+    def forward(self, x):
+        y = torch.relu(self.lin(x))
+        h = torch.sin(y + 0 if self.detour else y)
+        return (h * h).sum()
+
+
+def test_a_step_that_leaves_its_plan_before_the_rebuilder_is_packed_rebuilds_the_tensor_itself():
+    """relu's output is dropped to be rebuilt with sin's recipe; the detour makes the step leave its plan at sin's
+    pack, so sin's output is never dropped and its recipe never runs: relu's output is rebuilt by the part of that
+    recipe up to relu (Note [ A rebuilder that was not dropped ] in planned_storages.py), exactly."""
+    torch.manual_seed(0)
+    w = Workload(name="detour", model=Detour(), batch=(torch.randn(8, 16),), loss_fn=None)
+    plan = _rebuild_plan(trace_workload(w), "aten.relu.default", "aten.sin.default")
+    w.model.detour = True
+    reference = run_and_grads(w)
+    w.model.detour = False
+    with regen.apply(w.model, plan) as handle:
+        run_and_grads(w)  # the verified step
+        w.model.detour = True
+        with pytest.warns(PlanMismatchWarning, match="rest of this step runs in dynamic mode"):
+            assert_same(reference, run_and_grads(w))
+    assert handle.stats.dynamic_steps == 1 and handle.stats.recomputes > 0

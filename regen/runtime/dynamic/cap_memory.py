@@ -55,11 +55,15 @@ class TrackedMemory:
         # counted on top of the tracked storages: what a backward run without the dispatch mode made, as the
         # step before's backward recorded it (backward_figures.py)
         self.untracked_bytes = 0
+        # a step that took over a planned step's forward midway: what that part's saved tensors hold, less each as
+        # backward reads it (release_held)
+        self.held_bytes = 0
 
-    def begin_step(self, model: nn.Module) -> None:
+    def begin_step(self, model: nn.Module, held_bytes: int = 0) -> None:
         """A step starts: its start figure is the model's memory (storages tracked already, such as
         gradients made by an earlier backward, are counted there once; a free of one not taken yet is then
-        ignored: regen.storage_frees)."""
+        ignored: regen.storage_frees), plus `held_bytes` (a step taking over a planned step's forward midway:
+        what that part holds, until backward reads it: release_held)."""
         storages = model_storages(model)
         self._start_keys = set(storages)
         for key in storages:
@@ -70,6 +74,7 @@ class TrackedMemory:
                 self.backward_bytes -= nbytes
         self.start_bytes = sum(storages.values())
         self.untracked_bytes = 0
+        self.held_bytes = held_bytes
 
     def track(self, t: torch.Tensor, made_in_backward: bool = False) -> None:
         """Count `t`'s storage while it lives (once, however many tensors view it); `made_in_backward`: a
@@ -92,7 +97,11 @@ class TrackedMemory:
     def in_use_bytes(self) -> int:
         """The memory in use."""
         self._settle()
-        return self.start_bytes + self._tracked_bytes + self.untracked_bytes
+        return self.start_bytes + self._tracked_bytes + self.untracked_bytes + self.held_bytes
+
+    def release_held(self, t: torch.Tensor) -> None:
+        """Backward read `t`, a tensor the planned part of a step taken over midway saved: autograd lets it go."""
+        self.held_bytes = max(0, self.held_bytes - t.numel() * t.element_size())
 
     def _settle(self) -> None:
         for key, nbytes in self._live.pop_freed():
@@ -114,8 +123,11 @@ class DeviceMemory:
         self.start_bytes = 0
         self.read = allocated_bytes_reader(device)
 
-    def begin_step(self, model: nn.Module) -> None:
-        self.start_bytes = self.read()
+    def begin_step(self, model: nn.Module, held_bytes: int = 0) -> None:
+        self.start_bytes = self.read()  # everything, what a planned step's part holds included
+
+    def release_held(self, t: torch.Tensor) -> None:
+        pass
 
     def track(self, t: torch.Tensor, made_in_backward: bool = False) -> None:
         pass

@@ -176,6 +176,7 @@ class DynamicEngine:
         # per call key (None: calls not told apart), the last step's ops' outputs and its call's last backward run
         # under the mode (backward_figures.py)
         self._seen: dict = {}
+        self._module_hooks: list = []  # a step taking over midway: the one-shot hooks that push the mode
 
     @property
     def mode_pushed(self) -> bool:
@@ -185,40 +186,78 @@ class DynamicEngine:
     def hooks_installed(self) -> bool:
         return self.mode_pushed or (self.current is not None and stacks.hooks_pushed(self.current.pack))
 
-    def start_step(self, call_key=None) -> DynamicStep:
+    def start_step(self, call_key=None, held_bytes: int | None = None) -> DynamicStep:
         """A training forward begins as a dynamic step; `call_key` tells its call apart from others
-        (`call_signature.signature_key`; None: not told apart, and never a backward without the mode)."""
+        (`call_signature.signature_key`; None: not told apart, and never a backward without the mode).
+        `held_bytes`: the step takes over a planned step's forward midway, whose part holds these bytes (CPU:
+        counted on top of the model's; Note [ A step that leaves its plan ] in regen/runtime/apply.py): it foresees
+        nothing, records nothing and is not remembered (its forward is a part)."""
+        midway = held_bytes is not None
         self._close_recorder()
         previous = self.current
-        if previous is not None:
+        if previous is not None and not previous.midway:
             self._remember(previous)
         self.close_current()
-        stacks.pop_finished()  # this handle's and others' steps that pack no more
+        if not midway:  # (midway: inside the planned step's pack hook or op, whose entries stay pushed)
+            stacks.pop_finished()  # this handle's and others' steps that pack no more
         self._take_figures(previous)
         # Note [ Room for the next op ]: what the last step of this call made, else the step before's; a backward
         # without the mode only on its own call's figures (another call's, differing in what requires grad, may
         # make the same forward and a larger backward)
-        known = self._seen.get(call_key) if call_key is not None else None
-        seen = known if known is not None or previous is None else self._seen.get(previous.call_key)
-        self.memory.begin_step(self.root)
+        known = self._seen.get(call_key) if call_key is not None and not midway else None
+        seen = known if known is not None or previous is None or midway else self._seen.get(previous.call_key)
+        self.memory.begin_step(self.root, held_bytes or 0)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         step.call_key = call_key
+        step.midway = midway
         step.residency.reserve_bytes = self.stats.reserve_bytes
         step.foresee((seen.made_forward, seen.made_backward) if seen is not None else None)
         self._give_temporaries(step, known)
-        if step.record is not None:  # Note [ A backward without the dispatch mode ] 2
+        if step.midway:
+            step.record = None  # its backward runs the planned part's unpacks too: no figures for its call
+        elif step.record is not None:  # Note [ A backward without the dispatch mode ] 2
             figures_known = known.figures if known is not None else None
             step.gate_backward(figures_known if self._backward_without_mode(step, figures_known) else None,
                                self._leave_mode)
         self.stats.steps += 1
         self.current = step
         self.live_steps.append(step)
+        if midway:
+            self._follow_ops_from_next_module_call(step)
+        else:
+            self._follow_ops(step)
+        stacks.push_hooks(step, step.pack, step.unpack)
+        return step
+
+    def _follow_ops(self, step: DynamicStep) -> None:
+        """The dispatch mode hands the ops from here to `step` (pushed if it is not)."""
         self.mode.step = step
         if not self.mode_pushed:
             stacks.push_mode(self.mode, lambda: not self.live_steps)
-        stacks.push_hooks(step, step.pack, step.unpack)
-        return step
+
+    def _follow_ops_from_next_module_call(self, step: DynamicStep) -> None:
+        """A step taking over midway: the op that left the plan may still be running (its saved inputs are packed
+        before its kernel runs, and a mode pushed then would see the ops its kernel calls, such as the output
+        buffer a CPU attention kernel allocates and fills, as ops of their own: rebuilt, such a buffer is empty).
+        So the mode follows the ops from the next module call or return, where no op is running; until then the
+        step sees no op, and keeps what it packs."""
+        self.mode.step = None
+        hooks = []
+
+        def follow(*_):
+            self._drop_module_hooks()
+            if self.current is step and not step.closed and not self.removed:
+                self._follow_ops(step)
+
+        hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(follow))
+        hooks.append(torch.nn.modules.module.register_module_forward_hook(follow))
+        self._module_hooks = hooks
+
+    def _drop_module_hooks(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
 
     def _give_temporaries(self, step: DynamicStep, known: _Seen | None) -> None:
         """CPU: the temporaries `step`'s backward checks keep room for (Note [ Temporaries per call ]), and a
@@ -226,7 +265,7 @@ class DynamicEngine:
         own = known.temporaries if known is not None else None
         step.temporaries = own if own is not None else self.latest_temporaries
         step.temporaries_exact = own is not None
-        if self.read_peak is not None or own is not None:
+        if self.read_peak is not None or own is not None or step.midway:
             return
         if self.latest_temporaries is None or known is not None:  # the first step, or a call seen before
             recorder = TransientRecorder(lambda r: self._recorded(step, r))
@@ -282,6 +321,7 @@ class DynamicEngine:
 
     def close_current(self) -> None:
         """The model's next call began: the current step packs no more."""
+        self._drop_module_hooks()
         step = self.current
         if step is None:
             return
