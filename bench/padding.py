@@ -1,6 +1,7 @@
 """Padded batches as users train decoders: a plan profiled on one padded batch, trained on batches padded otherwise.
 
     .venv/bin/python bench/padding.py [--strategy recompute|hybrid] [--models llama opt ...] [--cap-fraction 0.6]
+                                      [--heldout NAME ... | --heldout all]
 
 Each decoder of regen.zoo (defaults as shipped, dropout as shipped) is profiled on a right-padded batch (an
 attention mask, labels -100 at the pads) and solved at --cap-fraction of its peak increase (or the smallest cap the
@@ -8,7 +9,8 @@ strategy reaches; hybrid over an emulated link at R = 0.9). Then four steps unde
 no padding, left padding, and another right padding, each against the unplanned step from the same state and seeds
 (losses, gradients and buffers bit for bit), its peak as the allocator measures it over the plan's cap, and how the
 handle ran it. A Hugging Face decoder skips its attention mask for a batch without padding: that step leaves the
-plan and goes on in dynamic mode (regen/runtime/apply.py, Note [ A step that leaves its plan ]).
+plan and goes on in dynamic mode (regen/runtime/apply.py, Note [ A step that leaves its plan ]). With --heldout, the
+causal LMs of bench/heldout.py instead (regen was not built around them; "all": every one of them).
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def _results(w: Workload, model, batch: dict, k: int, measured: bool):
     return result, measurement
 
 
-def check(name: str, strategy: str, cap_fraction: float) -> str:
-    w = build_workload(f"regen.zoo:{name}", batch_size=BATCH)
+def check(name: str, strategy: str, cap_fraction: float, heldout: bool) -> str:
+    if heldout:
+        w = build_workload("bench.heldout:build", batch_size=BATCH, args={"name": name})
+    else:
+        w = build_workload(f"regen.zoo:{name}", batch_size=BATCH)
     steps = batches(w.batch["input_ids"].shape[1])
     w.batch = steps[0][1]
     initial = copy.deepcopy(w.model)
@@ -113,15 +118,27 @@ def main() -> None:
     default = [f.__name__ for f in FAMILIES["decoder"] + FAMILIES["mixture of experts"]]
     parser.add_argument("--models", nargs="+", default=default, metavar="NAME")
     parser.add_argument("--cap-fraction", type=float, default=0.6, help="of the profiled step's peak increase")
+    parser.add_argument("--heldout", nargs="+", metavar="NAME",
+                        help="causal LMs of bench/heldout.py instead of the zoo ('all': every one)")
     args = parser.parse_args()
+    models = args.models
+    if args.heldout:
+        from heldout import HELD_OUT
+
+        models = [n for n, (model_class, _, _, _) in HELD_OUT.items() if model_class.endswith("ForCausalLM")]
+        if args.heldout != ["all"]:
+            unknown = sorted(set(args.heldout) - set(models))
+            if unknown:
+                parser.error(f"not a causal LM of bench/heldout.py: {', '.join(unknown)}")
+            models = args.heldout
     names = ", ".join(n for n, _ in batches(8))
     print(f"{args.strategy} at {args.cap_fraction:g} of the peak increase; per batch ({names}): results against "
           f"unplanned, allocator peak / cap; steps by kind; warnings of a step leaving its plan")
-    for name in args.models:
+    for name in models:
         try:
-            print(check(name, args.strategy, args.cap_fraction), flush=True)
-        except RegenError as exc:
-            print(f"{name:10} | {type(exc).__name__}: {exc}", flush=True)
+            print(check(name, args.strategy, args.cap_fraction, bool(args.heldout)), flush=True)
+        except (RegenError, TypeError, ValueError) as exc:  # a model that takes no attention mask: TypeError
+            print(f"{name:10} | {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
 if __name__ == "__main__":
