@@ -103,12 +103,15 @@ ON_MISMATCH_CHOICES = ("dynamic", "raise", "keep")
 # Hugging Face decoder given a padding mask builds its attention mask, and skips it for a batch without
 # padding: the same call, another forward). Under on_mismatch="dynamic":
 #   1. a step that leaves its plan in forward goes on in dynamic mode under the cap from there (the fallback's
-#      engine: its saved-tensor hooks and dispatch mode pushed above the plan's, so every later pack and op is
-#      its). What the planned part packed stays the planned step's (its drops rebuilt in backward as planned);
-#      on CPU the dynamic step counts, on top of the model, what that part holds (the verified step's pack
-#      records up to there: PackRecord.held_bytes) and each storage its ops read that the planned part made;
-#      on CUDA the allocator counts everything. Such a step is not remembered for later steps (its forward is
-#      a part);
+#      engine: its saved-tensor hooks pushed above the plan's, so every later pack is its, and its dispatch mode
+#      from the next module call, engine.py). What the planned part packed stays the planned step's (its drops
+#      rebuilt in backward as planned: planned_storages.py, Note [ A rebuilder that was not dropped ]; a region
+#      replayed only up to what it dropped); the planned step's forward ends there (its tracker captures no
+#      more). On CPU the dynamic step counts, on top of the model, what that part's saved tensors hold (the
+#      verified step's pack records up to there: PackRecord.held_bytes), the tensors the running forward's frames
+#      hold (cap_memory.py, `track_running_frames`) and each storage it packs or its ops read that the planned
+#      part made: more than the allocator holds, where a tensor is both; on CUDA the allocator counts everything.
+#      Such a step is not remembered for later steps (its forward is a part);
 #   2. a step that leaves it once backward began (a forward shorter than the plan's, found at the first unpack;
 #      with torch.distributed, the ranks' agreement there) runs the rest unplanned: its saved set is final;
 #   3. the call's later steps keep the plan (a first forward differs once, a padding mask now and then), until

@@ -319,7 +319,12 @@ class PlannedStorages:
                    and c.storage is None and not c.released]
         if not waiting:
             return
-        rebuilt = self.regions.replay(rid)
+        # up to the first pack of the last member this step dropped: a step that left its plan in the call dropped
+        # only those before, and the call's later packs, replayed, follow its new path (another shape than the plan's)
+        first = {}
+        for k, key in enumerate(self.index.regions[rid].pack_keys):
+            first.setdefault(key, k)
+        rebuilt = self.regions.replay(rid, stop=1 + max(first[key] for key in waiting))
         if not rebuilt:
             return
         self.stats.region_replays += 1

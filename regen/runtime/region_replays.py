@@ -136,8 +136,9 @@ class RegionReplays:
         return rid in self.calls
 
     # ---- backward ---------------------------------------------------------------------------------
-    def replay(self, rid: int) -> dict[tuple[int, int], torch.Tensor]:
-        """Run the region's module again; the rebuilt storages by member key. Once per step."""
+    def replay(self, rid: int, stop: int | None = None) -> dict[tuple[int, int], torch.Tensor]:
+        """Run the region's module again; the rebuilt storages by member key. Once per step. `stop`: after how many
+        packs (default: the first of its last member)."""
         rc = self.calls.get(rid)
         if rc is None:
             return {}
@@ -148,7 +149,7 @@ class RegionReplays:
             rc.args, rc.kwargs = _inputs_again(rc)
         rc.replayed = True
         keys = rc.info.pack_keys
-        stop = rc.info.packs_needed
+        stop = rc.info.packs_needed if stop is None else stop
         packed: list[torch.Tensor | None] = []
 
         def pack(x):

@@ -193,6 +193,8 @@ class Step:
             self.end_forward()
         taken_over = planned and self.ctx.on_mismatch == "dynamic" and self.ctx.diverged()
         self.mismatches.act(message, planned, taken_over)
+        if taken_over:  # its tracker captures nothing more: a capture holds what it reads until the step's release
+            self.end_forward(in_pack_hook=True)
 
     def held_bytes(self) -> int:
         """What the tensors packed so far that an op of the step made and the plan keeps hold until backward reads

@@ -49,7 +49,7 @@ def _results(w: Workload, batch: dict) -> tuple:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("name", ["llama", "opt", "gpt2", "gpt_neox", "qwen3", "olmo2", "phi3", "mixtral"])
 def test_a_batch_without_padding_leaves_the_plan_and_goes_on_in_dynamic_mode_within_the_cap(name):
     w = build_workload(f"regen.zoo:{name}", batch_size=4)
     seq = w.batch["input_ids"].shape[1]

@@ -441,3 +441,84 @@ def test_fifty_steps_without_growth():
     assert handle.stats.steps == 50 and handle.stats.planned_steps == 50
     assert handle.stats.region_replays == 50 * len(plan.regions)
     assert_flat(measured, tensors)
+
+
+class _DetourBlock(torch.nn.Module):
+    """relu's output (a member a replay rebuilds), then, with `detour` set, a wider second layer the plan did not
+    see: its saved input has another shape, so a step leaves its plan inside this block's call."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.fc2_wide = torch.nn.Linear(8 * width, width)
+        self.detour = False
+
+    def forward(self, x):
+        a = torch.relu(self.fc1(x))
+        b = self.fc2_wide(torch.cat([a, a], -1)) if self.detour else self.fc2(a)
+        return x + torch.tanh(b)
+
+
+class _DetourNet(torch.nn.Module):
+    def __init__(self, width: int = 32, blocks: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_DetourBlock(width) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_step_that_leaves_its_plan_inside_a_region_replays_it_only_up_to_what_it_dropped():
+    """The step leaves its plan inside block 1's call (its detour), after dropping relu's output there: the block's
+    replay, which follows the detour, stops at that pack instead of going on to the plan's last member (whose
+    position the detour's packs no longer match: a PlanMismatchError in backward), and the step is exact."""
+    from plans import profile as fixed_time_profile
+    from regen.planner import solve
+    from regen.workloads import Workload
+
+    torch.manual_seed(0)
+    w = Workload(name="detour-blocks", model=_DetourNet(), batch=(torch.randn(256, 32),), loss_fn=None)
+    profile = fixed_time_profile(w)
+    plan = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+    w.model.blocks[1].detour = True
+    reference = run_and_grads(w)
+    w.model.blocks[1].detour = False
+    with regen.apply(w.model, plan) as handle:
+        run_and_grads(w)  # the verified step
+        w.model.blocks[1].detour = True
+        with pytest.warns(PlanMismatchWarning, match="rest of this step runs in dynamic mode"):
+            assert_same(reference, run_and_grads(w))
+    assert handle.stats.dynamic_steps == 1 and handle.stats.region_replays >= 3
+
+
+def test_a_step_that_leaves_its_plan_counts_what_the_planned_part_holds(monkeypatch):
+    """On CPU the dynamic part of a step that left its plan in block 3 of 6 counts what the planned part made and
+    the forward still holds (its frames' tensors, what it packs), and holds the plan's cap as the allocator measures
+    it (without those counted: 1.105x, silent)."""
+    import itertools
+
+    from plans import profile as fixed_time_profile
+    from regen.planner import solve
+    from regen.runtime.dynamic import dynamic_step
+    from regen.runtime.dynamic.cap_memory import model_storages
+    from regen.workloads import Workload
+
+    monkeypatch.setattr(dynamic_step, "op_clock", itertools.count().__next__)  # the same evictions on any machine
+    torch.manual_seed(0)
+    w = Workload(name="detour-blocks", model=_DetourNet(blocks=6), batch=(torch.randn(1024, 32),), loss_fn=None)
+    profile = fixed_time_profile(w)
+    blocks = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
+    cap = int(blocks.simulated.peak_bytes + 0.3 * (profile.peak_bytes - blocks.simulated.peak_bytes))
+    plan = solve(profile, memory_cap_bytes=cap, strategy="recompute", time_limit_s=30)
+    w.model.zero_grad(set_to_none=True)
+    start = sum(model_storages(w.model).values())
+    with regen.apply(w.model, plan) as handle:
+        run_and_grads(w)  # the verified step
+        w.model.zero_grad(set_to_none=True)
+        w.model.blocks[3].detour = True
+        with pytest.warns(PlanMismatchWarning, match="rest of this step runs in dynamic mode"):
+            measured = measure_memory(lambda: step(w))
+    assert handle.stats.dynamic_steps == 1
+    assert start + measured.peak_increase_bytes <= (1 + CAP_TOLERANCE) * plan.memory_cap_bytes

@@ -9,10 +9,14 @@
   once, told of its free as it happens: regen.storage_frees) while it is alive. The model's own storages are
   in the start figure and never tracked again: a backward's transposed view of a weight once counted each
   weight twice (six 512-wide layers: 19.02 MiB counted where the allocator measured 14.02, an over-cap
-  warning every step). Temporaries inside a single op are not seen.
+  warning every step). Temporaries inside a single op are not seen. A step that takes over a planned step's forward
+  midway also counts what that part holds (`held_bytes`, `track_running_frames`: regen/runtime/apply.py, Note [ A
+  step that leaves its plan ]).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -103,6 +107,20 @@ class TrackedMemory:
         """Backward read `t`, a tensor the planned part of a step taken over midway saved: autograd lets it go."""
         self.held_bytes = max(0, self.held_bytes - t.numel() * t.element_size())
 
+    def track_running_frames(self) -> None:
+        """A step taking over a planned step's forward midway: the tensors the running forward's Python frames hold
+        (its functions' locals, and the tensors in their lists, tuples and dicts) are counted while they live: what
+        the planned part made that the rest of the forward will read (the residual stream, a mask)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            for value in frame.f_locals.values():
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                    else (value,)
+                for t in items:
+                    if isinstance(t, torch.Tensor) and not t.is_meta and t.device.type == "cpu":
+                        self.track(t)
+            frame = frame.f_back
+
     def _settle(self) -> None:
         for key, nbytes in self._live.pop_freed():
             self._tracked_bytes -= nbytes
@@ -127,6 +145,9 @@ class DeviceMemory:
         self.start_bytes = self.read()  # everything, what a planned step's part holds included
 
     def release_held(self, t: torch.Tensor) -> None:
+        pass
+
+    def track_running_frames(self) -> None:
         pass
 
     def track(self, t: torch.Tensor, made_in_backward: bool = False) -> None:

@@ -407,6 +407,8 @@ class DynamicStep:
             return Untracked(x)
         w = live_writer(self.writer, storage_key(x)) if x.device.type == self.device_type else None
         if w is None:  # a parameter, a buffer, the batch, a tensor on another device: not the cap's to plan
+            if self.midway:  # or made before this step took over: held now, so counted (the model's are not)
+                self.memory.track(x)
             return x.detach()
         node = self.nodes[(w.op, w.slot)]
         if node.tensor is None:
