@@ -22,7 +22,9 @@ def test_the_probe_measures_the_runtime_s_own_work_on_cpu():
 
 def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
     """With `timed_forward`, dispatch_op_s comes from the workload's own forward, timed plainly and under
-    the tracker in turn (the tracker counting its ops); the method says so."""
+    the tracker in turn (the tracker counting its ops); the method says so. The forwards report fixed times (the
+    tracked one 10 us longer), so that a loaded machine cannot make the workload's figure read as a burst of load
+    (over 8x the tiny tensors', which would be charged instead)."""
     from contextlib import nullcontext
 
     from regen.runtime.self_timing import FORWARD_PROBE_PAIRS, WORKLOAD_METHOD
@@ -34,12 +36,10 @@ def test_given_the_workload_s_forward_the_dispatch_cost_is_measured_there():
 
     def timed_forward(context) -> float:
         contexts.append(type(context))
-        t0 = time.perf_counter()
         with context:
             loss = model(x).square().mean()
-        forward_s = time.perf_counter() - t0
         loss.backward()
-        return forward_s
+        return 1e-3 + (1e-5 if isinstance(context, ForwardTracker) else 0.0)
 
     costs = measure_runtime_costs(torch.device("cpu"), timed_forward)
     assert contexts == [nullcontext, ForwardTracker] * FORWARD_PROBE_PAIRS
