@@ -303,11 +303,11 @@ class RegenHandle:
 
     def _diverged(self, state: PlanState) -> bool:
         """One of `state`'s steps left its plan mid-step: True when dynamic mode takes its forward over from here
-        (Note [ A step that leaves its plan ] 1, 2)."""
+        (Note [ A step that leaves its plan ] 1, 2; with torch.distributed a mismatch is acted on at the first
+        unpack, in backward)."""
         state.diverged_steps += 1
         step, call = self.current, self._call
-        if (self.on_mismatch != "dynamic" or step is None or call is None or step.mismatches.any_rank is not None
-                or torch._C._current_graph_task_id() != -1):
+        if self.on_mismatch != "dynamic" or step is None or call is None or torch._C._current_graph_task_id() != -1:
             return False
         step.release_held = self.fallback.take_over(*call, held_bytes=step.held_bytes())
         return True

@@ -15,7 +15,6 @@ import torch
 from regen.errors import FormatError
 from regen.formats.plan import (ACTION_RECOMPUTE, ACTION_SWAP, Decision, Plan, RegionDecision, rebuilt_with_error,
                                 region_error)
-from regen.formats.plan_rules import replay_stop_pack
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -46,7 +45,6 @@ class RegionInfo:
 
     region: RegionDecision
     pack_keys: tuple[tuple[int, int] | None, ...]  # per pack of the call: the member rebuilt there, or None
-    packs_needed: int  # the replay stops after this many packs: the first pack of the last member it rebuilds
     # per pack of the call that gives a member: (shape, stride, storage offset, dtype, storage bytes) as the
     # forward packed it, recorded by the steps that match packs through the writer map (region_replays.py)
     member_geometry: dict[int, tuple] = field(default_factory=dict)
@@ -166,5 +164,5 @@ def _index_regions(plan: Plan, by_saved: dict[int, Decision], where: str) -> dic
             keys.append((d.producer_op, d.output_slot))
         if (r.module, r.call) in {(o.region.module, o.region.call) for o in out.values()}:
             raise FormatError(f"{where}: two regions for call {r.call} of module {r.module!r}")
-        out[i] = RegionInfo(region=r, pack_keys=tuple(keys), packs_needed=replay_stop_pack(r.packs) + 1)
+        out[i] = RegionInfo(region=r, pack_keys=tuple(keys))
     return out

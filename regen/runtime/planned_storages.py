@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from regen.errors import PlanMismatchError, RegenError
 from regen.formats.plan import ACTION_KEEP, ACTION_RECOMPUTE, ACTION_SWAP
+from regen.formats.plan_rules import replay_stop_pack
 from regen.opinfo import storage_key
 from regen.runtime.saved_entries import Kept, check_version
 from regen.runtime.plan_index import DecisionInfo, PlanIndex
@@ -319,12 +320,11 @@ class PlannedStorages:
                    and c.storage is None and not c.released]
         if not waiting:
             return
-        # up to the first pack of the last member this step dropped: a step that left its plan in the call dropped
-        # only those before, and the call's later packs, replayed, follow its new path (another shape than the plan's)
-        first = {}
-        for k, key in enumerate(self.index.regions[rid].pack_keys):
-            first.setdefault(key, k)
-        rebuilt = self.regions.replay(rid, stop=1 + max(first[key] for key in waiting))
+        # up to the first pack of the last member this step dropped (the plan's early stop, over this step's drops):
+        # a step that left its plan in the call dropped only those before, and the call's later packs, replayed,
+        # follow its new path (another shape than the plan's)
+        dropped = [key if key in waiting else None for key in self.index.regions[rid].pack_keys]
+        rebuilt = self.regions.replay(rid, stop=replay_stop_pack(dropped) + 1)
         if not rebuilt:
             return
         self.stats.region_replays += 1

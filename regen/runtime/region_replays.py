@@ -14,7 +14,8 @@ In backward, `replay` runs the module's forward again once, as torch.utils.check
 does, with the RNG state, autocast state and grad mode of the original call, under saved-tensor hooks
 that take the k-th tensor the replay packs for the plan's k-th pack of the call: a tensor over the
 storage of the member rebuilt there. Like torch.utils.checkpoint's early stop, the replay ends at the
-pack that gives the last member it rebuilds (`RegionInfo.packs_needed`): the rest of the forward
+pack that gives the last member it rebuilds (`formats.plan_rules.replay_stop_pack` over the members the
+step dropped: PlannedStorages.replay_region): the rest of the forward
 (often a block's last matmul and its residual add) rebuilds nothing and is not run; the planner
 charges the replay up to that pack (regen.planner.region_candidates). The module's buffers are swapped for
 copies during the replay, so running statistics (BatchNorm's running mean and var,
@@ -136,9 +137,9 @@ class RegionReplays:
         return rid in self.calls
 
     # ---- backward ---------------------------------------------------------------------------------
-    def replay(self, rid: int, stop: int | None = None) -> dict[tuple[int, int], torch.Tensor]:
-        """Run the region's module again; the rebuilt storages by member key. Once per step. `stop`: after how many
-        packs (default: the first of its last member)."""
+    def replay(self, rid: int, stop: int) -> dict[tuple[int, int], torch.Tensor]:
+        """Run the region's module again, up to its `stop`-th pack; the rebuilt storages by member key. Once per
+        step."""
         rc = self.calls.get(rid)
         if rc is None:
             return {}
@@ -149,7 +150,6 @@ class RegionReplays:
             rc.args, rc.kwargs = _inputs_again(rc)
         rc.replayed = True
         keys = rc.info.pack_keys
-        stop = rc.info.packs_needed if stop is None else stop
         packed: list[torch.Tensor | None] = []
 
         def pack(x):

@@ -191,7 +191,7 @@ class Step:
         if self.ctx.on_mismatch == "raise":
             self.failed = True
             self.end_forward()
-        taken_over = planned and self.ctx.on_mismatch == "dynamic" and self.ctx.diverged()
+        taken_over = planned and self.ctx.diverged()
         self.mismatches.act(message, planned, taken_over)
         if taken_over:  # its tracker captures nothing more: a capture holds what it reads until the step's release
             self.end_forward(in_pack_hook=True)

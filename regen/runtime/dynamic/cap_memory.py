@@ -107,18 +107,26 @@ class TrackedMemory:
         """Backward read `t`, a tensor the planned part of a step taken over midway saved: autograd lets it go."""
         self.held_bytes = max(0, self.held_bytes - t.numel() * t.element_size())
 
-    def track_running_frames(self) -> None:
-        """A step taking over a planned step's forward midway: the tensors the running forward's Python frames hold
-        (its functions' locals, and the tensors in their lists, tuples and dicts) are counted while they live: what
-        the planned part made that the rest of the forward will read (the residual stream, a mask)."""
+    def track_tensors(self, values) -> None:
+        """Count, while they live, the CPU tensors among `values` and in their lists, tuples and dicts (the model's
+        own and those tracked already are passed over)."""
+        for value in values:
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else (value,)
+            for t in items:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+                    self.track(t)
+
+    def track_running_frames(self, model: nn.Module) -> None:
+        """A step taking over a planned step's forward midway: the tensors the running forward's Python frames hold,
+        from the caller up to `model`'s own forward (what the training loop holds, the batch, is not the step's),
+        counted while they live: what the planned part made that the rest of the forward will read (the residual
+        stream, a mask)."""
         frame = sys._getframe(1)
         while frame is not None:
-            for value in frame.f_locals.values():
-                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
-                    else (value,)
-                for t in items:
-                    if isinstance(t, torch.Tensor) and not t.is_meta and t.device.type == "cpu":
-                        self.track(t)
+            self.track_tensors(frame.f_locals.values())
+            if frame.f_code.co_name == "forward" and frame.f_locals.get("self") is model:
+                return
             frame = frame.f_back
 
     def _settle(self) -> None:
@@ -147,7 +155,10 @@ class DeviceMemory:
     def release_held(self, t: torch.Tensor) -> None:
         pass
 
-    def track_running_frames(self) -> None:
+    def track_tensors(self, values) -> None:
+        pass
+
+    def track_running_frames(self, model: nn.Module) -> None:
         pass
 
     def track(self, t: torch.Tensor, made_in_backward: bool = False) -> None:

@@ -189,8 +189,8 @@ class DynamicStep:
     def forward_op(self, func, args, kwargs):
         i = self.count
         self.count = i + 1
-        if self.midway:
-            self._track_arguments(args, kwargs)
+        if self.midway:  # the storages its ops read that the planned part made (CPU)
+            self.memory.track_tensors((*args, *kwargs.values()))
         cap = capture_op(i, func, args, kwargs, self.writer, is_random(func))
         self.captures[i] = cap
         clock = self.residency.clock = self.residency.clock + 1
@@ -233,14 +233,6 @@ class DynamicStep:
             self._compare_foresight(0, i, (func, made_bytes))
         self._read_after_op(func)
         return out
-
-    def _track_arguments(self, args, kwargs) -> None:
-        """A step that took over a planned step's forward midway: the storages its ops read that the planned part
-        made (CPU; the model's own and those tracked already are passed over) are counted while they live."""
-        for a in (*args, *kwargs.values()):
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                    self.memory.track(t)
 
     # ---- a backward without the dispatch mode (backward_figures.py) --------------------------------
     def gate_backward(self, figures: BackwardFigures | None, leave_mode: Callable[[], bool]) -> None:

@@ -208,7 +208,7 @@ class DynamicEngine:
         seen = known if known is not None or previous is None or midway else self._seen.get(previous.call_key)
         self.memory.begin_step(self.root, held_bytes or 0)
         if midway:
-            self.memory.track_running_frames()
+            self.memory.track_running_frames(self.root)
         step = DynamicStep(self.memory, self.cap_bytes, self.policy, self.stats, self.mode.pause, self._released,
                            self.swaps, self.device_type, self.read_peak() if self.read_peak is not None else None)
         step.call_key = call_key
@@ -250,7 +250,7 @@ class DynamicEngine:
         def follow(*_):
             self._drop_module_hooks()
             if self.current is step and not step.closed and not self.removed:
-                self.memory.track_running_frames()  # what the ops it did not see made and the forward holds
+                self.memory.track_running_frames(self.root)  # what the ops it did not see made and the forward holds
                 self._follow_ops(step)
 
         hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(follow))
