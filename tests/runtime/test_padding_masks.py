@@ -1,14 +1,13 @@
 """Batches with padding, as users train decoders: a plan profiled on a padded batch, and a batch without padding.
 
 A Hugging Face decoder at its defaults builds an attention mask from a padding mask, and skips it when the batch
-has no padding (the same call, another forward). Such a step leaves its plan a few ops in, or inside the first
-layer's attention; it goes on in dynamic mode under the plan's cap (Note [ A step that leaves its plan ] in
-regen/runtime/apply.py): its results equal the unplanned step's, bit for bit, its peak as the allocator measures
-it stays within the cap + 5% (run unplanned, the Llama's measured 1.11x, OPT's 1.02x), and the padded steps after
-it keep the plan. Profiles have fixed op times (tests/plans.py), so the plans are the same on any machine: OPT's
-leaves it at a saved input of the CPU attention kernel, between a candidate dropped to be rebuilt with a later
-one's recipe and that later one (Note [ A rebuilder that was not dropped ] in planned_storages.py), and its
-dynamic part must not see the ops that kernel dispatches (engine.py, `_follow_ops_from_next_module_call`).
+has no padding (the same call, another forward). Such a step leaves its plan where the runtime sees the difference;
+it goes on in dynamic mode under the plan's cap (Note [ A step that leaves its plan ] in regen/runtime/apply.py):
+its results equal the unplanned step's, bit for bit (loss, gradients, buffers), its peak as the allocator measures
+it stays within the cap + 5% (run unplanned, as before: 0.98-1.29x, six of the eight over it), and the padded steps
+after it keep the plan. Profiles have fixed op times (tests/plans.py), so the plans are the same on any machine.
+Where a step leaves its plan later (inside a kernel's saved inputs, between a rebuilt tensor and its rebuilder,
+inside a region), see test_mismatch.py, test_rebuilt_with.py and test_regions.py.
 """
 
 import copy

@@ -116,10 +116,12 @@ class _HostNoiseBlock(torch.nn.Module):
         return x + random.random() * self.fc2(torch.relu(self.fc1(x)) * keep)
 
 
-class _HostNoiseNet(torch.nn.Module):
-    def __init__(self, width: int = 32, blocks: int = 3):
+class _BlockNet(torch.nn.Module):
+    """`blocks` blocks of `block_class` in a row, the mean square of the last one's output the loss."""
+
+    def __init__(self, block_class, width: int = 32, blocks: int = 3):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_HostNoiseBlock(width) for _ in range(blocks))
+        self.blocks = torch.nn.ModuleList(block_class(width) for _ in range(blocks))
 
     def forward(self, x):
         for block in self.blocks:
@@ -134,7 +136,7 @@ def test_a_replay_draws_what_its_call_drew_from_python_and_numpy_and_leaves_thei
     from regen.workloads import Workload
 
     torch.manual_seed(0)
-    w = Workload(name="host-noise", model=_HostNoiseNet(), batch=(torch.randn(64, 32),), loss_fn=None)
+    w = Workload(name="host-noise", model=_BlockNet(_HostNoiseBlock), batch=(torch.randn(64, 32),), loss_fn=None)
     profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
     plan = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
     assert len(plan.regions) == 3
@@ -459,17 +461,6 @@ class _DetourBlock(torch.nn.Module):
         return x + torch.tanh(b)
 
 
-class _DetourNet(torch.nn.Module):
-    def __init__(self, width: int = 32, blocks: int = 3):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(_DetourBlock(width) for _ in range(blocks))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
-
-
 def test_a_step_that_leaves_its_plan_inside_a_region_replays_it_only_up_to_what_it_dropped():
     """The step leaves its plan inside block 1's call (its detour), after dropping relu's output there: the block's
     replay, which follows the detour, stops at that pack instead of going on to the plan's last member (whose
@@ -479,7 +470,7 @@ def test_a_step_that_leaves_its_plan_inside_a_region_replays_it_only_up_to_what_
     from regen.workloads import Workload
 
     torch.manual_seed(0)
-    w = Workload(name="detour-blocks", model=_DetourNet(), batch=(torch.randn(256, 32),), loss_fn=None)
+    w = Workload(name="detour-blocks", model=_BlockNet(_DetourBlock), batch=(torch.randn(256, 32),), loss_fn=None)
     profile = fixed_time_profile(w)
     plan = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
     w.model.blocks[1].detour = True
@@ -507,7 +498,8 @@ def test_a_step_that_leaves_its_plan_counts_what_the_planned_part_holds(monkeypa
 
     monkeypatch.setattr(dynamic_step, "op_clock", itertools.count().__next__)  # the same evictions on any machine
     torch.manual_seed(0)
-    w = Workload(name="detour-blocks", model=_DetourNet(blocks=6), batch=(torch.randn(1024, 32),), loss_fn=None)
+    w = Workload(name="detour-blocks", model=_BlockNet(_DetourBlock, blocks=6), batch=(torch.randn(1024, 32),),
+                 loss_fn=None)
     profile = fixed_time_profile(w)
     blocks = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
     cap = int(blocks.simulated.peak_bytes + 0.3 * (profile.peak_bytes - blocks.simulated.peak_bytes))
