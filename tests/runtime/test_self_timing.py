@@ -3,6 +3,7 @@
 import math
 import time
 
+import pytest
 import torch
 
 from regen.runtime.self_timing import measure_runtime_costs
@@ -114,25 +115,47 @@ def test_the_dispatch_figure_is_not_lowered_by_plain_forwards_slowed_by_what_cam
     assert abs(costs.dispatch_op_s - per_op_s) < 0.01 * per_op_s
 
 
+class _Clock:
+    """A clock that only the test moves: what the probe times is what the test says each piece of work costs."""
+
+    def __init__(self):
+        self.now_s = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+
 def test_the_swap_figure_counts_what_a_swap_adds_next_to_compute(monkeypatch):
-    """The swap figure includes what swaps cost a computing thread: an engine whose copy-in issue takes
-    2 ms of the compute thread (off the calls-alone probe's tiny tensors) measures about that per swap."""
+    """The swap figure includes what swaps cost a computing thread: an engine whose copy-in issue takes 2 ms of
+    the compute thread (off the calls-alone probe's tiny tensors) measures that per swap, and 0 without it. The
+    probe reads a clock the test moves (a matmul 0.1 ms, an engine call nothing), so no load can change the
+    figures this test compares."""
     from regen.runtime import self_timing as probe
+    from regen.runtime import stats
     from regen.runtime.swap import EmulatedEngine
 
+    clock = _Clock()
+
+    def matmuls(a, n):
+        clock.now_s += n * 1e-4
+
+    class NoMemmoves(stats.RuntimeStats):  # the link's memmoves are timed on the real clock: none here
+        link_copy_cpu_s = property(lambda self: 0.0, lambda self, value: None)
+
+    monkeypatch.setattr(probe, "time", clock)
+    monkeypatch.setattr(probe, "_matmuls", matmuls)
+    monkeypatch.setattr(stats, "RuntimeStats", NoMemmoves)
     plain = probe._swap_reading(torch.device("cpu")).value_s
     original = EmulatedEngine.copy_in
 
     def slow_copy_in(self, out):
         if out.slot.nbytes >= probe.SWAP_PROBE_BYTES:  # the interleaved probe's sources only
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 2e-3:
-                pass
+            clock.now_s += 2e-3
         return original(self, out)
 
     monkeypatch.setattr(EmulatedEngine, "copy_in", slow_copy_in)
     slowed = probe._swap_reading(torch.device("cpu")).value_s
-    assert slowed > 1.5e-3 + 0.5 * plain, (plain, slowed)
+    assert plain == 0.0 and slowed == pytest.approx(2e-3), (plain, slowed)
 
 
 def _busy(stop: "threading.Event") -> None:
