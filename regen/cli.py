@@ -188,6 +188,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats import save_plan
+    from regen.formats.profile import OTHER_HOOKS_ADVICE
     from regen.formats.yamlio import check_output_path
     from regen.planner import SolveOptions, solve
     from regen.planner.host_link import machine_ram_bytes
@@ -201,6 +202,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
     say = _progress(args.quiet)
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
+    for note in getattr(profile, "notes", []):  # a training graph in node-link JSON has none
+        if note.endswith(OTHER_HOOKS_ADVICE):
+            say(f"warning: {note}")
     with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
         options = SolveOptions(strategy=args.strategy, time_limit_s=args.time_limit, bandwidth_gb_s=args.bandwidth,
                                link_ratio=args.link_ratio, host_memory_cap_bytes=host_cap_bytes,

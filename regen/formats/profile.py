@@ -81,6 +81,11 @@ KIND_INPUT = "input"  # the batch, or another tensor from outside the step
 # held on the host): none of the device's memory, never planned, kept as autograd keeps it
 EXCLUDED_OTHER_DEVICE = "other-device"
 
+# The end of a profile note saying the model saves activations through saved-tensor hooks of its own (its own
+# activation checkpointing or offloading: regen.profiler.capture): `regen solve` repeats such a note.
+OTHER_HOOKS_ADVICE = ("what they save is not planned, and no plan goes below the memory they keep: turn them off "
+                      "before profiling to let regen choose (Hugging Face: model.gradient_checkpointing_disable())")
+
 
 @dataclass
 class OpRecord:

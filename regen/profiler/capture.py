@@ -47,6 +47,7 @@ from regen.formats.profile import (
     KIND_BUFFER,
     KIND_INPUT,
     KIND_PARAMETER,
+    OTHER_HOOKS_ADVICE,
     PHASE_FORWARD,
     ModuleCall,
     OpRecord,
@@ -64,6 +65,20 @@ _regen_ops = torch._C._DisableTorchDispatch  # the profiler's own ops are not op
 NO_OP = -1  # pack_after_op of a pack that happened before any op of the step
 DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_graph=True; what it saves for the "
                         "second backward is not planned, and regen.apply treats such a step as a plan mismatch")
+
+# The model's own activation checkpointing or offloading (Hugging Face's gradient_checkpointing_enable(),
+# torch.utils.checkpoint, save_on_cpu, torchtune's offloading) saves through hooks of its own: what it saves is
+# hidden from regen, which then plans only around it. Said at profile time, with how to let regen choose.
+
+
+def other_hooks_note(ops: int, total: int) -> str:
+    return (f"the model saves activations through hooks of its own (activation checkpointing or offloading): "
+            f"{ops} of the forward's {total} ops saved through them; {OTHER_HOOKS_ADVICE}")
+
+
+def backward_forward_note(packs: int) -> str:
+    return (f"the model runs forward code again in its backward ({packs} tensors saved there: reentrant "
+            f"activation checkpointing); {OTHER_HOOKS_ADVICE}")
 
 
 @dataclass
@@ -150,6 +165,8 @@ class StepRecorder:
         self.entries: list[RawEntry] = []
         self.unpack_count = 0
         self.double_backward = False  # a forward entry was unpacked with grad mode on (create_graph=True)
+        self.ops_under_other_hooks = 0  # forward ops whose saved tensors go to another saved-tensor hook
+        self.packs_in_backward = 0
         self._pending_unpacks: list[RawEntry] = []
         self._level_before_op = 0
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload
@@ -256,6 +273,8 @@ class StepRecorder:
             op.summed_in_place = True
 
     def after_op(self, index: int, func, args, kwargs, out) -> None:
+        if self.phase == PHASE_FORWARD and torch.is_grad_enabled() and not self._own_hooks_on_top():
+            self.ops_under_other_hooks += 1
         inputs = opinfo.tensor_arguments(args, kwargs)
         input_ids = []
         read_storages = set()
@@ -310,6 +329,11 @@ class StepRecorder:
             is_view=opinfo.is_view(func), module=self.current_module(),
             private_generator=random and opinfo.uses_private_generator(func, args, kwargs)))
 
+    def _own_hooks_on_top(self) -> bool:
+        """Whether a tensor autograd saved now would reach this recorder's pack hook (the innermost hooks win)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] == self.pack
+
     # ---- the autograd side ----------------------------------------------------------------------
     def pack(self, x: torch.Tensor) -> Any:
         try:
@@ -322,6 +346,7 @@ class StepRecorder:
         if torch._C._current_graph_task_id() != -1:
             # saved during backward (the forward that reentrant checkpointing re-runs there, double
             # backward): a phase of its own, never a saved tensor of a forward op; the runtime keeps these
+            self.packs_in_backward += 1
             return None, x
         index = len(self.entries)
         tid, info = self.id_of_input(x)
@@ -403,6 +428,11 @@ class StepRecorder:
         entries, saved, notes = saved_records(self.entries, ops, self.tensors, self.reads)
         if self.double_backward:
             notes.append(DOUBLE_BACKWARD_NOTE)
+        elif self.packs_in_backward:
+            notes.append(backward_forward_note(self.packs_in_backward))
+        if self.ops_under_other_hooks:
+            forward_ops = sum(1 for op in self.ops if op.phase == PHASE_FORWARD)
+            notes.append(other_hooks_note(self.ops_under_other_hooks, forward_ops))
         if self.unmatched_activation_inputs:
             notes.append(f"{self.unmatched_activation_inputs} activation tensors were met through a new Python "
                          f"object (named by their storage's writer)")

@@ -55,8 +55,8 @@ from torch.utils._pytree import tree_flatten
 from regen.caches import CACHE_NOTICE, training_caches_off
 from regen.call_signature import call_signature
 from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, WorkloadError
-from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, PHASE_BACKWARD, Profile, RuntimeCosts, StaticMemory,
-                                   op_fingerprint)
+from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, OTHER_HOOKS_ADVICE, PHASE_BACKWARD, Profile, RuntimeCosts,
+                                   StaticMemory, op_fingerprint)
 from regen.heap import give_back_freed_host_memory
 from regen.profiler.accumulation import EngineSums
 from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
@@ -154,8 +154,9 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
         say("recording one step: ops, saved tensors, memory" + (" (saved tensors parked in host memory)"
                                                                  if timer.park else ""))
         capture = record_step(workload, dev, extra_inputs=optimizer_state_tensors(optimizer), park=timer.park)
-        if DOUBLE_BACKWARD_NOTE in capture.notes:
-            say(f"warning: {DOUBLE_BACKWARD_NOTE}")
+        for note in capture.notes:
+            if note == DOUBLE_BACKWARD_NOTE or OTHER_HOOKS_ADVICE in note:
+                say(f"warning: {note}")
         gradient_bytes = unique_storage_bytes(p.grad for p in parameters)
         _zero_grad(optimizer, workload)
         give_back_freed_host_memory()  # each phase's host memory is its own (regen.heap)

@@ -340,6 +340,48 @@ def test_a_double_backward_is_said_in_one_line():
     assert not any("create_graph" in note for note in plain.notes)
 
 
+class _Checkpointed(nn.Module):
+    """Two blocks run under torch.utils.checkpoint (or saving to host memory), as a user's model that
+    checkpoints itself does."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(2))
+        self.how = how
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            if self.how == "offloaded":
+                with torch.autograd.graph.save_on_cpu():
+                    x = block(x)
+            elif self.how == "plain":
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.how == "reentrant")
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "offloaded", "plain"])
+def test_a_model_that_checkpoints_itself_is_told_how_to_let_regen_choose(how):
+    """Its blocks' saved tensors go to hooks of its own (or are saved again in backward): regen sees and plans
+    none of them; one warning line says so and how to turn it off, and the profile keeps it as a note."""
+    from regen.formats.profile import OTHER_HOOKS_ADVICE
+
+    torch.manual_seed(0)
+    messages = []
+    workload = Workload("self-checkpointed", _Checkpointed(how), (torch.randn(8, 16, requires_grad=True),), None)
+    profile = profile_workload(workload, "cpu", repeats=1, warmup_steps=0, progress=messages.append)
+    said = [m for m in messages if OTHER_HOOKS_ADVICE in m]
+    noted = [n for n in profile.notes if OTHER_HOOKS_ADVICE in n]
+    if how == "plain":
+        assert not said and not noted
+        return
+    assert len(said) == 1 and said[0].startswith("warning: ") and len(noted) == 1
+    assert ("reentrant activation checkpointing" in noted[0]) == (how == "reentrant")
+
+
 def test_a_profile_without_an_optimizer_step_and_with_a_given_bandwidth(build_small):
     """What regen.learning asks between a user's steps: no optimizer state is made, no probe buffers, the
     same ops and saved tensors as a full profile."""

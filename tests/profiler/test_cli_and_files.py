@@ -211,14 +211,15 @@ def test_a_forward_returning_a_dict_with_a_loss(tmp_cwd, capsys):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_activation_checkpointing_inside_the_model(tmp_cwd, reentrant):
+def test_activation_checkpointing_inside_the_model(tmp_cwd, capsys, reentrant):
     """Reentrant checkpointing saves tensors during backward, when it re-runs the forward: those saves are
     a phase of their own, never attributed to forward ops. Profile, solve and a planned step work, with
-    the unplanned gradients."""
+    the unplanned gradients; the profile notes that the model checkpoints itself, and `regen solve` says so."""
     import torch
 
     import regen
-    from regen.formats import load_plan
+    from regen.formats import load_plan, load_profile
+    from regen.formats.profile import OTHER_HOOKS_ADVICE
     from regen.workloads import build_workload, training_step
 
     write_module(tmp_cwd, "ckpt", f"""
@@ -243,8 +244,11 @@ def test_activation_checkpointing_inside_the_model(tmp_cwd, reentrant):
         """)
     profile_path, plan_path = tmp_cwd / "p.yaml", tmp_cwd / "plan.yaml"
     assert main(["profile", "--model", "ckpt:build", "--repeats", "1", "-o", str(profile_path), "-q"]) == 0
+    assert sum(OTHER_HOOKS_ADVICE in note for note in load_profile(profile_path).notes) == 1
+    capsys.readouterr()
     assert main(["solve", str(profile_path), "--memory-cap", "95%", "--strategy", "recompute", "-o",
-                 str(plan_path), "-q"]) == 0
+                 str(plan_path)]) == 0
+    assert capsys.readouterr().err.count(f"{OTHER_HOOKS_ADVICE}\n") == 1
     plan = load_plan(plan_path)
     assert plan.action_counts()["recompute"] > 0
     plain, planned = build_workload("ckpt:build"), build_workload("ckpt:build")
