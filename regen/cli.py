@@ -191,6 +191,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from regen.formats.profile import OTHER_HOOKS_ADVICE
     from regen.formats.yamlio import check_output_path
     from regen.planner import SolveOptions, solve
+    from regen.planner.held_gradients import held_gradient_bytes
     from regen.planner.host_link import machine_ram_bytes
     from regen.units import format_duration, parse_memory_cap
 
@@ -201,14 +202,15 @@ def cmd_solve(args: argparse.Namespace) -> int:
                                           percent_of="this machine's RAM")
     say = _progress(args.quiet)
     profile = _load_solver_input(Path(args.input), args.bandwidth)
-    cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes)
+    held_bytes = held_gradient_bytes(profile) if args.gradients_held else 0
+    cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes + held_bytes)
     for note in getattr(profile, "notes", []):  # a training graph in node-link JSON has none
         if note.endswith(OTHER_HOOKS_ADVICE):
             say(f"warning: {note}")
     with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner
         options = SolveOptions(strategy=args.strategy, time_limit_s=args.time_limit, bandwidth_gb_s=args.bandwidth,
                                link_ratio=args.link_ratio, host_memory_cap_bytes=host_cap_bytes,
-                               profile_path=str(args.input))
+                               profile_path=str(args.input), gradients_held=args.gradients_held)
         plan = solve(profile, cap_bytes, options, progress=None if args.quiet else _print_progress)
     save_plan(plan, args.output)
     counts = plan.action_counts()
@@ -341,6 +343,10 @@ def _add_solve_command(sub) -> None:
     s.add_argument("--host-memory-cap", metavar="SIZE",
                    help="bound on the host pool (pinned on CUDA): bytes with a unit (16GiB) or a percentage of this "
                         "machine's RAM (default 50%%)")
+    s.add_argument("--gradients-held", action="store_true",
+                   help="the training loop keeps its gradients from one step to the next (gradient accumulation "
+                        "over micro-batches, or zero_grad(set_to_none=False)): the plan counts them for the whole "
+                        "step, and a percentage cap is of the unplanned peak with them")
     s.add_argument("-o", "--output", required=True, help="where to write the plan (YAML)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     s.set_defaults(func=cmd_solve)

@@ -232,6 +232,9 @@ class Plan:
     # or edited, and is refused on load (absent in older plans)
     num_decisions: int | None = None
     charges: PlanCharges | None = None  # the charges it was solved with (absent in older plans)
+    # gradients the training loop holds from before each step (gradient accumulation, zero_grad(set_to_none=
+    # False)), counted in the plan's memory for the whole step; 0: the profiled loop's, whose steps create them
+    gradients_held_bytes: int = 0
 
     def region_member_count(self) -> int:
         """Recompute decisions rebuilt by a region replay (Decision.region)."""
@@ -328,6 +331,7 @@ def plan_from_document(doc: dict[str, Any], where: str) -> Plan:
             call=call_signature_from_document(doc.get("call"), where),
             simulated_parts=_optional_parts(doc.get("simulated_parts"), where),
             num_decisions=optional(doc, "num_decisions", int, where),
+            gradients_held_bytes=optional(doc, "gradients_held_bytes", int, where, 0),
             charges=(None if doc.get("charges") is None
                      else build_dataclass(PlanCharges, doc["charges"], f"{where}: charges")),
         )

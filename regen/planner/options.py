@@ -39,6 +39,9 @@ class SolveOptions:
     # False: recompute by per-tensor recipes only, no module call replayed whole (the calibration times such a
     # plan beside per-block checkpointing, to measure recipes apart from replays)
     module_replays: bool = True
+    # the training loop holds gradients from one step to the next (gradient accumulation, zero_grad(
+    # set_to_none=False)): the plan counts them for the whole step (regen.planner.held_gradients)
+    gradients_held: bool = False
 
 
 def solve_options(options: SolveOptions | str | None = None, **settings) -> SolveOptions:

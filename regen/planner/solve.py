@@ -20,6 +20,7 @@ from regen.formats.profile import Profile
 from regen.planner.copy_order import order_copy_ins
 from regen.planner.export import build_plan
 from regen.planner.graph import build_graph
+from regen.planner.held_gradients import held_gradient_bytes, with_gradients_held
 from regen.planner.host_link import (default_host_memory_cap_bytes, has_no_link, host_memory_error, link_bandwidth,
                                      no_link_error, no_link_note, plan_link)
 from regen.planner.milp.highs import reset_solver_threads
@@ -45,7 +46,9 @@ def solve(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str |
     or neither for the profile's own bandwidth; regen.planner.host_link), and the host pool stays within
     `host_memory_cap_bytes` (default: a fraction of this machine's RAM). `start_plans`: (name, choices)
     plans of this profile's graph the MILP strategies may start from (the least-peak plan of an
-    InfeasibleCapError). `progress` gets one line per stage."""
+    InfeasibleCapError). `gradients_held`: the training loop keeps its gradients from one step to the next
+    (gradient accumulation), and the plan counts them for the whole step (regen.planner.held_gradients).
+    `progress` gets one line per stage."""
     options = solve_options(options, **settings)
     check_solve_request(memory_cap_bytes, options)
     bw, link_source = link_bandwidth(profile, options.bandwidth_gb_s, options.link_ratio)
@@ -61,6 +64,11 @@ def solve(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str |
         notes.append(no_link_note(strategy))
         say(notes[-1])
         strategy = "recompute"
+    held_bytes = held_gradient_bytes(profile) if options.gradients_held else 0
+    if options.gradients_held:
+        profile = with_gradients_held(profile)
+        notes.append(f"gradients held from step to step: {format_bytes(held_bytes)} counted for the whole step")
+        say(notes[-1])
     reset_solver_threads()
     t0 = time.perf_counter()
     graph = build_graph(profile, bw, bw, host_memory_cap_bytes=host_memory_cap_bytes,
@@ -89,6 +97,7 @@ def solve(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str |
     link = plan_link(profile, graph.d2h_bytes_per_s, graph.h2d_bytes_per_s, link_source)
     plan = build_plan(graph, result, memory_cap_bytes, strategy, sim, link=link, notes=notes,
                       profile_path=options.profile_path)
+    plan.gradients_held_bytes = held_bytes
     if host_memory_cap_bytes is not None and plan.host_pool_bytes > host_memory_cap_bytes:
         raise host_memory_error(plan.host_pool_bytes, host_memory_cap_bytes, strategy)
     unit = graph.time_unit

@@ -29,14 +29,17 @@ Beyond a single plan:
 * compiled.py: a plan on a torch.compile'd model, carried out by the compiler (a pass over its joint
   graphs that tags what to save and what to recompute; no hooks per op);
 * fallback.py: a plan handle's calls that no plan fits, run in dynamic mode (`on_mismatch="dynamic"`);
+* held_gradients_check.py: a planned step that begins with gradients its plan did not count (gradient accumulation),
+  said once;
 * learned.py: plans learned for such calls (`learn=True`): what a step is observed for, the learned plans;
 * self_timing.py: the runtime timing its own work per event (dispatch, capture, replay, a swap's calls),
   which `regen profile` records in the profile (`RuntimeCosts`) through the probe the CLI hands it.
 """
 
 from regen.runtime.apply import RegenHandle, apply
+from regen.runtime.held_gradients_check import HeldGradientsWarning
 from regen.runtime.peak_check import CapExceededWarning
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.mismatch import PlanMismatchWarning
 
-__all__ = ["CapExceededWarning", "PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]
+__all__ = ["CapExceededWarning", "HeldGradientsWarning", "PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]

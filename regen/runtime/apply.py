@@ -79,6 +79,7 @@ from regen.runtime.compiled import CompiledCalls, CompiledPlanHandle, reset_comp
 from regen.runtime.dynamic.engine import DynamicStats
 from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
+from regen.runtime.held_gradients_check import HeldGradientsCheck
 from regen.runtime.learned import Learner
 from regen.ranks import rank_agreement
 from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
@@ -188,6 +189,7 @@ class RegenHandle:
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ]
         self.trainable = TrainableCount(self.root)  # read at each step when on_mismatch="dynamic"
+        self.held_gradients = HeldGradientsCheck(self.root)
         self._hooks += self.trainable.hooks
         self.region_hooks = RegionHooks(self.root, lambda: self.current)
         self._hooks += self.region_hooks.add(states)
@@ -285,6 +287,7 @@ class RegenHandle:
                 self.fallback.run(args, kwargs, why=left_plan)
             return
         self.fallback.planned_step_begins()
+        self.held_gradients.step_begins(state.plan)
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1

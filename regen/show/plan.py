@@ -69,6 +69,9 @@ def plan_summary(plan: Plan) -> str:
         f"  recipes           {len(plan.recipe_ops)} distinct ops replayed"
         + (f" ({sum(1 for r in plan.recipe_ops if r.is_random)} random)" if plan.recipe_ops else ""),
     ]
+    if plan.gradients_held_bytes:
+        lines.append(f"  gradients held    {format_bytes(plan.gradients_held_bytes)} from step to step, counted for "
+                     f"the whole step (--gradients-held)")
     if plan.tracking_starts:
         lines.append(f"  tracking windows  {len(plan.tracking_starts)}, opened at "
                      + ", ".join(_call_name(s.module, s.call) for s in plan.tracking_starts[:MAX_LISTED_WINDOWS])
@@ -115,6 +118,7 @@ def plan_summary_json(plan: Plan) -> dict:
         "rebuilt_with_another": plan.rebuilt_count(),
         "host_pool_bytes": plan.host_pool_bytes,
         "host_memory_cap_bytes": plan.host_memory_cap_bytes,
+        "gradients_held_bytes": plan.gradients_held_bytes,
         "link": None if plan.link is None else {"source": plan.link.source, "link_ratio": plan.link.link_ratio,
                                                 "candidate_bytes": plan.link.candidate_bytes},
         "tracking_starts": [{"module": s.module, "call": s.call, "first_op": s.first_op} for s in plan.tracking_starts],

@@ -112,3 +112,30 @@ def test_solve_keeps_stdout_clean_of_solver_output(profile_path, tmp_path):
     assert "HiGHS" not in run.stdout and "Running" not in run.stdout
     assert "solver highs started" in run.stderr and "stops at a 1% gap" in run.stderr
     assert load_plan(plan_path).simulated.peak_bytes <= load_plan(plan_path).memory_cap_bytes
+
+
+def test_gradients_held_are_counted_and_a_percentage_is_of_the_peak_with_them(tmp_path, capsys):
+    """`--gradients-held`: the plan records the gradient bytes it counted for the whole step, its unplanned peak
+    includes them, and "80%" is of that peak."""
+    import dataclasses
+
+    from regen.formats.profile import StaticMemory
+    from regen.units import parse_memory_cap
+
+    profile = chain_profile(6, seed=3, copy_bytes_per_s=5e9)
+    held = profile.peak_bytes // 10
+    profile = dataclasses.replace(profile, static_memory=StaticMemory(parameter_bytes=held, gradient_bytes=held,
+                                                                      optimizer_state_bytes=0))
+    path, plan_path = tmp_path / "p.yaml", tmp_path / "plan.yaml"
+    save_profile(profile, path)
+    assert main(["solve", str(path), "--memory-cap", "80%", "--strategy", "recompute", "--gradients-held",
+                 "-o", str(plan_path)]) == 0
+    assert "gradients held from step to step" in capsys.readouterr().err
+    plan = load_plan(plan_path)
+    assert plan.gradients_held_bytes == held and plan.baseline.peak_bytes == profile.peak_bytes + held
+    assert plan.memory_cap_bytes == parse_memory_cap("80%", profile.peak_bytes + held)
+    assert plan.simulated.peak_bytes <= plan.memory_cap_bytes
+    assert main(["show", str(plan_path)]) == 0
+    assert "gradients held" in capsys.readouterr().out
+    assert main(["show", str(plan_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gradients_held_bytes"] == held
