@@ -16,7 +16,9 @@ for that, only through regen.formats (a Profile in, a Plan out):
    back after it: the parameters' gradients (None during the profile), every module buffer (BatchNorm's
    running statistics) and the RNG states (CPU, each CUDA device);
 2. the plan is solved in a background thread (strategy hybrid: on a CPU without a link it recomputes
-   only) at the request's cap; at a cap it cannot reach, at its smallest feasible cap, with a warning.
+   only) at the request's cap; at a cap it cannot reach, at its smallest feasible cap, with a warning. Where
+   the loop holds its gradients from step to step (the observed step, or the next call, began with them:
+   gradient accumulation), the plan counts them for the whole step (regen.planner.held_gradients).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Learner:
 
     def __call__(self, request: LearnRequest) -> "Future[Plan | None]":
         profile = profile_call(request, self._bandwidth)
-        return self._solver.submit(solve_learned, profile, request.cap_bytes)
+        return self._solver.submit(solve_learned, profile, request.cap_bytes, request.gradients_held)
 
 
 def profile_call(request: LearnRequest, bandwidth) -> Profile:
@@ -74,11 +76,13 @@ def profile_call(request: LearnRequest, bandwidth) -> Profile:
                                 park=True, bandwidth=bandwidth, optimizer_step=False)
 
 
-def solve_learned(profile: Profile, cap_bytes: int) -> Plan:
-    """The plan for a learned profile at `cap_bytes`, or at its smallest feasible cap above it."""
+def solve_learned(profile: Profile, cap_bytes: int, gradients_held: bool = False) -> Plan:
+    """The plan for a learned profile at `cap_bytes`, or at its smallest feasible cap above it; counting the
+    gradients for the whole step where the loop holds them from step to step."""
     from regen.planner import solve_within_reach
 
-    plan = solve_within_reach(profile, cap_bytes, SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S)
+    plan = solve_within_reach(profile, cap_bytes, SOLVE_STRATEGY, time_limit_s=SOLVE_TIME_LIMIT_S,
+                              gradients_held=gradients_held)
     if plan.memory_cap_bytes != cap_bytes:
         warnings.warn(f"regen.apply: the plan learned for this call cannot reach the cap {format_bytes(cap_bytes)}; "
                       f"it runs at its smallest feasible cap {format_bytes(plan.memory_cap_bytes)}", LearningWarning,

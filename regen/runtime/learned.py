@@ -31,6 +31,7 @@ from regen.runtime.plan_set import PLAN_SUFFIX
 from regen.runtime.recompute import CapturedOp
 from regen.runtime.storage_views import Geometry
 from regen.runtime.writers import live_writer
+from regen.runtime.held_gradients_check import held_gradient_bytes
 
 LEARNED_PREFIX = "learned-"
 
@@ -52,7 +53,8 @@ class LossTail:
 @dataclass
 class LearnRequest:
     """A call to learn a plan for: the model (DDP unwrapped), the call's signature, a copy of its
-    arguments, its loss tail, the cap."""
+    arguments, its loss tail, the cap, and whether the loop holds gradients from step to step (the observed
+    step began with them, or the next call did: gradient accumulation; regen.planner.held_gradients)."""
 
     model: nn.Module
     signature: CallSignature
@@ -60,6 +62,7 @@ class LearnRequest:
     kwargs: dict
     loss_tail: LossTail
     cap_bytes: int
+    gradients_held: bool = False
 
 
 # learner(request): records the profile now (on the calling thread, between steps) and returns the plan's
@@ -75,6 +78,7 @@ class _Observed:
     args: tuple
     kwargs: dict
     cap_bytes: int
+    gradients_held: bool
     outputs: list[tuple[tuple[int, int], Geometry] | None] | None = None  # set when the model returns
 
 
@@ -104,7 +108,8 @@ class LearnedPlans:
             warnings.warn(f"regen.apply: no plan learned for {key}: the step runs under autocast, which a learned "
                           f"profile does not record; its steps run in dynamic mode", LearningWarning, stacklevel=4)
             return
-        self._observed = _Observed(step, root, signature, tree_map(_copy, args), tree_map(_copy, kwargs), cap_bytes)
+        self._observed = _Observed(step, root, signature, tree_map(_copy, args), tree_map(_copy, kwargs), cap_bytes,
+                                   gradients_held=held_gradient_bytes(root) > 0)
 
     def model_returned(self, step, output) -> None:
         """The model's forward returned in `step`: the ops from here to backward are the loss tail."""
@@ -125,7 +130,9 @@ class LearnedPlans:
         if observed is None or observed.outputs is None or observed.step.aborted:
             return
         tail = LossTail(observed.step.tail_ops(), observed.outputs)
-        request = LearnRequest(observed.model, observed.signature, observed.args, observed.kwargs, tail, observed.cap_bytes)
+        held = observed.gradients_held or held_gradient_bytes(observed.model) > 0
+        request = LearnRequest(observed.model, observed.signature, observed.args, observed.kwargs, tail,
+                               observed.cap_bytes, gradients_held=held)
         try:
             with pause():
                 future = self.learner(request)

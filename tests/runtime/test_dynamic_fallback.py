@@ -147,6 +147,31 @@ def test_learned_plans_are_used_from_the_next_step_and_saved(tmp_path):
     assert_nothing_left(handle, w.model)
 
 
+@pytest.mark.parametrize("accumulating", [False, True])
+def test_a_plan_learned_for_a_loop_that_holds_its_gradients_counts_them(tmp_path, accumulating):
+    """Micro-batches accumulating into the same gradients (the observed step begins without them, the next with
+    them all): the learned plan is solved with them held for the whole step (regen.planner.held_gradients); a
+    loop that zeroes them to None before each step gets a plan that counts them as the step makes them."""
+    from common import step
+
+    from regen.formats import load_plan
+
+    w = make("gpt")
+    cap = _start_bytes(w) + int(0.7 * measure_memory(lambda: run_and_grads(w)).peak_increase_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notices, and a learned plan at its smallest feasible cap
+        with regen.apply(w.model, memory_cap=cap, learn=True) as handle:
+            w.model.zero_grad(set_to_none=True)
+            for _ in range(3):
+                if not accumulating:
+                    w.model.zero_grad(set_to_none=True)
+                step(w)
+                handle.wait_for_learning()
+    (path,) = handle.save_learned_plans(tmp_path)
+    held = load_plan(path).gradients_held_bytes
+    assert (held > 0) == accumulating and handle.stats.planned_steps == 1
+
+
 def test_a_model_that_returns_its_loss_is_learned():
     """A Hugging Face model given labels returns its loss (`output.loss`): nothing runs between the model's
     return and backward, and the learned plan takes the loss from the output as `regen profile` does."""
