@@ -69,8 +69,6 @@ DOUBLE_BACKWARD_NOTE = ("double backward: the step's backward ran with create_gr
 # The model's own activation checkpointing or offloading (Hugging Face's gradient_checkpointing_enable(),
 # torch.utils.checkpoint, save_on_cpu, torchtune's offloading) saves through hooks of its own: what it saves is
 # hidden from regen, which then plans only around it. Said at profile time, with how to let regen choose.
-
-
 def other_hooks_note(ops: int, total: int) -> str:
     return (f"the model saves activations through hooks of its own (activation checkpointing or offloading): "
             f"{ops} of the forward's {total} ops saved through them; {OTHER_HOOKS_ADVICE}")
@@ -166,7 +164,7 @@ class StepRecorder:
         self.unpack_count = 0
         self.double_backward = False  # a forward entry was unpacked with grad mode on (create_graph=True)
         self.ops_under_other_hooks = 0  # forward ops whose saved tensors go to another saved-tensor hook
-        self.packs_in_backward = 0
+        self.packs_in_backward = 0  # tensors saved while backward runs (a forward run again there)
         self._pending_unpacks: list[RawEntry] = []
         self._level_before_op = 0
         self.internal_error: BaseException | None = None  # a failure of the recorder itself, not the workload

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from regen.formats.plan import Plan
@@ -22,12 +23,20 @@ class HeldGradientsWarning(UserWarning):
 
 
 def held_gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients the model's trainable parameters hold now (each storage once)."""
+    """Bytes of the gradients the model's trainable parameters hold now (each storage once; a DTensor's, FSDP2's
+    sharded gradient, is its local shard's; a gradient without a plain storage, a sparse one, by its elements)."""
     storages = {}
     for p in model.parameters():
-        if p.requires_grad and p.grad is not None:
-            s = p.grad.untyped_storage()
+        if not p.requires_grad or p.grad is None:
+            continue
+        g = p.grad
+        local = getattr(g, "_local_tensor", None)
+        g = local if isinstance(local, torch.Tensor) else g
+        try:
+            s = g.untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
+        except (NotImplementedError, RuntimeError):
+            storages[id(g)] = g.numel() * g.element_size()
     return sum(storages.values())
 
 
