@@ -31,6 +31,8 @@ Beyond a single plan:
 * fallback.py: a plan handle's calls that no plan fits, run in dynamic mode (`on_mismatch="dynamic"`);
 * held_gradients_check.py: a planned step that begins with gradients its plan did not count (gradient accumulation),
   said once;
+* overlapping_steps.py: a planned step that begins while the step before holds its saved tensors (two calls
+  before one backward), said once;
 * learned.py: plans learned for such calls (`learn=True`): what a step is observed for, the learned plans;
 * self_timing.py: the runtime timing its own work per event (dispatch, capture, replay, a swap's calls),
   which `regen profile` records in the profile (`RuntimeCosts`) through the probe the CLI hands it.
@@ -38,8 +40,10 @@ Beyond a single plan:
 
 from regen.runtime.apply import RegenHandle, apply
 from regen.runtime.held_gradients_check import HeldGradientsWarning
+from regen.runtime.overlapping_steps import OverlappingStepsWarning
 from regen.runtime.peak_check import CapExceededWarning
 from regen.runtime.stats import RuntimeStats
 from regen.runtime.mismatch import PlanMismatchWarning
 
-__all__ = ["CapExceededWarning", "HeldGradientsWarning", "PlanMismatchWarning", "RegenHandle", "RuntimeStats", "apply"]
+__all__ = ["CapExceededWarning", "HeldGradientsWarning", "OverlappingStepsWarning", "PlanMismatchWarning",
+           "RegenHandle", "RuntimeStats", "apply"]

@@ -80,6 +80,7 @@ from regen.runtime.dynamic.engine import DynamicStats
 from regen.runtime.dynamic.handle import DynamicHandle, cap_bytes, check_policy
 from regen.runtime.fallback import DynamicFallback
 from regen.runtime.held_gradients_check import HeldGradientsCheck
+from regen.runtime.overlapping_steps import OverlapCheck
 from regen.runtime.learned import Learner
 from regen.ranks import rank_agreement
 from regen.runtime.peak_check import PeakCheck, cuda_peak_reader
@@ -190,6 +191,7 @@ class RegenHandle:
         ]
         self.trainable = TrainableCount(self.root)  # read at each step when on_mismatch="dynamic"
         self.held_gradients = HeldGradientsCheck(self.root)
+        self.overlap = OverlapCheck()
         self._hooks += self.trainable.hooks
         self.region_hooks = RegionHooks(self.root, lambda: self.current)
         self._hooks += self.region_hooks.add(states)
@@ -288,6 +290,7 @@ class RegenHandle:
             return
         self.fallback.planned_step_begins()
         self.held_gradients.step_begins(state.plan)
+        self.overlap.step_begins(self.live_steps)
         step = Step(state.context, state.verified, state.pack_sequence, state.fast_ops,
                     call_difference(state, self.root, args, kwargs))
         self.stats.steps += 1
