@@ -24,6 +24,7 @@ import torch
 import regen
 from regen.caches import training_caches_off
 from regen.measure import measure_memory
+from regen.opinfo import unique_storage_bytes
 from regen.planner import solve_within_reach
 from regen.profiler import profile_workload
 from regen.runtime import HeldGradientsWarning
@@ -34,10 +35,10 @@ BATCH = 4
 
 
 def _held_bytes(model, optimizer, batch) -> int:
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters())]
     tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     tensors += [t for t in batch.values() if torch.is_tensor(t)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return unique_storage_bytes(tensors)
 
 
 def _loop(w: Workload, model, micro_batches: int, plan=None):

@@ -70,10 +70,14 @@ class TrainableCount:
             self._parameters = None
 
     def __call__(self) -> int:
+        return sum(1 for p in self.parameters() if p.requires_grad)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters, listed again only after a registration on one of its modules."""
         if self._parameters is None:
             self._parameters = list(self.model.parameters())
             self._module_ids = {id(m) for m in self.model.modules()}
-        return sum(1 for p in self._parameters if p.requires_grad)
+        return self._parameters
 
 
 def call_signature(model: nn.Module, args: tuple, kwargs: dict) -> CallSignature:

@@ -8,6 +8,7 @@ known from an op's name alone, as the planner reads it from a profile, is in reg
 from __future__ import annotations
 
 import functools
+from typing import Iterable
 
 import torch
 
@@ -120,6 +121,31 @@ def is_view(func) -> bool:
 def storage_key(t: torch.Tensor) -> int:
     """An identity for a tensor's storage, equal for a tensor and all its views while it lives."""
     return t.untyped_storage().data_ptr()
+
+
+def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int] | None:
+    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...); a
+    DTensor's (FSDP2's sharded parameters) is its local shard's."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
+    try:
+        st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (tied or viewed tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        kb = storage_key_and_bytes(t) if isinstance(t, torch.Tensor) else None
+        if kb is not None and kb[0] and kb[0] not in seen:
+            seen.add(kb[0])
+            total += kb[1]
+    return total
 
 
 _storage_use_count = torch._C._storage_Use_Count

@@ -127,19 +127,6 @@ class Capture:
         return [op.name for op in self.ops]
 
 
-def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int] | None:
-    """(key, nbytes) of a tensor's storage, or None for tensors without a plain storage (sparse...); a
-    DTensor's (FSDP2's sharded parameters) is its local shard's."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        t = local
-    try:
-        st = t.untyped_storage()
-        return st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
 class StepRecorder:
     """Bookkeeping of one recorded step; see the module docstring."""
 
@@ -196,7 +183,7 @@ class StepRecorder:
         return info
 
     def _register_external(self, t: torch.Tensor, kind: str, permanent: bool = False) -> StorageInfo | None:
-        kb = storage_key_and_bytes(t)
+        kb = opinfo.storage_key_and_bytes(t)
         if kb is None or kb[0] == 0:
             return None
         key, nbytes = kb
@@ -209,7 +196,7 @@ class StepRecorder:
 
     def storage_of(self, t: torch.Tensor) -> StorageInfo:
         """The storage of a tensor seen as an input: known, or external (alive before the step)."""
-        kb = storage_key_and_bytes(t)
+        kb = opinfo.storage_key_and_bytes(t)
         if kb is None or kb[0] == 0:
             return self._new_storage(0, 0 if kb is None else kb[1], KIND_INPUT, None)
         info = self._live_storage(kb[0])
@@ -229,7 +216,7 @@ class StepRecorder:
         tid = self._ids.get(t)
         if tid is not None:
             rec = self.tensors[tid]
-            info = self._live_storage(storage_key_and_bytes(t)[0]) if rec.storage_bytes else None
+            info = self._live_storage(opinfo.storage_key_and_bytes(t)[0]) if rec.storage_bytes else None
             if info is not None and info.id == rec.storage:
                 return tid, info
         # A tensor object never seen as an op output: a parameter, buffer or batch tensor, or (rarely) an
@@ -289,7 +276,7 @@ class StepRecorder:
         for slot, t in enumerate(outputs):
             if t is None:
                 continue
-            kb = storage_key_and_bytes(t)
+            kb = opinfo.storage_key_and_bytes(t)
             if kb is None or kb[0] == 0:
                 info = self._new_storage(0, 0 if kb is None else kb[1], KIND_ACTIVATION, None)
             else:
@@ -310,7 +297,7 @@ class StepRecorder:
                 self.random_contents[key] = random or (inplace and self.random_contents.get(key, False))
         if opnames.gathers_parameters(opinfo.op_name(func)):
             for t in outputs:
-                kb = storage_key_and_bytes(t) if t is not None else None
+                kb = opinfo.storage_key_and_bytes(t) if t is not None else None
                 info = self._live_storage(kb[0]) if kb is not None and kb[0] else None
                 if info is not None:
                     self.gathered.gathered(info)
@@ -385,7 +372,7 @@ class StepRecorder:
         x, restored = self.park.unpack(handle)
         if restored:  # a new storage standing for the saved one: same StorageInfo, same writer
             info, writer = handle.tag
-            key = storage_key_and_bytes(x)[0]
+            key = opinfo.storage_key_and_bytes(x)[0]
             if self._storage_by_key.get(info.key) is info:  # its old address may hold another storage later
                 del self._storage_by_key[info.key]
             info.key, info.ref = key, StorageWeakRef(x.untyped_storage())

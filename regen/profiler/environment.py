@@ -6,7 +6,6 @@ import os
 import platform
 import sys
 from importlib import metadata
-from typing import Iterable
 
 import torch
 
@@ -14,7 +13,6 @@ from regen.version import __version__ as regen_version
 from regen.errors import DeviceError
 from regen.formats.profile import DeviceInfo
 from regen.profiler.bandwidth import Bandwidth
-from regen.profiler.capture import storage_key_and_bytes
 
 OPTIONAL_LIBRARIES = ("transformers", "pulp", "highspy")
 
@@ -79,18 +77,6 @@ def library_versions() -> dict[str, str]:
             pass
     versions["platform"] = f"{sys.platform}-{platform.machine()}"
     return versions
-
-
-def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (tied or viewed tensors counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        kb = storage_key_and_bytes(t) if isinstance(t, torch.Tensor) else None
-        if kb is not None and kb[0] and kb[0] not in seen:
-            seen.add(kb[0])
-            total += kb[1]
-    return total
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

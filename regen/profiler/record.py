@@ -58,6 +58,7 @@ from regen.errors import DATA_PARALLEL_REFUSED, DeviceError, RegenError, Workloa
 from regen.formats.profile import (EXCLUDED_OTHER_DEVICE, OTHER_HOOKS_ADVICE, PHASE_BACKWARD, Profile, RuntimeCosts,
                                    StaticMemory, op_fingerprint)
 from regen.heap import give_back_freed_host_memory
+from regen.opinfo import unique_storage_bytes
 from regen.profiler.accumulation import EngineSums
 from regen.profiler.bandwidth import Bandwidth, measure_bandwidth
 from regen.ranks import rank_agreement
@@ -75,7 +76,6 @@ from regen.profiler.environment import (
     library_versions,
     optimizer_state_tensors,
     resolve_device,
-    unique_storage_bytes,
 )
 from regen.profiler.liveness import probe_step
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes

@@ -190,7 +190,7 @@ class RegenHandle:
             self.root.register_forward_hook(self._post_hook, always_call=True),
         ]
         self.trainable = TrainableCount(self.root)  # read at each step when on_mismatch="dynamic"
-        self.held_gradients = HeldGradientsCheck(self.root)
+        self.held_gradients = HeldGradientsCheck(self.trainable.parameters)
         self.overlap = OverlapCheck()
         self._hooks += self.trainable.hooks
         self.region_hooks = RegionHooks(self.root, lambda: self.current)

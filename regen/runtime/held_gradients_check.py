@@ -10,11 +10,12 @@ regen.planner.held_gradients). Checked at each planned step's start until said; 
 from __future__ import annotations
 
 import warnings
+from typing import Callable, Iterable
 
-import torch
 from torch import nn
 
 from regen.formats.plan import Plan
+from regen.opinfo import unique_storage_bytes
 from regen.units import format_bytes
 
 
@@ -22,35 +23,24 @@ class HeldGradientsWarning(UserWarning):
     """A planned step began with gradients its plan did not count (said once per handle)."""
 
 
-def held_gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients the model's trainable parameters hold now (each storage once; a DTensor's, FSDP2's
-    sharded gradient, is its local shard's; a gradient without a plain storage, a sparse one, by its elements)."""
-    storages = {}
-    for p in model.parameters():
-        if not p.requires_grad or p.grad is None:
-            continue
-        g = p.grad
-        local = getattr(g, "_local_tensor", None)
-        g = local if isinstance(local, torch.Tensor) else g
-        try:
-            s = g.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        except (NotImplementedError, RuntimeError):
-            storages[id(g)] = g.numel() * g.element_size()
-    return sum(storages.values())
+def held_gradient_bytes(parameters: Iterable[nn.Parameter]) -> int:
+    """Bytes of the gradients the trainable ones of `parameters` hold now, as a profile counts its step's
+    (regen.opinfo.unique_storage_bytes: each storage once, a DTensor's local shard)."""
+    return unique_storage_bytes(p.grad for p in parameters if p.requires_grad)
 
 
 class HeldGradientsCheck:
-    """Says once when a planned step begins with gradients its plan did not count."""
+    """Says once when a planned step begins with gradients its plan did not count; `parameters()` lists the
+    model's (the handle's cached list: call_signature.TrainableCount)."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, parameters: Callable[[], Iterable[nn.Parameter]]):
+        self.parameters = parameters
         self.said = False
 
     def step_begins(self, plan: Plan) -> None:
         if self.said or plan.gradients_held_bytes:
             return
-        held = held_gradient_bytes(self.model)
+        held = held_gradient_bytes(self.parameters())
         if not held:
             return
         self.said = True

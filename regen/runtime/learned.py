@@ -109,7 +109,7 @@ class LearnedPlans:
                           f"profile does not record; its steps run in dynamic mode", LearningWarning, stacklevel=4)
             return
         self._observed = _Observed(step, root, signature, tree_map(_copy, args), tree_map(_copy, kwargs), cap_bytes,
-                                   gradients_held=held_gradient_bytes(root) > 0)
+                                   gradients_held=held_gradient_bytes(root.parameters()) > 0)
 
     def model_returned(self, step, output) -> None:
         """The model's forward returned in `step`: the ops from here to backward are the loss tail."""
@@ -130,7 +130,7 @@ class LearnedPlans:
         if observed is None or observed.outputs is None or observed.step.aborted:
             return
         tail = LossTail(observed.step.tail_ops(), observed.outputs)
-        held = observed.gradients_held or held_gradient_bytes(observed.model) > 0
+        held = observed.gradients_held or held_gradient_bytes(observed.model.parameters()) > 0
         request = LearnRequest(observed.model, observed.signature, observed.args, observed.kwargs, tail,
                                observed.cap_bytes, gradients_held=held)
         try:

@@ -6,7 +6,7 @@ import torch
 from regen.measure import measure_memory
 from torch.utils._pytree import tree_flatten
 
-from regen.profiler.environment import unique_storage_bytes
+from regen.opinfo import unique_storage_bytes
 from regen.workloads import call_model, training_step
 
 WORKLOADS = ["mlp", "cnn", "gpt", "hf-gpt2"]

@@ -10,6 +10,7 @@ from torch import nn
 
 import regen
 from regen.measure import measure_memory
+from regen.opinfo import unique_storage_bytes
 from regen.runtime import HeldGradientsWarning
 from regen.workloads import Workload
 
@@ -53,11 +54,6 @@ def _plan(gradients_held: bool):
                               gradients_held=gradients_held)
 
 
-def _storage_bytes(tensors) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 def _accumulating_loop(model, plan=None):
     """Two optimizer steps of MICRO_BATCHES micro-batches each; per micro-batch, the allocator's peak plus what
     was held at its start (parameters, gradients, optimizer state, batch); and the final parameters."""
@@ -71,8 +67,7 @@ def _accumulating_loop(model, plan=None):
             for k in range(MICRO_BATCHES):
                 x = w.batch[0].roll(k, 0)
                 state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-                held = _storage_bytes([*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
-                                       *state, x])
+                held = unique_storage_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *state, x])
                 measured = measure_memory(lambda: (_loss(model(x), None) / MICRO_BATCHES).backward())
                 peaks.append(held + measured.peak_increase_bytes)
                 said_at += [(step, k)] * sum(issubclass(c.category, HeldGradientsWarning) for c in caught)
