@@ -204,7 +204,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     profile = _load_solver_input(Path(args.input), args.bandwidth)
     held_bytes = held_gradient_bytes(profile) if args.gradients_held else 0
     cap_bytes = parse_memory_cap(args.memory_cap, profile.peak_bytes + held_bytes)
-    for note in getattr(profile, "notes", []):  # a training graph in node-link JSON has none
+    for note in profile.notes:
         if note.endswith(OTHER_HOOKS_ADVICE):
             say(f"warning: {note}")
     with _native_output_silenced() if args.quiet else contextlib.nullcontext():  # HiGHS's banner

@@ -64,8 +64,9 @@ def solve(profile: Profile, memory_cap_bytes: int, options: SolveOptions | str |
         notes.append(no_link_note(strategy))
         say(notes[-1])
         strategy = "recompute"
-    held_bytes = held_gradient_bytes(profile) if options.gradients_held else 0
+    held_bytes = 0
     if options.gradients_held:
+        held_bytes = held_gradient_bytes(profile)
         profile = with_gradients_held(profile)
         notes.append(f"gradients held from step to step: {format_bytes(held_bytes)} counted for the whole step")
         say(notes[-1])
