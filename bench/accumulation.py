@@ -9,8 +9,8 @@ counted for the whole step, regen.planner.held_gradients). Each plan then runs t
 --micro-batches micro-batches accumulating into the same gradients, against the unplanned loop from the same
 state: per plan, the largest allocator peak of a micro-batch that began without gradients and of one that began
 with them, as a fraction of the plan's cap (what the step held at its start, parameters, gradients, optimizer
-state and batch, plus the allocator's peak increase), whether the final parameters equal the unplanned loop's
-bit for bit, and the HeldGradientsWarnings the handle gave.
+state and batch, plus the allocator's peak increase), whether the final parameters and module buffers equal the
+unplanned loop's bit for bit, and the HeldGradientsWarnings the handle gave.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _held_bytes(model, optimizer, batch) -> int:
 
 
 def _loop(w: Workload, model, micro_batches: int, plan=None):
-    """(peaks without gradients held, peaks with them, final parameters, HeldGradientsWarnings)."""
+    """(peaks without gradients held, peaks with them, final parameters and buffers, HeldGradientsWarnings)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fresh, holding = [], []
     context = regen.apply(model, plan) if plan is not None else training_caches_off(model)
@@ -60,7 +60,7 @@ def _loop(w: Workload, model, micro_batches: int, plan=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     said = sum(issubclass(c.category, HeldGradientsWarning) for c in caught)
-    return fresh, holding, [p.detach().clone() for p in model.parameters()], said
+    return fresh, holding, [t.detach().clone() for t in (*model.parameters(), *model.buffers())], said
 
 
 def check(name: str, cap_fraction: float, micro_batches: int) -> str:
@@ -90,8 +90,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2)
     args = parser.parse_args()
     print(f"recompute at {args.cap_fraction:g} of the peak increase, {args.micro_batches} micro-batches a step; per "
-          f"plan: largest peak / cap of a micro-batch without gradients held / with them, final parameters against "
-          f"unplanned, HeldGradientsWarnings")
+          f"plan: largest peak / cap of a micro-batch without gradients held / with them, final parameters and "
+          f"buffers against unplanned, HeldGradientsWarnings")
     print("| decoder | plan as profiled | plan with --gradients-held |")
     print("| --- | --- | --- |")
     for name in args.models:
