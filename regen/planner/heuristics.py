@@ -15,7 +15,8 @@
   backward use), whatever the cap: a peer paying the same link as regen's plans.
 * `greedy`: simulator-driven: while the simulated peak is over the cap, take candidates not resident
   at the worst step by cheapest cost per byte (recompute time, or a swap's estimated exposed
-  transfer), checking recipe inputs stay resident. Its plans are simulator-feasible by construction.
+  transfer, its copy-in started after the worst step), or start a swap's copy-in after it where it had
+  started before, checking recipe inputs stay resident. Its plans are simulator-feasible by construction.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_
             break
         worst, step = max((sim.step_bytes(s), s) for s in range(graph.num_steps))
         excess = worst - cap_bytes
-        options = []
+        options = _later_copy_ins(graph, step, choices) if allow_swap else []
         for c in graph.candidates:
             if c.index in choices or c.index in locked or c.trivial or c.bytes <= 0:
                 continue
@@ -154,6 +155,43 @@ def greedy(graph: PlanningGraph, cap_bytes: int, allow_swap: bool = True, allow_
     return best[1] if best_effort else None
 
 
+def _later_copy_ins(graph: PlanningGraph, step: int, choices: dict[int, Choice]) -> list[tuple[float, Candidate,
+                                                                                                  Choice]]:
+    """Swaps whose copy-in, started at or before the worst `step`, holds their storage there: each started at
+    its first window step after `step` instead, scored by the transfer it no longer hides (the earliest start
+    hides the most, and in backward those prefetches can be what passes the cap)."""
+    options = []
+    for i, ch in choices.items():
+        c = graph.candidates[i]
+        if ch.action != ACTION_SWAP or ch.swap_in_step is None or not ch.swap_in_step <= step < c.first_backward:
+            continue
+        option = _swap_after(graph, c, step)
+        if option is not None:
+            cost, choice = option
+            options.append(((cost - _exposed_s(graph, c, ch.swap_in_step)) / c.bytes, c, choice))
+    return options
+
+
+def _swap_after(graph: PlanningGraph, c: Candidate, step: int) -> tuple[float, Choice] | None:
+    """Swapping `c` so that it is gone at `step` (its copy-out done before it, its copy-in started after it, at
+    the earliest window step that allows): its cost (the transfer its window does not hide, plus a share of
+    the rest), or None when its windows do not allow it."""
+    if not c.out_window or c.out_window[-1] >= step:
+        return None
+    later = [s for s in c.in_breaks if s > step]
+    if not later:
+        return None
+    transfer = copy_in_time_s(graph, c.bytes)
+    return _exposed_s(graph, c, later[0]) + SWAP_TRAFFIC_WEIGHT * transfer, Choice(ACTION_SWAP,
+                                                                                   swap_in_step=later[0])
+
+
+def _exposed_s(graph: PlanningGraph, c: Candidate, swap_in_step: int) -> float:
+    """The part of `c`'s copy-in that the ops from `swap_in_step` to its first backward use do not hide."""
+    hidden = sum(graph.time_s[s] for s in c.in_window if s >= swap_in_step)
+    return max(0.0, copy_in_time_s(graph, c.bytes) - hidden)
+
+
 def _best_option(graph: PlanningGraph, c: Candidate, step: int, choices: dict[int, Choice], allow_swap: bool,
                  allow_recompute: bool) -> tuple[float, Choice] | None:
     best = None
@@ -162,10 +200,8 @@ def _best_option(graph: PlanningGraph, c: Candidate, step: int, choices: dict[in
             if inputs_kept(graph, recipe, c.first_backward, choices):
                 best = (recipe.time_s, Choice(ACTION_RECOMPUTE, recipe=recipe))
                 break
-    if allow_swap and c.can_swap and c.out_window[-1] < step < c.in_window[0]:
-        transfer = copy_in_time_s(graph, c.bytes)
-        hidden = sum(graph.time_s[s] for s in c.in_window)
-        cost = max(0.0, transfer - hidden) + SWAP_TRAFFIC_WEIGHT * transfer
-        if best is None or cost < best[0]:
-            best = (cost, Choice(ACTION_SWAP, swap_in_step=c.in_breaks[0]))
+    if allow_swap and c.can_swap:
+        swap = _swap_after(graph, c, step)
+        if swap is not None and (best is None or swap[0] < best[0]):
+            best = swap
     return best
