@@ -14,7 +14,14 @@ other ops from step to step (a random layer drop: `regen profile` refuses it and
 one row of dynamic mode instead (regen.check.check_dynamic), at checkpointing's peak increase over its
 parameters and buffers. With `--dynamic`, every architecture gets that row, and no plans.
 
+`--configurations` runs the same rows over CONFIGURATIONS instead: what users do with such models beyond
+the causal-LM or masked-LM step (task heads on padded batches, hidden states and attention weights in the
+output, PEFT methods, one odd-length row, a frozen first layer, packed sequences, a grown vocabulary,
+channels-last images). Where checkpointing fails on a configuration (PEFT prefix tuning: Hugging Face's
+checkpointing turns off the cache its prefix lives in), the cap is 70% of the unplanned peak.
+
     .venv/bin/python bench/heldout.py [--models gemma3 cohere ...] [--autocast bf16]
+    .venv/bin/python bench/heldout.py --configurations
 
 No figure here is a time: it runs on a busy machine as well.
 """
@@ -224,9 +231,10 @@ HELD_OUT = {
                       dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS,
                            num_attention_heads=HEADS, max_position_embeddings=4 * SEQ), _tokens),
     "vit_mae": ("ViTMAEForPreTraining", "ViTMAEConfig",
-                dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                     decoder_hidden_size=WIDTH, decoder_intermediate_size=2 * WIDTH, decoder_num_hidden_layers=1,
-                     decoder_num_attention_heads=HEADS, image_size=32, patch_size=8), _pixels),
+                dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, decoder_hidden_size=WIDTH, decoder_intermediate_size=2 * WIDTH,
+                     decoder_num_hidden_layers=1, decoder_num_attention_heads=HEADS, image_size=32, patch_size=8),
+                _pixels),
     "wav2vec2": ("Wav2Vec2ForCTC", "Wav2Vec2Config",
                  dict(vocab_size=32, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
@@ -395,14 +403,189 @@ HELD_OUT = {
 }
 
 
+# ---- configurations users bring: task heads, PEFT methods, training set-ups ------------------------------
+
+
+def _padded(batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """Token ids (pad id 0) whose rows end in padding of different lengths, and their attention mask."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (batch_size, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(batch_size):
+        kept = SEQ - (i * SEQ) // (2 * batch_size)
+        ids[i, kept:], mask[i, kept:] = 0, 0
+    return ids, mask, g
+
+
+def _sequence_labels(batch_size: int) -> dict:
+    ids, mask, g = _padded(batch_size)
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (batch_size,), generator=g)}
+
+
+def _token_labels(batch_size: int) -> dict:
+    ids, mask, g = _padded(batch_size)
+    labels = torch.randint(0, 3, ids.shape, generator=g)
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _answer_spans(batch_size: int) -> dict:
+    ids, mask, g = _padded(batch_size)
+    start = torch.randint(0, SEQ // 2, (batch_size,), generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "start_positions": start, "end_positions": start + 3}
+
+
+def _choices(batch_size: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(3, VOCAB, (batch_size, 3, SEQ // 2), generator=g),
+            "labels": torch.randint(0, 3, (batch_size,), generator=g)}
+
+
+def _ending_in(eos: int):
+    def batch(batch_size: int) -> dict:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, VOCAB, (batch_size, SEQ), generator=g)
+        ids[:, -1] = eos  # one end-of-sequence token per row, where the head pools
+        return {"input_ids": ids, "labels": torch.randint(0, 3, (batch_size,), generator=g)}
+    return batch
+
+
+def _mel_features(batch_size: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"input_features": torch.randn(batch_size, 80, 128, generator=g),
+            "labels": torch.randint(0, 3, (batch_size,), generator=g)}
+
+
+def _masked_patches(batch_size: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
+            "bool_masked_pos": torch.rand(batch_size, 16, generator=g) < 0.4}
+
+
+def _one_odd_row(batch_size: int) -> dict:
+    ids = torch.randint(3, VOCAB, (1, 37), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _packed(batch_size: int) -> dict:
+    """Two sequences packed in each row: positions restart halfway."""
+    batch = _tokens(batch_size)
+    half = SEQ // 2
+    batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(SEQ - half)]).expand(batch_size, -1)
+    return batch
+
+
+def _channels_last_images(batch_size: int) -> dict:
+    batch = _image(batch_size)
+    batch["pixel_values"] = batch["pixel_values"].contiguous(memory_format=torch.channels_last)
+    return batch
+
+
+def _peft(config_class: str, **settings):
+    def adapt(model):
+        import peft
+
+        return peft.get_peft_model(model, getattr(peft, config_class)(**settings))
+    return adapt
+
+
+def _first_layer_frozen(model):
+    for p in [*model.model.embed_tokens.parameters(), *model.model.layers[0].parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+def _channels_last(model):
+    return model.to(memory_format=torch.channels_last)
+
+
+def _vocabulary_grown(model):
+    model.resize_token_embeddings(VOCAB + 7)
+    return model
+
+
+_LABELLED = dict(pad_token_id=0, num_labels=3)
+_RESNET = dict(embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10)
+_VIT = dict(hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * WIDTH,
+            image_size=32, patch_size=8, encoder_stride=8)
+
+# name -> (model class, config class, config keys, batch, what is done to the model after it is built)
+CONFIGURATIONS = {
+    # task heads, on padded batches where the head reads the padding
+    "llama_seqcls": ("LlamaForSequenceClassification", "LlamaConfig", _llama_like(**_LABELLED), _sequence_labels,
+                     None),
+    "qwen2_seqcls": ("Qwen2ForSequenceClassification", "Qwen2Config", _llama_like(**_LABELLED), _sequence_labels,
+                     None),
+    "mistral_seqcls": ("MistralForSequenceClassification", "MistralConfig",
+                       _llama_like(sliding_window=32, **_LABELLED), _sequence_labels, None),
+    "gemma2_seqcls": ("Gemma2ForSequenceClassification", "Gemma2Config", _llama_like(head_dim=16, **_LABELLED),
+                      _sequence_labels, None),
+    "gpt2_seqcls": ("GPT2ForSequenceClassification", "GPT2Config", _gpt_like(**_LABELLED), _sequence_labels, None),
+    "qwen2_tokcls": ("Qwen2ForTokenClassification", "Qwen2Config", _llama_like(**_LABELLED), _token_labels, None),
+    "gpt_neox_tokcls": ("GPTNeoXForTokenClassification", "GPTNeoXConfig",
+                        dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                             intermediate_size=2 * WIDTH, num_labels=3), _token_labels, None),
+    "llama_qa": ("LlamaForQuestionAnswering", "LlamaConfig", _llama_like(**_LABELLED), _answer_spans, None),
+    "bert_tokcls": ("BertForTokenClassification", "BertConfig", _bert_like(num_labels=3), _token_labels, None),
+    "deberta_v2_tokcls": ("DebertaV2ForTokenClassification", "DebertaV2Config", _bert_like(num_labels=3),
+                          _token_labels, None),
+    "modernbert_tokcls": ("ModernBertForTokenClassification", "ModernBertConfig", _bert_like(**_LABELLED),
+                          _token_labels, None),
+    "roberta_qa": ("RobertaForQuestionAnswering", "RobertaConfig", _bert_like(pad_token_id=1), _answer_spans, None),
+    "electra_qa": ("ElectraForQuestionAnswering", "ElectraConfig", _bert_like(embedding_size=WIDTH), _answer_spans,
+                   None),
+    "roberta_mc": ("RobertaForMultipleChoice", "RobertaConfig", _bert_like(), _choices, None),
+    "bart_seqcls": ("BartForSequenceClassification", "BartConfig",
+                    _seq2seq_config(num_labels=3, max_position_embeddings=4 * SEQ), _ending_in(2), None),
+    "whisper_audiocls": ("WhisperForAudioClassification", "WhisperConfig",
+                         _seq2seq_config(num_labels=3, max_source_positions=64, num_mel_bins=80), _mel_features, None),
+    "vit_mim": ("ViTForMaskedImageModeling", "ViTConfig", _VIT, _masked_patches, None),
+    # every layer's hidden states (and attention weights) in the output, as distillation losses read them
+    "llama_hidden_states": ("LlamaForCausalLM", "LlamaConfig", _llama_like(output_hidden_states=True), _tokens, None),
+    "llama_attentions": ("LlamaForCausalLM", "LlamaConfig",
+                         _llama_like(output_attentions=True, attn_implementation="eager"), _tokens, None),
+    "bert_hidden_states": ("BertForMaskedLM", "BertConfig",
+                           _bert_like(output_hidden_states=True, output_attentions=True), _tokens, None),
+    "gpt2_hidden_states": ("GPT2LMHeadModel", "GPT2Config", _gpt_like(output_hidden_states=True), _tokens, None),
+    # PEFT methods
+    "lora_qwen2": ("Qwen2ForCausalLM", "Qwen2Config", _llama_like(), _tokens,
+                   _peft("LoraConfig", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])),
+    "lora_mistral": ("MistralForCausalLM", "MistralConfig", _llama_like(sliding_window=32), _tokens,
+                     _peft("LoraConfig", r=4, target_modules="all-linear")),
+    "lora_gpt2": ("GPT2LMHeadModel", "GPT2Config", _gpt_like(), _tokens,
+                  _peft("LoraConfig", r=4, target_modules=["c_attn"], fan_in_fan_out=True)),
+    "lora_bert_seqcls": ("BertForSequenceClassification", "BertConfig", _bert_like(num_labels=3), _classified_tokens,
+                         _peft("LoraConfig", r=4, task_type="SEQ_CLS", target_modules=["query", "value"])),
+    "dora_llama": ("LlamaForCausalLM", "LlamaConfig", _llama_like(), _tokens,
+                   _peft("LoraConfig", r=4, use_dora=True, target_modules=["q_proj", "v_proj"])),
+    "ia3_llama": ("LlamaForCausalLM", "LlamaConfig", _llama_like(), _tokens,
+                  _peft("IA3Config", target_modules=["k_proj", "v_proj", "down_proj"],
+                        feedforward_modules=["down_proj"])),
+    "prompt_tuning_llama": ("LlamaForCausalLM", "LlamaConfig", _llama_like(), _tokens,
+                            _peft("PromptTuningConfig", task_type="CAUSAL_LM", num_virtual_tokens=8)),
+    "prefix_tuning_llama": ("LlamaForCausalLM", "LlamaConfig", _llama_like(), _tokens,
+                            _peft("PrefixTuningConfig", task_type="CAUSAL_LM", num_virtual_tokens=8)),
+    # training set-ups
+    "llama_one_odd_row": ("LlamaForCausalLM", "LlamaConfig", _llama_like(), _one_odd_row, None),
+    "llama_first_layer_frozen": ("LlamaForCausalLM", "LlamaConfig", _llama_like(), _tokens, _first_layer_frozen),
+    "qwen2_packed": ("Qwen2ForCausalLM", "Qwen2Config", _llama_like(), _packed, None),
+    "gpt2_vocabulary_grown": ("GPT2LMHeadModel", "GPT2Config", _gpt_like(), _tokens, _vocabulary_grown),
+    "resnet_channels_last": ("ResNetForImageClassification", "ResNetConfig", _RESNET, _channels_last_images,
+                             _channels_last),
+}
+
+
 def build(name: str, batch_size: int = BATCH):
     """A held-out workload factory (`bench.heldout:build` with `name`), for build_workload and `regen profile`."""
     import transformers
 
-    model_class, config_class, config, batch = HELD_OUT[name]
+    if name in CONFIGURATIONS:
+        model_class, config_class, config, batch, adapt = CONFIGURATIONS[name]
+    else:
+        (model_class, config_class, config, batch), adapt = HELD_OUT[name], None
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
-    return model, batch(batch_size)
+    return (model if adapt is None else adapt(model)), batch(batch_size)
 
 
 def _workload(name: str, autocast: str | None) -> Workload:
@@ -421,15 +604,17 @@ def _peak_increase(w: Workload) -> int:
 
 def _checkpointing_increase(name: str, autocast: str | None) -> int | None:
     """The peak increase of the architecture's step under the checkpointing its users turn on (None: no
-    repeated blocks to checkpoint)."""
+    repeated blocks to checkpoint, or the step fails under it: Hugging Face's checkpointing turns the cache
+    off, which PEFT's prefix tuning needs)."""
     from regen.zoo import enable_checkpointing
 
     peer = _workload(name, autocast)
     try:
         enable_checkpointing(peer.model)
-    except WorkloadError:
+        return _peak_increase(peer)
+    except WorkloadError as exc:
+        print(f"{name}: no checkpointing to compare with ({' '.join(str(exc).split())[:160]})", file=sys.stderr)
         return None
-    return _peak_increase(peer)
 
 
 def _row(name: str, label: str, counts: str, report, cap_bytes: int) -> str:
@@ -497,17 +682,23 @@ def check(name: str, autocast: str | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(HELD_OUT), choices=list(HELD_OUT), metavar="NAME")
+    parser.add_argument("--models", nargs="+", choices=[*HELD_OUT, *CONFIGURATIONS], metavar="NAME",
+                        help="architectures of HELD_OUT or configurations of CONFIGURATIONS (default: every "
+                             "architecture)")
+    parser.add_argument("--configurations", action="store_true",
+                        help="every configuration of CONFIGURATIONS: task heads on padded batches, PEFT methods, "
+                             "training set-ups")
     parser.add_argument("--autocast", choices=["bf16", "fp16"], help="the forward under torch.autocast")
     parser.add_argument("--dynamic", action="store_true",
                         help="dynamic mode instead of plans, at the same cap, for every architecture")
     args = parser.parse_args(argv)
+    names = args.models or (list(CONFIGURATIONS) if args.configurations else list(HELD_OUT))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     print("| architecture | plan | keep/swap/recompute | planned steps | allocator peak / cap | result |")
     print("| --- | --- | --- | --- | --- | --- |")
     failed = 0
-    for name in args.models:
+    for name in names:
         try:
             rows = (check_dynamic_rows(name, args.autocast, "--dynamic") if args.dynamic
                     else check(name, args.autocast))
