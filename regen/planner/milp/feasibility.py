@@ -43,4 +43,6 @@ def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, flo
         return None
     values = h.getSolution().col_value
     integer = highspy.HighsVarType.kInteger
-    return {v.name: float(round(values[j])) for j, v in enumerate(variables) if lp.integrality_[j] == integer}
+    # read once: each read of a HighsLp vector copies all of it (per column, 2.4 s on 2,080 columns)
+    integrality = lp.integrality_
+    return {v.name: float(round(values[j])) for j, v in enumerate(variables) if integrality[j] == integer}
