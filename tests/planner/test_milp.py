@@ -433,15 +433,15 @@ def test_a_feasibility_start_that_timed_out_is_tried_again_with_the_time_left(mo
     search would then take far longer to its first plan, so the feasibility search gets the time left."""
     from regen.planner import solve
     from regen.planner.milp import search
-    from regen.planner.milp.feasibility import feasible_values
+    from regen.planner.milp.feasibility import feasible_solution
 
     calls = []
 
     def first_try_times_out(model, time_limit_s, lp=None):
         calls.append(time_limit_s)
-        return None if len(calls) == 1 else feasible_values(model, time_limit_s, lp=lp)
+        return None if len(calls) == 1 else feasible_solution(model, time_limit_s, lp=lp)
 
-    monkeypatch.setattr(search, "feasible_values", first_try_times_out)
+    monkeypatch.setattr(search, "feasible_solution", first_try_times_out)
     profile = transformer_profile(n_layers=3)
     cap = int(profile.peak_bytes * 0.5)  # no greedy plan fits here (the test below)
     plan = solve(profile, cap, "hybrid", time_limit_s=60, rel_gap=0.5)
@@ -476,6 +476,25 @@ def test_without_a_heuristic_plan_the_solver_starts_from_any_feasible_one():
     under = Model(graph, int(profile.peak_bytes * 0.3), MilpOptions())  # builds, but no plan fits
     with pytest.raises(CapInfeasible):
         feasible_values(under, 30)
+
+
+def test_when_the_solve_from_the_feasibility_start_runs_out_of_time_its_plan_stands(monkeypatch):
+    """The feasibility start can take most of the time limit (on a loaded machine); the solve from its plan then
+    has too little left to finish. Its plan, which the simulator passes, is the result, not a SolverError."""
+    from regen.errors import SolverError
+    from regen.planner import solve
+    from regen.planner.milp import search
+
+    def out_of_time(*args, **kwargs):
+        raise SolverError("the solver (highs) stopped after 0.0 s without a feasible plan (time limit 0.001 s)")
+
+    monkeypatch.setattr(search, "solve_model", out_of_time)
+    profile = transformer_profile(n_layers=3)
+    cap = int(profile.peak_bytes * 0.5)  # no greedy plan fits here (the test above)
+    plan = solve(profile, cap, "hybrid", time_limit_s=60, rel_gap=0.5)
+    assert plan.simulated.peak_bytes <= cap
+    assert plan.action_counts()["swap"] + plan.action_counts()["recompute"] > 0
+    assert plan.solver.name == "highs" and plan.solver.gap is None
 
 
 def test_a_milp_plan_that_simulates_slower_than_the_warm_start_gives_way_to_it(small_transformer, monkeypatch):

@@ -2,7 +2,8 @@
 
 With its step-time objective, HiGHS can search a long time before its first feasible plan. With the
 objective dropped, any feasible plan is optimal, and HiGHS finds one far sooner; its discrete values
-then warm-start the real solve (regen.planner.milp.search; Note [ Feasibility first ]).
+then warm-start the real solve (regen.planner.milp.search; Note [ Feasibility first ]), and its plan is the
+result when that solve runs out of time without a better one.
 """
 
 # NOTE [ Feasibility first ]
@@ -11,6 +12,8 @@ then warm-start the real solve (regen.planner.milp.search; Note [ Feasibility fi
 # and 0.9 s without the objective.
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,10 +27,23 @@ FEASIBILITY_TIME_FRACTION = 0.25  # of the time left, at most, for the first try
 FEASIBILITY_RESERVE_FRACTION = 0.1
 
 
-def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, float] | None:
-    """The values of the discrete variables of some solution of `model` (by name), or None when HiGHS
-    finds none within `time_limit_s`; CapInfeasible when it proves there is none. `lp`: the model as
-    to_highs_lp built it, when the caller has it (left as it is: the objective is dropped in HiGHS's copy)."""
+@dataclass
+class FeasibleSolution:
+    """A solution of the model found with its objective dropped."""
+
+    discrete: dict[str, float]  # the discrete variables' values, by name: the real solve's warm start
+    columns: list[float]  # every variable's value, in `model.prob.variables()` order
+
+    def load_into(self, model: Model) -> None:
+        """Set the model's variables to this solution (to read its plan back when no better one comes)."""
+        for var, value in zip(model.prob.variables(), self.columns):
+            var.varValue = value
+
+
+def feasible_solution(model: Model, time_limit_s: float, lp=None) -> FeasibleSolution | None:
+    """Some solution of `model`, or None when HiGHS finds none within `time_limit_s`; CapInfeasible when it proves
+    there is none. `lp`: the model as to_highs_lp built it, when the caller has it (left as it is: the objective
+    is dropped in HiGHS's copy)."""
     highspy = require_highspy()
     variables = model.prob.variables()
     lp = lp if lp is not None else to_highs_lp(model.prob, variables)
@@ -41,8 +57,15 @@ def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, flo
         raise CapInfeasible()
     if h.getInfo().primal_solution_status != 2:  # no feasible solution
         return None
-    values = h.getSolution().col_value
+    values = list(h.getSolution().col_value)
     integer = highspy.HighsVarType.kInteger
     # read once: each read of a HighsLp vector copies all of it (per column, 2.4 s on 2,080 columns)
     integrality = lp.integrality_
-    return {v.name: float(round(values[j])) for j, v in enumerate(variables) if integrality[j] == integer}
+    discrete = {v.name: float(round(values[j])) for j, v in enumerate(variables) if integrality[j] == integer}
+    return FeasibleSolution(discrete=discrete, columns=values)
+
+
+def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, float] | None:
+    """The values of the discrete variables of `feasible_solution` (by name), or None when there is none."""
+    solution = feasible_solution(model, time_limit_s, lp)
+    return None if solution is None else solution.discrete

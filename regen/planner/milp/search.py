@@ -18,19 +18,22 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import pulp
+
 from regen.errors import InfeasibleCapError, SolverError
 from regen.formats.plan import ACTION_SWAP, SolverReport
 from regen.planner import heuristics
 from regen.planner.graph import PlanningGraph
 from regen.planner.milp.blocks import (MIN_SOLVER_TIME_S, final_check_reserve_s, solve_by_blocks,
                                        time_for_full_solve)
-from regen.planner.milp.feasibility import FEASIBILITY_RESERVE_FRACTION, FEASIBILITY_TIME_FRACTION, feasible_values
+from regen.planner.milp.feasibility import (FEASIBILITY_RESERVE_FRACTION, FEASIBILITY_TIME_FRACTION,
+                                            FeasibleSolution, feasible_solution)
 from regen.planner.milp.highs import require_highspy, to_highs_lp
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
 from regen.planner.milp.relaxation import Relaxation
-from regen.planner.milp.solution import MilpResult, relative_gap, solve_model
+from regen.planner.milp.solution import MilpResult, read_choices, relative_gap, result_from_values, solve_model
 from regen.planner.residency import host_pool_bytes, lower_bound_peak
 from regen.planner.result import Choice, StrategyResult
 from regen.planner.simulator import SimulationResult, simulate
@@ -171,6 +174,7 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
     None, why) when none does and the warm start stands in (why: one of the fallback reasons above)."""
     graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
+    feasible = None  # without a warm start: the feasibility start's solution of this round's model
     block_plan, block_sim = None, None  # large graphs: the block search's plan, kept if the full MILP ends worse
     large = is_large(graph, options.allow_swap)
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
@@ -179,7 +183,8 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             if round_ == 0 and warm is not None and not large:
                 start, warm_values = improve_where_lp_disagrees(model, warm, time_limit_s, say)
             if warm_values is None and start is None:  # no plan to start from: any feasible one first
-                warm_values = _feasibility_start(model, first.lp if model is first.model else None, deadline, say)
+                feasible = _feasibility_start(model, first.lp if model is first.model else None, deadline, say)
+                warm_values = feasible.discrete if feasible is not None else None
             if round_ == 0 and warm is not None and large:
                 result, warm_values, go_on = solve_by_blocks(model, warm, deadline, time_limit_s, options.rel_gap,
                                                              say, first.relaxation, first.lp)
@@ -203,6 +208,8 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         except SolverError as exc:
             if block_plan is not None:
                 return block_plan, block_sim, None
+            if feasible is not None and (kept := _feasible_plan(model, feasible, options.rel_gap, say)) is not None:
+                return kept
             if warm is None:  # the time limit asked for, not what was left of it for this last solve
                 raise SolverError(f"the solver (highs) stopped without a feasible plan within the time limit of "
                                   f"{time_limit_s:g} s; raise time_limit_s or the memory cap") from exc
@@ -232,18 +239,32 @@ def better_of(block_plan: MilpResult, full: MilpResult, rel_gap: float) -> MilpR
                    status="optimal" if gap is not None and gap <= rel_gap else full.status)
 
 
-def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> dict[str, float] | None:
+def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> FeasibleSolution | None:
     """Any plan under the cap (Note [ Feasibility first ]): with FEASIBILITY_TIME_FRACTION of the time left,
     then, if none was found, with all of it but the final check's reserve: a plan that fits is worth more
     than the objective's search, which finds a first plan far later (on a loaded machine, never)."""
-    warm_values = feasible_values(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()), lp=lp)
-    if warm_values is None:
+    feasible = feasible_solution(model, FEASIBILITY_TIME_FRACTION * (deadline - time.perf_counter()), lp=lp)
+    if feasible is None:
         left_s = (1 - FEASIBILITY_RESERVE_FRACTION) * (deadline - time.perf_counter())
         if left_s > MIN_SOLVER_TIME_S:
             say("feasibility start: none found yet; searching with the time left")
-            warm_values = feasible_values(model, left_s, lp=lp)
-    say("feasibility start: " + ("a plan under the cap found" if warm_values is not None else "none found"))
-    return warm_values
+            feasible = feasible_solution(model, left_s, lp=lp)
+    say("feasibility start: " + ("a plan under the cap found" if feasible is not None else "none found"))
+    return feasible
+
+
+def _feasible_plan(model: Model, feasible: FeasibleSolution, rel_gap: float,
+                   say: Say) -> tuple[MilpResult, SimulationResult, None] | None:
+    """The feasibility start's own plan, when the solve from it ran out of time without a better one and the
+    simulator passes it under the cap (None otherwise): the time spent finding it is not thrown away."""
+    feasible.load_into(model)
+    choices = read_choices(model)
+    sim = simulate(model.graph, choices)
+    if not sim.fits(model.cap_bytes):
+        return None
+    say("the solve from the feasibility start found nothing better in the time left: its plan stands")
+    objective = pulp.value(model.prob.objective) or 0.0
+    return result_from_values(model, choices, objective, None, rel_gap, 0.0), sim, None
 
 
 def decidable_count(graph: PlanningGraph) -> int:
