@@ -497,6 +497,30 @@ def test_when_the_solve_from_the_feasibility_start_runs_out_of_time_its_plan_sta
     assert plan.solver.name == "highs" and plan.solver.gap is None
 
 
+def test_a_search_that_ends_without_any_plan_names_a_cap_that_has_one(monkeypatch):
+    """No heuristic plan fits, the feasibility start finds none and the solve none in its time: the error says
+    where a plan exists for certain (the greedy plans' least peak), not only "raise the cap"."""
+    import re
+
+    from regen.errors import SolverError
+    from regen.planner import solve
+    from regen.planner.milp import search
+
+    def out_of_time(*args, **kwargs):
+        raise SolverError("the solver (highs) stopped after 0.0 s without a feasible plan (time limit 0.001 s)")
+
+    monkeypatch.setattr(search, "feasible_solution", lambda *args, **kwargs: None)
+    monkeypatch.setattr(search, "solve_model", out_of_time)
+    profile = transformer_profile(n_layers=3)
+    cap = int(profile.peak_bytes * 0.5)  # no greedy plan fits here (the test above)
+    with pytest.raises(SolverError, match="within the time limit of 20 s") as raised:
+        solve(profile, cap, "hybrid", time_limit_s=20)
+    named = int(re.search(r"a plan fits a cap of [^(]+\((\d+) bytes\)", str(raised.value)).group(1))
+    assert cap < named < profile.peak_bytes
+    plan = solve(profile, named, "hybrid", time_limit_s=20)  # the greedy plan, the solver still failing
+    assert plan.simulated.peak_bytes <= named
+
+
 def test_a_milp_plan_that_simulates_slower_than_the_warm_start_gives_way_to_it(small_transformer, monkeypatch):
     """The simulator judges time as it judges the peak (Note [ The faster of the MILP's plan and the warm start ]):
     a MILP plan under the cap but slower than the warm start, here a recompute plan solved for a lower cap, is

@@ -127,8 +127,9 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
         return StrategyResult(choices=result.choices, report=report, predicted_step_time_s=result.objective_s,
                               predicted_peak_bytes=result.predicted_peak_bytes, notes=notes)
     if start is None:  # a loaded machine can leave the MILP without a plan that passes, and no heuristic fits
-        raise SolverError(f"no plan under the cap within the time limit of {time_limit_s:g} s ({fallback}, and no "
-                          f"heuristic plan fits it); raise time_limit_s or the memory cap")
+        raise no_plan_error(graph, cap, allow_swap, allow_recompute,
+                            f"no plan under the cap within the time limit of {time_limit_s:g} s ({fallback}, and "
+                            f"no heuristic plan fits it)")
     notes.append(fallback + "; the warm-start plan is used instead")
     say(notes[-1])
     report = SolverReport(name="heuristic", status="heuristic", objective_s=start.sim.step_time_s, bound_s=None,
@@ -211,8 +212,9 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
             if feasible is not None and (kept := _feasible_plan(model, feasible, options.rel_gap, say)) is not None:
                 return kept
             if warm is None:  # the time limit asked for, not what was left of it for this last solve
-                raise SolverError(f"the solver (highs) stopped without a feasible plan within the time limit of "
-                                  f"{time_limit_s:g} s; raise time_limit_s or the memory cap") from exc
+                raise no_plan_error(graph, cap, options.allow_swap, options.allow_recompute,
+                                    f"the solver (highs) stopped without a feasible plan within the time limit of "
+                                    f"{time_limit_s:g} s") from exc
             return None, None, MILP_TIMED_OUT
         if block_plan is not None:
             result = better_of(block_plan, result, options.rel_gap)
@@ -361,6 +363,17 @@ def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: Simulatio
             over = sim.step_bytes(s) - cap
             if over > 0:
                 options.step_margin_bytes[s] = options.step_margin_bytes.get(s, 0) + over
+
+
+def no_plan_error(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, why: str) -> SolverError:
+    """The error for a search that ended without any plan under `cap`, `why` first, naming the least cap the
+    greedy plans reach (a cap where a plan exists for certain; a cap between the two may have one the solver
+    finds with more time)."""
+    peaks = [simulate(graph, heuristics.greedy(graph, 0, swap, allow_recompute, best_effort=True)).peak_bytes
+             for swap in ({allow_swap, False} if allow_recompute else {allow_swap})]
+    least = min(peaks)
+    return SolverError(f"{why}: no plan under the cap of {format_bytes(cap)} ({cap} bytes); a plan fits a cap of "
+                       f"{format_bytes(least)} ({least} bytes), so raise the cap (to there at most) or time_limit_s")
 
 
 def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
