@@ -6,7 +6,8 @@
   its own (none is rebuilt with another's), so a segment of k candidates costs up to k(k+1)/2 op
   replays rather than Chen's one: a comparison point, not a competitor.
 * `checkpoint_blocks`: per-block activation checkpointing (`torch.utils.checkpoint` on each repeated
-  block) in regen's terms: every block call is a region replayed in backward and rebuilds all its
+  block: the numbered children of every outermost module list, `block_regions`) in regen's terms: every
+  block call is a region replayed in backward and rebuilds all its
   members, except those another block holds as its argument (the next block's input), which are kept;
   tensors outside the blocks are kept. A peer for comparison, and a warm start of the MILP.
 * `offload_all`: what torchtune's activation offloading and `torch.autograd.graph.save_on_cpu` do:
@@ -96,10 +97,24 @@ def repeated_parent(modules: list[str]) -> str | None:
 
 
 def block_regions(graph: PlanningGraph) -> list:
-    """The regions of the model's repeated blocks: calls of the modules `P.0`, `P.1`, ... of the
-    `repeated_parent` among the regions' modules."""
-    parent = repeated_parent([r.call.module for r in graph.regions])
-    return [r for r in graph.regions if parent is not None and numbered_child_of(r.call.module, parent)]
+    """The regions of the model's repeated blocks: calls of the modules `P.0`, `P.1`, ... of every
+    `outermost_block_parents` P among the regions' modules (an encoder-decoder's two stacks both)."""
+    parents = outermost_block_parents([r.call.module for r in graph.regions])
+    return [r for r in graph.regions if any(numbered_child_of(r.call.module, p) for p in parents)]
+
+
+def outermost_block_parents(modules: list[str]) -> list[str]:
+    """The paths P with at least two numbered children `P.0`, `P.1`, ... among `modules` that are not inside
+    a numbered child of another such path: a decoder's `model.layers`, an encoder-decoder's `encoder.block`
+    and `decoder.block`, but not a block's own list of sub-layers or of experts."""
+    children: dict[str, set[str]] = {}
+    for m in modules:
+        parent, _, last = m.rpartition(".")
+        if last.isdigit():
+            children.setdefault(parent, set()).add(m)
+    lists = [p for p, c in children.items() if len(c) >= 2]
+    return sorted(p for p in lists
+                  if not any(p.startswith(child + ".") for q in lists if q != p for child in children[q]))
 
 
 def numbered_child_of(module: str, parent: str) -> bool:

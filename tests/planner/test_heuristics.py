@@ -37,3 +37,20 @@ def test_greedy_plans_stay_valid_at_every_reach():
         cap = int(graph.unplanned_peak_bytes * fraction)
         choices = greedy(graph, cap, best_effort=True)
         assert simulate(graph, choices).valid
+
+
+def test_the_repeated_blocks_are_every_outermost_module_list():
+    """Per-block checkpointing (the `checkpoint-blocks` strategy, a warm start of the MILP, the calibration's
+    replay plan) replays both stacks of an encoder-decoder, not the list with the most children (a T5 decoder
+    block's three sub-layers were that list); lists inside a block (sub-layers, experts) are not blocks."""
+    from regen.planner.heuristics import outermost_block_parents
+
+    t5 = ["encoder", "encoder.block.0", "encoder.block.0.layer.0", "encoder.block.0.layer.1", "encoder.block.1",
+          "encoder.block.1.layer.0", "encoder.block.1.layer.1", "decoder.block.0", "decoder.block.0.layer.0",
+          "decoder.block.0.layer.1", "decoder.block.0.layer.2", "decoder.block.1", "decoder.block.1.layer.0",
+          "decoder.block.1.layer.1", "decoder.block.1.layer.2", "lm_head"]
+    assert outermost_block_parents(t5) == ["decoder.block", "encoder.block"]
+    mixtral = ["model.layers.0", "model.layers.0.mlp.experts.0", "model.layers.0.mlp.experts.1", "model.layers.1",
+               "model.layers.1.mlp.experts.0", "model.layers.1.mlp.experts.1", "model.norm"]
+    assert outermost_block_parents(mixtral) == ["model.layers"]
+    assert outermost_block_parents(["model.layers.0", "model.norm"]) == []  # one block repeats nothing
