@@ -237,7 +237,9 @@ def test_swaps_on_a_cpu_device_without_emulation_warn():
 def test_solved_plans_under_a_slow_link_are_exact_and_within_the_cap(strategy):
     """A real profile, solved at 70% of its peak (or just above the strategy's smallest cap) for a slow link
     (R = SLOW_LINK_RATIO), run over the emulated link: exact gradients and buffers, and the allocator's
-    peak within the cap + 5%, counting copy-in buffers from their allocation."""
+    peak within the cap + 5%, counting copy-in buffers from their allocation. Which hybrid plan the solver
+    returns depends on how far it got in its time (on a loaded machine, its recompute-only warm start: no
+    swap): whichever it is must hold to both (swaps under a hybrid plan: tests/runtime/handmade.py's)."""
     from regen.planner import solve
     from plans import profile as fixed_profile  # fixed times: the same plan on a busy machine
 
@@ -249,7 +251,8 @@ def test_solved_plans_under_a_slow_link_are_exact_and_within_the_cap(strategy):
     except InfeasibleCapError as exc:  # a little above the smallest cap, so the solver finds a plan quickly
         plan = solve(profile, int(exc.smallest_feasible_cap_bytes * 1.02), strategy, time_limit_s=30,
                      link_ratio=SLOW_LINK_RATIO)
-    assert plan.action_counts()["swap"] > 0
+    counts = plan.action_counts()
+    assert counts["swap"] > 0 if strategy == "swap" else counts["swap"] + counts["recompute"] > 0
     reference = _grads_and_buffers(w)
     assert _same(reference, _grads_and_buffers(w, plan))
     with regen.apply(w.model, plan, emulate_link=True) as handle:
