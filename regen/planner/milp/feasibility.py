@@ -29,14 +29,15 @@ FEASIBILITY_RESERVE_FRACTION = 0.1
 
 @dataclass
 class FeasibleSolution:
-    """A solution of the model found with its objective dropped."""
+    """A solution of `model` found with its objective dropped."""
 
+    model: Model
     discrete: dict[str, float]  # the discrete variables' values, by name: the real solve's warm start
     columns: list[float]  # every variable's value, in `model.prob.variables()` order
 
-    def load_into(self, model: Model) -> None:
+    def load(self) -> None:
         """Set the model's variables to this solution (to read its plan back when no better one comes)."""
-        for var, value in zip(model.prob.variables(), self.columns):
+        for var, value in zip(self.model.prob.variables(), self.columns):
             var.varValue = value
 
 
@@ -62,7 +63,7 @@ def feasible_solution(model: Model, time_limit_s: float, lp=None) -> FeasibleSol
     # read once: each read of a HighsLp vector copies all of it (per column, 2.4 s on 2,080 columns)
     integrality = lp.integrality_
     discrete = {v.name: float(round(values[j])) for j, v in enumerate(variables) if integrality[j] == integer}
-    return FeasibleSolution(discrete=discrete, columns=values)
+    return FeasibleSolution(model=model, discrete=discrete, columns=values)
 
 
 def feasible_values(model: Model, time_limit_s: float, lp=None) -> dict[str, float] | None:

@@ -209,7 +209,8 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         except SolverError as exc:
             if block_plan is not None:
                 return block_plan, block_sim, None
-            if feasible is not None and (kept := _feasible_plan(model, feasible, options.rel_gap, say)) is not None:
+            if feasible is not None and feasible.model is model and \
+                    (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
                 return kept
             if warm is None:  # the time limit asked for, not what was left of it for this last solve
                 raise no_plan_error(graph, cap, options.allow_swap, options.allow_recompute,
@@ -255,11 +256,12 @@ def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> FeasibleS
     return feasible
 
 
-def _feasible_plan(model: Model, feasible: FeasibleSolution, rel_gap: float,
+def _feasible_plan(feasible: FeasibleSolution, rel_gap: float,
                    say: Say) -> tuple[MilpResult, SimulationResult, None] | None:
     """The feasibility start's own plan, when the solve from it ran out of time without a better one and the
     simulator passes it under the cap (None otherwise): the time spent finding it is not thrown away."""
-    feasible.load_into(model)
+    model = feasible.model
+    feasible.load()
     choices = read_choices(model)
     sim = simulate(model.graph, choices)
     if not sim.fits(model.cap_bytes):
