@@ -82,20 +82,6 @@ def checkpoint_blocks(graph: PlanningGraph) -> dict[int, Choice]:
     return choices
 
 
-def repeated_parent(modules: list[str]) -> str | None:
-    """The parent path P with the most numbered children `P.0`, `P.1`, ... among `modules` (module paths),
-    the shallowest on a tie, as regen.models.repeated_blocks finds the longest ModuleList; None when no
-    path ends in a number."""
-    children: dict[str, set[str]] = {}
-    for m in modules:
-        parent, _, last = m.rpartition(".")
-        if last.isdigit():
-            children.setdefault(parent, set()).add(m)
-    if not children:
-        return None
-    return max(children, key=lambda p: (len(children[p]), -p.count(".")))
-
-
 def block_regions(graph: PlanningGraph) -> list:
     """The regions of the model's repeated blocks: calls of the modules `P.0`, `P.1`, ... of every
     `outermost_block_parents` P among the regions' modules (an encoder-decoder's two stacks both)."""
@@ -104,15 +90,18 @@ def block_regions(graph: PlanningGraph) -> list:
 
 
 def outermost_block_parents(modules: list[str]) -> list[str]:
-    """The paths P with at least two numbered children `P.0`, `P.1`, ... among `modules` that are not inside
-    a numbered child of another such path: a decoder's `model.layers`, an encoder-decoder's `encoder.block`
-    and `decoder.block`, but not a block's own list of sub-layers or of experts."""
+    """The paths P whose numbered children `P.0`, `P.1`, ... are called at least twice among `modules` (the
+    module of each call), and that are not inside a numbered child of another such path: a decoder's
+    `model.layers`, an encoder-decoder's `encoder.block` and `decoder.block`, ALBERT's one shared layer group
+    called once per layer, but not a block's own list of sub-layers or of experts."""
     children: dict[str, set[str]] = {}
+    calls: dict[str, int] = {}
     for m in modules:
         parent, _, last = m.rpartition(".")
         if last.isdigit():
             children.setdefault(parent, set()).add(m)
-    lists = [p for p, c in children.items() if len(c) >= 2]
+            calls[parent] = calls.get(parent, 0) + 1
+    lists = [p for p in children if calls[p] >= 2]
     return sorted(p for p in lists
                   if not any(p.startswith(child + ".") for q in lists if q != p for child in children[q]))
 

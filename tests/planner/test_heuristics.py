@@ -54,3 +54,5 @@ def test_the_repeated_blocks_are_every_outermost_module_list():
                "model.layers.1.mlp.experts.0", "model.layers.1.mlp.experts.1", "model.norm"]
     assert outermost_block_parents(mixtral) == ["model.layers"]
     assert outermost_block_parents(["model.layers.0", "model.norm"]) == []  # one block repeats nothing
+    albert = ["albert.encoder.albert_layer_groups.0", "albert.encoder.albert_layer_groups.0.albert_layers.0"] * 4
+    assert outermost_block_parents(albert) == ["albert.encoder.albert_layer_groups"]  # one group, called per layer

@@ -2,8 +2,9 @@
 the same variables in the MILP, position by position, so that a plan found for one layer can be tried on
 every other at once (the block search's proposals, regen.planner.milp.blocks).
 
-Layers are the calls of the modules `P.0`, `P.1`, ... of regen.planner.heuristics.repeated_parent over the
-profile's module calls (a layer need not be a region). A candidate belongs to the layer whose call made it.
+Layers are the calls of the modules `P.0`, `P.1`, ... of every regen.planner.heuristics.outermost_block_parents
+P over the profile's module calls (a layer need not be a region; an encoder-decoder's two stacks are layers of
+two twin groups). A candidate belongs to the layer whose call made it.
 Two layers are twins when their candidates, in producer order, agree one by one in what shapes their action
 columns: the producer's offset inside the call, the bytes, the recipe options, the swap, the "rebuilt with"
 options (by the other candidate's layer offset and position) and the regions inside the layer that may
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from regen.planner.heuristics import numbered_child_of, repeated_parent
+from regen.planner.heuristics import numbered_child_of, outermost_block_parents
 from regen.planner.milp.model import CandidateVars, Model
 
 MIN_TWIN_LAYERS = 3  # fewer repeated layers gain nothing from proposals
@@ -127,9 +128,8 @@ def find_twins(model: Model) -> Twins | None:
 def _layer_calls(model: Model) -> list:
     """The calls of the repeated blocks, in forward order."""
     calls = model.graph.profile.module_calls
-    parent = repeated_parent([c.module for c in calls])
-    return sorted((c for c in calls if parent is not None and numbered_child_of(c.module, parent)),
-                  key=lambda c: c.first_op)
+    parents = outermost_block_parents([c.module for c in calls])
+    return sorted((c for c in calls if any(numbered_child_of(c.module, p) for p in parents)), key=lambda c: c.first_op)
 
 
 @dataclass
