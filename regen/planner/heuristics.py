@@ -93,7 +93,8 @@ def outermost_block_parents(modules: list[str]) -> list[str]:
     """The paths P whose numbered children `P.0`, `P.1`, ... are called at least twice among `modules` (the
     module of each call), and that are not inside a numbered child of another such path: a decoder's
     `model.layers`, an encoder-decoder's `encoder.block` and `decoder.block`, ALBERT's one shared layer group
-    called once per layer, but not a block's own list of sub-layers or of experts."""
+    called once per layer, but not a block's own list of sub-layers or of experts. Where no path's children
+    are called twice (a model of one layer), the path with the most numbered children, if any."""
     children: dict[str, set[str]] = {}
     calls: dict[str, int] = {}
     for m in modules:
@@ -102,6 +103,8 @@ def outermost_block_parents(modules: list[str]) -> list[str]:
             children.setdefault(parent, set()).add(m)
             calls[parent] = calls.get(parent, 0) + 1
     lists = [p for p in children if calls[p] >= 2]
+    if not lists:  # the shallowest on a tie
+        return [max(children, key=lambda p: (len(children[p]), -p.count(".")))] if children else []
     return sorted(p for p in lists
                   if not any(p.startswith(child + ".") for q in lists if q != p for child in children[q]))
 

@@ -53,6 +53,9 @@ def test_the_repeated_blocks_are_every_outermost_module_list():
     mixtral = ["model.layers.0", "model.layers.0.mlp.experts.0", "model.layers.0.mlp.experts.1", "model.layers.1",
                "model.layers.1.mlp.experts.0", "model.layers.1.mlp.experts.1", "model.norm"]
     assert outermost_block_parents(mixtral) == ["model.layers"]
-    assert outermost_block_parents(["model.layers.0", "model.norm"]) == []  # one block repeats nothing
+    assert outermost_block_parents(["model.layers.0", "model.norm"]) == ["model.layers"]  # a model of one layer
+    assert outermost_block_parents(["model.norm", "lm_head"]) == []
+    wrapped = ["0", *(f"0.model.layers.{k}" for k in range(3))]  # nn.Sequential(model): the wrapper is no block
+    assert outermost_block_parents(wrapped) == ["0.model.layers"]
     albert = ["albert.encoder.albert_layer_groups.0", "albert.encoder.albert_layer_groups.0.albert_layers.0"] * 4
     assert outermost_block_parents(albert) == ["albert.encoder.albert_layer_groups"]  # one group, called per layer
