@@ -425,7 +425,8 @@ def reference_markdown() -> str:
              "Errors caused by input print one line, `error: ...`, on stderr and exit non-zero: 2 for bad "
              "input (malformed file, unknown workload, missing device, plan mismatch), 3 for a cap no plan "
              "can meet (the message gives the smallest feasible cap), 4 for a solver stopped without a "
-             "feasible plan (the message gives a cap where a plan exists).", "", "```", parser.format_help().rstrip(), "```", ""]
+             "feasible plan (the message gives a cap where a plan exists).", "", "```",
+             parser.format_help().rstrip(), "```", ""]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, subparser in sub.choices.items():
         parts += [f"## regen {name}", "", "```", subparser.format_help().rstrip(), "```", ""]

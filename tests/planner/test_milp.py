@@ -562,8 +562,8 @@ def test_the_block_plan_stands_when_the_full_milp_from_it_ends_worse():
 
 def test_the_feasibility_start_reads_the_models_integrality_once(monkeypatch):
     """Each read of a HighsLp vector copies the whole of it: read per column, picking the discrete values out of a
-    feasible solution took 2.4 s on 2,080 columns (a PEFT prefix-tuning Llama's hybrid model) and grows with the
-    square of the columns (hours at a 3,000-candidate model's 118,000)."""
+    feasible solution took 2.4 s on 2,080 columns (a PEFT prefix-tuning Llama's hybrid model), and the work grows
+    with the square of the columns (a 3,000-candidate model has 118,000)."""
     import highspy
 
     from regen.planner.milp import feasibility

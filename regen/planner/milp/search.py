@@ -371,9 +371,8 @@ def no_plan_error(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recomp
     """The error for a search that ended without any plan under `cap`, `why` first, naming the least cap the
     greedy plans reach (a cap where a plan exists for certain; a cap between the two may have one the solver
     finds with more time)."""
-    peaks = [simulate(graph, heuristics.greedy(graph, 0, swap, allow_recompute, best_effort=True)).peak_bytes
-             for swap in ({allow_swap, False} if allow_recompute else {allow_swap})]
-    least = min(peaks)
+    least = min(greedy_least_peak(graph, swap, allow_recompute)[0]
+                for swap in ({allow_swap, False} if allow_recompute else {allow_swap}))
     return SolverError(f"{why}: no plan under the cap of {format_bytes(cap)} ({cap} bytes); a plan fits a cap of "
                        f"{format_bytes(least)} ({least} bytes), so raise the cap (to there at most) or time_limit_s")
 
@@ -428,13 +427,16 @@ def least_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: boo
         least = hybrid
     if least is not None and least[2] <= graph.unplanned_peak_bytes:
         return least[2], least[0]
-    choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)  # all it can drop
+    return greedy_least_peak(graph, allow_swap, allow_recompute)  # at most the unplanned peak: below `least`
+
+
+def greedy_least_peak(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool) -> tuple[int, dict[int, Choice]]:
+    """(the lowest cap at which the greedy plan that drops all it can passes the simulator, that plan), or the
+    unplanned peak and keeping everything where that is lower: a smallest cap above it is no answer (a greedy
+    plan that swaps everything can peak higher, its copy-ins' buffers on top of what it could not free in time);
+    the greedy does not see the host pool, and a plan past the host memory cap is no answer either."""
+    choices = heuristics.greedy(graph, 0, allow_swap, allow_recompute, best_effort=True)
     sim = simulate(graph, choices)
-    # keeping everything reaches the unplanned peak: a smallest cap above it is no answer (a greedy plan that
-    # swaps everything can peak higher, its copy-ins' buffers on top of what it could not free in time); the
-    # greedy does not see the host pool, and a plan past the host memory cap is no answer either
-    greedy_ok = sim.valid and within_host_cap(graph, choices)
-    found = [(c, p) for c, p in ((least[2], least[0]) if least else (None, None),
-                                 (sim.peak_bytes, choices) if greedy_ok else (None, None),
-                                 (graph.unplanned_peak_bytes, {})) if c is not None]
-    return min(found, key=lambda f: f[0])
+    if sim.valid and within_host_cap(graph, choices) and sim.peak_bytes <= graph.unplanned_peak_bytes:
+        return sim.peak_bytes, choices
+    return graph.unplanned_peak_bytes, {}
