@@ -10,6 +10,7 @@ from torch import nn
 
 import regen
 from regen.measure import measure_memory
+from regen.opinfo import unique_storage_bytes
 from regen.runtime import OverlappingStepsWarning
 from regen.workloads import Workload
 
@@ -89,8 +90,7 @@ def test_two_calls_before_one_backward_are_said_once_and_one_call_per_backward_i
 
 def test_the_calls_profiled_as_one_step_keep_the_cap_and_say_nothing():
     w, plan = _planned(pair=True)
-    start = sum(p.numel() * p.element_size() for p in w.model.parameters()) + sum(
-        t.numel() * t.element_size() for t in w.batch)
+    start = unique_storage_bytes([*w.model.parameters(), *w.batch])
     peaks = []
 
     def steps():
