@@ -23,9 +23,13 @@ def accelerator():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
+    def reset():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+    reset()  # a Trainer run earlier in this process left its Accelerator's state (no mixed precision)
     yield Accelerator(cpu=True, mixed_precision="bf16")
-    AcceleratorState._reset_state(True)  # the next Accelerator (a Trainer's) starts from defaults
-    GradientState._reset_state()
+    reset()  # the next Accelerator (a Trainer's) starts from defaults
 
 
 def _prepared(accelerator):
