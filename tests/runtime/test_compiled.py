@@ -1,12 +1,13 @@
 """A plan on a torch.compile'd model (regen.runtime.compiled): the compiler carries the plan's decisions out.
 
-Two zoo decoders at their defaults (Llama and GPT-2, bench size: activations, not weights, make their peaks) and
-the built-in GPT (dropout, its loss outside the model), profiled eagerly and solved for recompute at half the peak increase,
-then trained compiled (Inductor on CPU) with and without the plan: the same losses and module buffers bit for
-bit, gradients within what a differently partitioned compiled backward rounds differently, most of the plan
-placed in the compiled graph, and the planned step's allocator-measured peak below the unplanned compiled
-step's and within the plan's cap + 5%. A model compiled under its (eager) handle runs the plan as one
-compiled first. The refusals need no compile, or a trace that stops at the model's first hook.
+Two zoo decoders at their defaults (Llama and GPT-2, tiny configs at a batch where activations, not weights,
+make their peaks) and the built-in GPT (dropout, its loss outside the model), profiled eagerly and solved for
+recompute at half the peak increase, then trained compiled (Inductor on CPU) with and without the plan: the same
+losses and module buffers bit for bit, gradients within what a differently partitioned compiled backward rounds
+differently, most of the plan placed in the compiled graph, and the planned step's allocator-measured peak below
+the unplanned compiled step's and within the plan's cap + 5%. A model compiled under its (eager) handle runs the
+plan as one compiled first. The refusals need no compile, or a trace that stops at the model's first hook. Each
+compile takes seconds (a planned one bypasses Inductor's caches): runs are shared between tests where they can be.
 """
 
 import copy
@@ -27,8 +28,8 @@ from regen.runtime.compiled import CompiledPlanWarning  # noqa: E402
 from regen.workloads import build_workload, training_step  # noqa: E402
 
 WORKLOAD = "regen.zoo:llama"
-ARGS = {"size": "bench"}
-BATCH = 4
+ARGS = {"size": "tiny"}
+BATCH = 8
 # (workload, its arguments, batch): two zoo decoders whose loss is in their forward (GPT-2 with its dropout as
 # shipped and tied embeddings), and the built-in GPT (dropout, tied embeddings, its loss outside the model)
 MODELS = {"llama": (WORKLOAD, ARGS, BATCH), "gpt2": ("regen.zoo:gpt2", ARGS, BATCH), "gpt": ("gpt", None, 8)}
@@ -102,12 +103,24 @@ def _train_compiled(model: str, plan, apply_plan=regen.apply, compiled_under_the
     return losses, grads, buffers, measured.peak_increase_bytes, handle
 
 
+@functools.lru_cache(maxsize=None)
+def _unplanned(model: str):
+    """`_train_compiled` without a plan, once per model (each compile takes seconds)."""
+    return _train_compiled(model, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _planned(model: str):
+    """`_train_compiled` under the model's plan (`_profile_and_plan`), once per model."""
+    return _train_compiled(model, _profile_and_plan(model)[1])
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_a_compiled_model_trains_under_its_plan_within_the_cap(model):
     profile, plan = _profile_and_plan(model)
     assert plan.action_counts()["recompute"] > 0
-    losses, grads, buffers, unplanned_peak, _ = _train_compiled(model, None)
-    p_losses, p_grads, p_buffers, planned_peak, handle = _train_compiled(model, plan)
+    losses, grads, buffers, unplanned_peak, _ = _unplanned(model)
+    p_losses, p_grads, p_buffers, planned_peak, handle = _planned(model)
     assert all(torch.equal(a, b) for a, b in zip(losses, p_losses)), (losses, p_losses)
     assert buffers.keys() == p_buffers.keys() and all(torch.equal(buffers[k], p_buffers[k]) for k in buffers)
     assert grads.keys() == p_grads.keys()
@@ -199,7 +212,7 @@ def test_swaps_are_offloaded_by_the_compiler_when_asked():
     puts = []
     count_puts = torch._inductor.config.patch(post_grad_custom_pre_pass=lambda graph: puts.append(
         sum(1 for n in graph.nodes if n.target is torch.ops.prims.device_put.default)))
-    losses, grads, buffers, _, _ = _train_compiled("llama", None)
+    losses, grads, buffers, _, _ = _unplanned("llama")
     with count_puts:
         p_losses, p_grads, p_buffers, _, handle = _train_compiled(
             "llama", swapping, lambda model, plan: CompiledPlanHandle(model, plan, offload_swaps=True))
@@ -246,16 +259,12 @@ def test_instances_compile_their_own_graphs_past_a_graph_break():
     break is the class's own code unless the handle's forward copies it: a second planned instance would then
     run the first one's graph."""
     from regen.planner.solve import solve_within_reach
-    from regen.profiler import profile_workload
 
-    def tiny():
-        return build_workload("regen.zoo:gpt2", batch_size=2, args={"size": "tiny"})
-
-    profile = profile_workload(tiny(), device="cpu", repeats=1, warmup_steps=1, progress=None)
+    profile, plan = _profile_and_plan("gpt2")  # at half the peak increase
     start = profile.memory_at_start_bytes
-    plans = [solve_within_reach(profile, start + int((profile.peak_bytes - start) * f), "recompute", time_limit_s=10,
-                                rel_gap=0.2) for f in (0.7, 0.5)]
-    workloads = [tiny() for _ in plans]
+    plans = [solve_within_reach(profile, start + int((profile.peak_bytes - start) * 0.7), "recompute",
+                                time_limit_s=10, rel_gap=0.2), plan]
+    workloads = [_build("gpt2") for _ in plans]
     handles = []
     for w, plan in zip(workloads, plans):
         w.model = torch.compile(w.model)
@@ -313,16 +322,10 @@ def test_a_compiled_step_over_the_cap_is_warned_with_the_allocators_figure():
             training_step(w)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_first(model: str):
-    _, plan = _profile_and_plan(model)
-    return _train_compiled(model, plan)
-
-
 @pytest.mark.parametrize("how", ["in place", "wrapped"])
 def test_a_model_compiled_under_its_handle_runs_the_plan_as_one_compiled_first(how):
     profile, plan = _profile_and_plan("gpt")
-    losses, grads, buffers, peak, first = _compiled_first("gpt")
+    losses, grads, buffers, peak, first = _planned("gpt")
     c_losses, c_grads, c_buffers, c_peak, handle = _train_compiled("gpt", plan, compiled_under_the_handle=how)
     assert handle.compiled is not None and handle.stats.steps == 0  # no eager step ran
     assert all(torch.equal(a, b) for a, b in zip(losses, c_losses)), (losses, c_losses)
@@ -339,7 +342,7 @@ def test_a_model_compiled_under_its_handle_is_not_served_code_compiled_for_anoth
     """torch.compile shares compiled code among a class's instances: one compiled before the handle was made
     (a Trainer's earlier run, say) would otherwise run in place of the plan's."""
     _, plan = _profile_and_plan("gpt")
-    *_, first = _compiled_first("gpt")
+    *_, first = _planned("gpt")
     other = _build("gpt")
     other.model.compile()
     training_step(other)  # the class's code compiled without a plan
