@@ -28,6 +28,14 @@ dtype and whether it required grad, and how many parameters required grad. Besid
 what autograd saves (a discriminator whose input requires grad saves more), so the runtime chooses among a
 set of plans for one model by it (regen.call_signature).
 
+Gradients (optional)
+--------------------
+`Profile.gradients_made` lists when the step made each parameter's gradient (`GradientMade`): the last op
+dispatched before autograd stored it, and its storage bytes (a storage counted once; together they are
+`static_memory.gradient_bytes`). A loop that holds its gradients from step to step holds, at op t, those the
+profiled step had not made before t (regen.planner.held_gradients). Profiles without it are planned as if
+no gradient were made before the step's end.
+
 Modules (optional)
 ------------------
 `OpRecord.module` is the path from the root module (`blocks.3.mlp`; `""` is the root itself) of the
@@ -252,6 +260,14 @@ class Calibration:
 
 
 @dataclass
+class GradientMade:
+    """A parameter's gradient made by the profiled step: stored after op `after_op`, `bytes` of storage."""
+
+    after_op: int
+    bytes: int
+
+
+@dataclass
 class StaticMemory:
     parameter_bytes: int
     gradient_bytes: int
@@ -312,6 +328,7 @@ class Profile:
     # forward spends outside ops (module code a region replay runs again) from the backward's
     forward_time_s: float | None = None
     calibration: Calibration | None = None  # optional: without it the probe's charges stand alone
+    gradients_made: list[GradientMade] | None = None  # optional: when the step made each gradient
 
     # ---- convenience -------------------------------------------------------------------------
     @property
@@ -411,11 +428,21 @@ def profile_from_document(doc: dict[str, Any], where: str) -> Profile:
             call=call_signature_from_document(doc.get("call"), where),
             forward_time_s=optional(doc, "forward_time_s", float, where),
             calibration=_calibration(doc, where, step_time_s),
+            gradients_made=_gradients_made(doc, where),
         )
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{where}: malformed profile ({exc})") from None
     _check_consistency(profile, where)
     return profile
+
+
+def _gradients_made(doc: dict[str, Any], where: str) -> list[GradientMade] | None:
+    raw = doc.get("gradients_made")
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise FormatError(f"{where}: gradients_made must be a list, found {type(raw).__name__}")
+    return [build_dataclass(GradientMade, g, f"{where}: gradients_made[{i}]") for i, g in enumerate(raw)]
 
 
 def _runtime_costs(doc: dict[str, Any], where: str) -> RuntimeCosts | None:
@@ -472,6 +499,10 @@ def _check_consistency(profile: Profile, where: str) -> None:
             raise FormatError(f"{where}: saved tensor {s.id} is held until an op outside 0..{n - 1}")
         if s.bytes < 0:
             raise FormatError(f"{where}: saved tensor {s.id} has negative bytes")
+    for i, g in enumerate(profile.gradients_made or []):
+        if not 0 <= g.after_op < n or g.bytes < 0:
+            raise FormatError(f"{where}: gradients_made[{i}] refers to an op outside 0..{n - 1} or has negative "
+                              f"bytes")
     num_entries = len(profile.saved_entries)
     for c in profile.module_calls:
         if not (0 <= c.first_op <= c.last_op < n) or c.num_entries < 0 or c.first_entry + c.num_entries > max(

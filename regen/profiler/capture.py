@@ -49,6 +49,7 @@ from regen.formats.profile import (
     KIND_PARAMETER,
     OTHER_HOOKS_ADVICE,
     PHASE_FORWARD,
+    GradientMade,
     ModuleCall,
     OpRecord,
     SavedEntry,
@@ -121,6 +122,7 @@ class Capture:
     memory_at_start_bytes: int
     notes: list[str] = field(default_factory=list)
     module_calls: list[ModuleCall] = field(default_factory=list)
+    gradients_made: list[GradientMade] = field(default_factory=list)
 
     @property
     def op_names(self) -> list[str]:

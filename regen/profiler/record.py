@@ -77,6 +77,7 @@ from regen.profiler.environment import (
     optimizer_state_tensors,
     resolve_device,
 )
+from regen.profiler.gradients import GradientWatch
 from regen.profiler.liveness import probe_step
 from regen.profiler.memory import CpuAllocatorEvents, CudaMemoryTracker, LiveStorageTracker, no_missing_bytes
 from regen.profiler.modules import ModuleRecorder
@@ -212,6 +213,7 @@ def _profile(workload: Workload, device: str, repeats: int, warmup_steps: int, s
         fingerprint=op_fingerprint(capture.ops, capture.tensors),
         ops=capture.ops, tensors=capture.tensors, saved_entries=capture.saved_entries,
         saved_tensors=capture.saved_tensors, notes=notes, module_calls=capture.module_calls,
+        gradients_made=capture.gradients_made,
         runtime_costs=runtime_costs,
         call=call_signature(workload.model, *call_arguments(workload.batch)),
     )
@@ -459,7 +461,8 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
                             park=store)
     modules = ModuleRecorder(model, recorder)
     recorder.current_module = modules.current
-    with allocator_events if allocator_events is not None else nullcontext(), modules:
+    gradients = GradientWatch(list(model.parameters()), lambda: len(recorder.ops) - 1)
+    with allocator_events if allocator_events is not None else nullcontext(), modules, gradients:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             with CaptureMode(recorder):
                 try:
@@ -476,6 +479,7 @@ def record_step(workload: Workload, device: torch.device, extra_inputs: list[tor
                     raise
     capture = recorder.finish(allocator_events.in_op_peaks() if allocator_events is not None else None)
     capture.module_calls = modules.calls
+    capture.gradients_made = gradients.made
     if allocator_events is not None and not allocator_events.available:
         capture.notes.append("another torch.profiler was running: kernel-internal temporaries not measured")
     return capture

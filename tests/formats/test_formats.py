@@ -67,6 +67,33 @@ def test_held_until_outside_the_ops_is_refused(tmp_path):
         load_profile(tmp_path / "p.yaml")
 
 
+@pytest.mark.parametrize("made, match", [
+    ([{"after_op": 5, "bytes": 8}], "gradients_made\\[0\\] refers to an op outside"),
+    ([{"after_op": 0, "bytes": -8}], "must not be negative"),
+    ([{"after_op": 0}], "gradients_made\\[0\\]: missing field 'bytes'"),
+    ({"after_op": 0, "bytes": 8}, "gradients_made must be a list"),
+])
+def test_gradients_made_are_checked_on_load(tmp_path, made, match):
+    p = tiny_profile()
+    document = p.to_dict()
+    document["gradients_made"] = made
+    dump_document(document, tmp_path / "p.json", as_json=True)
+    with pytest.raises(FormatError, match=match):
+        load_profile(tmp_path / "p.json")
+
+
+def test_gradients_made_round_trip(tmp_path):
+    from regen.formats.profile import GradientMade
+
+    p = tiny_profile()
+    p.gradients_made = [GradientMade(after_op=1, bytes=16)]
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").gradients_made == p.gradients_made
+    p.gradients_made = None
+    save_profile(p, tmp_path / "q.json")
+    assert load_profile(tmp_path / "q.json").gradients_made is None
+
+
 def test_plan_round_trip(tmp_path):
     p = tiny_plan()
     save_plan(p, tmp_path / "plan.yaml")

@@ -2,9 +2,11 @@
 and a plan that does not is said once (regen.planner.held_gradients, regen.runtime.held_gradients_check)."""
 
 import copy
+import dataclasses
 import functools
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,10 +59,11 @@ def _plan(gradients_held: bool):
                               gradients_held=gradients_held)
 
 
-def _accumulating_loop(model, plan=None):
-    """Two optimizer steps of MICRO_BATCHES micro-batches each; per micro-batch, the allocator's peak plus what
-    was held at its start (parameters, gradients, optimizer state, batch); and the final parameters and buffers."""
-    w, _ = _profiled()
+def _accumulating_loop(model, plan=None, w=None):
+    """Two optimizer steps of MICRO_BATCHES micro-batches each of `w`'s batch (`_profiled`'s by default); per
+    micro-batch, the allocator's peak plus what was held at its start (parameters, gradients, optimizer state,
+    batch); and the final parameters and buffers."""
+    w = w if w is not None else _profiled()[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     peaks, said_at = [], []
     handle = regen.apply(model, plan) if plan is not None else None
@@ -111,3 +114,68 @@ def test_a_plan_that_does_not_count_them_is_said_once_at_the_first_step_that_hol
     peaks, said_at, _ = _accumulating_loop(copy.deepcopy(w.model), plan)
     assert said_at == [(0, 1)]
     assert peaks[MICRO_BATCHES] <= (1 + CAP_TOLERANCE) * plan.memory_cap_bytes < peaks[MICRO_BATCHES + 1]
+
+
+class _WideInput(nn.Module):
+    """A first layer whose gradient is large beside the activations: a loop that holds its gradients peaks at
+    the end of backward, where the new gradient of the first layer meets all the held ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(1024, 256)
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_input():
+    from regen.profiler import profile_workload
+
+    torch.manual_seed(0)
+    w = Workload("wide input", _WideInput(), (torch.randn(64, 1024),), _loss)
+    return w, profile_workload(w, "cpu", repeats=1, warmup_steps=1, progress=None)
+
+
+def test_the_held_gradients_counted_at_each_op_are_those_the_step_had_not_made_before_it():
+    from regen.planner.held_gradients import with_gradients_held
+
+    _, profile = _wide_input()
+    held = profile.static_memory.gradient_bytes
+    counted = with_gradients_held(profile)
+    assert counted.memory_at_start_bytes == profile.memory_at_start_bytes + held
+    for op, c in zip(profile.ops, counted.ops):
+        not_made = held - sum(g.bytes for g in profile.gradients_made if g.after_op < op.index)
+        assert c.memory_after_bytes - op.memory_after_bytes == not_made
+        assert c.memory_peak_bytes - op.memory_peak_bytes == not_made
+    assert counted.ops[profile.num_forward_ops - 1].memory_after_bytes == profile.ops[
+        profile.num_forward_ops - 1].memory_after_bytes + held  # none made in forward
+    bound = with_gradients_held(dataclasses.replace(profile, gradients_made=None))  # every gradient at every op
+    assert all(b.memory_after_bytes == op.memory_after_bytes + held for b, op in zip(bound.ops, profile.ops))
+    assert counted.peak_bytes < bound.peak_bytes
+
+
+def test_an_accumulating_loop_that_peaks_at_the_end_of_backward_keeps_the_cap_its_gradients_set():
+    """The smallest cap a plan that holds the gradients can have here is the count at the end of backward (every
+    gradient held, the first layer's new one beside them): counting each gradient twice once it is made, it
+    would be refused. The loop measures within it."""
+    from regen.errors import InfeasibleCapError
+    from regen.planner import solve
+
+    w, profile = _wide_input()
+    cap = profile.peak_bytes + profile.static_memory.gradient_bytes  # at most the held count's peak
+    plan = solve(profile, cap, "recompute", time_limit_s=20, gradients_held=True)
+    counted_peak = plan.baseline.peak_bytes
+    assert counted_peak <= cap
+    plan = solve(profile, counted_peak, "recompute", time_limit_s=20, gradients_held=True)
+    with pytest.raises(InfeasibleCapError):
+        solve(dataclasses.replace(profile, gradients_made=None), counted_peak, "recompute", time_limit_s=20,
+              gradients_held=True)
+    peaks, _, state = _accumulating_loop(copy.deepcopy(w.model), plan, w)
+    _, _, expected = _accumulating_loop(copy.deepcopy(w.model), None, w)
+    assert max(peaks) <= (1 + CAP_TOLERANCE) * plan.memory_cap_bytes, [p / plan.memory_cap_bytes for p in peaks]
+    assert all(torch.equal(a, b) for a, b in zip(state, expected))
