@@ -7,7 +7,6 @@ the 7-candidate graph (2,187 assignments) takes several seconds and is marked sl
 """
 
 import itertools
-import math
 
 import pytest
 
@@ -594,41 +593,3 @@ def test_the_feasibility_start_reads_the_models_integrality_once(monkeypatch):
     values = feasibility.feasible_values(Model(graph, int(graph.unplanned_peak_bytes * 0.9), MilpOptions()), 30)
     assert values and len(values) > 100
     assert len(reads) <= 2
-
-
-def test_a_stalled_search_stops_once_its_best_plan_has_stood_as_long_as_it_took_to_find():
-    from regen.planner.milp.highs import StallRule, StallWatch
-
-    now = [0.0]
-    watch = StallWatch(StallRule(min_gain=0.01, min_wait_s=2.0), clock=lambda: now[0])
-    readings = [(0.5, math.inf, False),  # no plan yet
-                (1.0, 100.0, False),  # the first plan, found after 1 s
-                (2.9, 99.5, False),  # a gain below 1%: the plan found at 1 s still stands, for 1.9 s < 2 s
-                (3.0, 99.5, True),  # 2 s (min_wait_s) without a 1% gain
-                ]
-    assert [watch.stalled(best) for now[0], best, _ in readings] == [stop for *_, stop in readings]
-    now[0] = 0.0
-    later = StallWatch(StallRule(min_gain=0.01, min_wait_s=2.0), clock=lambda: now[0])
-    readings = [(5.0, 100.0, False), (8.0, 95.0, False),  # found after 8 s: it stands 8 s before the stop
-                (15.9, 94.9, False), (16.0, 94.9, True)]
-    assert [later.stalled(best) for now[0], best, _ in readings] == [stop for *_, stop in readings]
-
-
-def test_the_least_peak_search_stops_when_it_stalls_and_other_solves_at_their_gap(monkeypatch):
-    from regen.planner.milp import search
-
-    rules = []
-    solve = search.solve_model
-
-    def recorded(*args, **kwargs):
-        rules.append(kwargs.get("stall"))
-        return solve(*args, **kwargs)
-
-    monkeypatch.setattr(search, "solve_model", recorded)
-    graph = build_graph(transformer_profile(n_layers=1))
-    least = search.min_peak_plan(graph, False, True, 10)
-    assert least is not None and rules == [search.MIN_PEAK_STALL]
-    rules.clear()
-    cap = (least[2] + graph.unplanned_peak_bytes) // 2
-    search.plan_with_milp(graph, cap, False, True, 10, 0.01, lambda m: None)
-    assert rules and not any(rules)

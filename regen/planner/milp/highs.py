@@ -131,53 +131,14 @@ def new_highs(rel_gap: float | None = None, time_limit_s: float | None = None):
     return h
 
 
-@dataclass(frozen=True)
-class StallRule:
-    """When a solve whose bound does not close stops early (Note [ Stopping a stalled search ]): once its best
-    plan has not improved by `min_gain` (relative) for as long as it took to find it, and `min_wait_s` at least."""
-
-    min_gain: float
-    min_wait_s: float
-
-
-# NOTE [ Stopping a stalled search ]
-# Some searches end by their time limit, not their gap: the least-peak MILP's bound stays several percent below
-# its plans (a 2-layer T5's: 6% after 3.6 s, 4.6% after 10 s, the best plan then 0.6% better than at 3.6 s). A
-# solve under a StallRule is interrupted once its best plan has stood, without a gain of `min_gain`, for as long
-# as the search took to find it (and `min_wait_s` at least): the time it has spent is the measure of what more
-# time is likely to buy. The plan stands as at a time limit.
-
-
-class StallWatch:
-    """The StallRule applied to a solve's incumbents (fed by HiGHS's interrupt callback)."""
-
-    def __init__(self, rule: StallRule, clock: Callable[[], float] = time.perf_counter):
-        self.rule = rule
-        self.clock = clock
-        self.started_s = clock()
-        self.best: float | None = None
-        self.found_s = self.started_s
-
-    def stalled(self, incumbent: float) -> bool:
-        """Whether to stop, given the solve's best objective now (inf: none yet)."""
-        now = self.clock()
-        if not math.isfinite(incumbent):
-            return False
-        if self.best is None or incumbent < self.best - self.rule.min_gain * abs(self.best):
-            self.best, self.found_s = incumbent, now
-            return False
-        return now - self.found_s >= max(self.rule.min_wait_s, self.found_s - self.started_s)
-
-
 class BulkHighs(pulp.HiGHS):
-    """PuLP's HiGHS interface, with the model passed in one call, a warm start, progress and a stall rule."""
+    """PuLP's HiGHS interface, with the model passed in one call, a warm start and progress."""
 
     def __init__(self, warm_values: dict[str, float] | None = None,
-                 progress: Callable[[str], None] | None = None, stall: StallRule | None = None, **kwargs):
+                 progress: Callable[[str], None] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.warm_values = warm_values or {}
         self.progress = progress
-        self.stall = stall
         self.info = None
         self.model_status = None
 
@@ -204,14 +165,6 @@ class BulkHighs(pulp.HiGHS):
                          f"(gap {100 * out.mip_gap:.2f}%)")
 
             lp.solverModel.cbMipImprovingSolution.subscribe(improving)
-        if self.stall is not None:
-            watch = StallWatch(self.stall)
-
-            def interrupt_when_stalled(event):
-                if watch.stalled(event.data_out.mip_primal_bound):
-                    event.interrupt()
-
-            lp.solverModel.cbMipInterrupt.subscribe(interrupt_when_stalled)
 
     def findSolutionValues(self, lp):  # noqa: N802
         self.info = lp.solverModel.getInfo()
@@ -226,7 +179,6 @@ class HighsRun:
     pulp_status: int  # what prob.solve returned
     solution_status: int  # prob.sol_status
     optimal: bool  # HiGHS proved optimality (within the gap)
-    stalled: bool  # interrupted by its StallRule
     bound: float | None  # HiGHS's dual bound (model units)
     gap: float | None  # relative gap, when finite
     elapsed_s: float
@@ -241,25 +193,24 @@ class HighsRun:
 
 
 def run_highs(prob: pulp.LpProblem, time_limit_s: float, rel_gap: float, warm_values: dict[str, float] | None = None,
-              progress: Callable[[str], None] | None = None, stall: StallRule | None = None) -> HighsRun:
-    """Solve `prob` on HiGHS; the values land in its variables. `stall`: stop early when the search stalls."""
+              progress: Callable[[str], None] | None = None) -> HighsRun:
+    """Solve `prob` on HiGHS; the values land in its variables."""
     highspy = require_highspy()
-    solver = BulkHighs(warm_values=warm_values, progress=progress, stall=stall, msg=False, timeLimit=time_limit_s,
+    solver = BulkHighs(warm_values=warm_values, progress=progress, msg=False, timeLimit=time_limit_s,
                        gapRel=rel_gap, threads=SOLVER_THREADS)
     t0 = time.perf_counter()
     with solver_output_to_stderr():
         status = prob.solve(solver)
     elapsed = time.perf_counter() - t0
-    optimal, stalled, bound, gap = False, False, None, None
+    optimal, bound, gap = False, None, None
     if solver.info is not None:
         optimal = solver.model_status == highspy.HighsModelStatus.kOptimal
-        stalled = solver.model_status == highspy.HighsModelStatus.kInterrupt
         bound = solver.info.mip_dual_bound
         gap = solver.info.mip_gap if math.isfinite(solver.info.mip_gap) else None
         if optimal:
             gap = max(0.0, gap or 0.0)
-    return HighsRun(pulp_status=status, solution_status=prob.sol_status, optimal=optimal, stalled=stalled,
-                    bound=bound, gap=gap, elapsed_s=elapsed)
+    return HighsRun(pulp_status=status, solution_status=prob.sol_status, optimal=optimal, bound=bound, gap=gap,
+                    elapsed_s=elapsed)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from regen.planner.milp.blocks import (MIN_SOLVER_TIME_S, final_check_reserve_s,
                                        time_for_full_solve)
 from regen.planner.milp.feasibility import (FEASIBILITY_RESERVE_FRACTION, FEASIBILITY_TIME_FRACTION,
                                             FeasibleSolution, feasible_solution)
-from regen.planner.milp.highs import StallRule, require_highspy, to_highs_lp
+from regen.planner.milp.highs import require_highspy, to_highs_lp
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import MilpOptions, Model
 from regen.planner.milp.neighbourhood import improve_where_lp_disagrees
@@ -41,8 +41,6 @@ from regen.units import format_bytes, format_duration
 
 MAX_REPAIR_ROUNDS = 4
 MIN_CAP_TIME_LIMIT_S = 30.0  # for the smallest-feasible-cap search after an infeasible cap
-# ... which stops once its least peak has stood (its bound rarely closes: Note [ Stopping a stalled search ])
-MIN_PEAK_STALL = StallRule(min_gain=0.005, min_wait_s=2.0)
 WARM_START_TIME_FRACTION = 0.5  # of the time limit, for the recompute-only warm start of hybrid (its Note)
 BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are solved block by block
 SWAP_BLOCK_IMPROVE_MIN_CANDIDATES = 60  # with swaps, from this many (Note [ Block search with swaps ])
@@ -392,15 +390,13 @@ def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_rec
 
 
 def min_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
-                  warm_start: dict[int, Choice] | None = None
-                  ) -> tuple[dict[int, Choice], SimulationResult, int] | None:
+                  warm_start: dict[int, Choice] | None = None) -> tuple[dict[int, Choice], SimulationResult, int] | None:
     """The min-peak MILP's plan, its simulation and the least cap both the MILP and the simulator give it
-    (None when the MILP finds none in time, or its plan is not valid); the search stops once it stalls
-    (MIN_PEAK_STALL)."""
+    (None when the MILP finds none in time, or its plan is not valid)."""
     try:
         model = Model(graph, None, MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute,
                                                 minimize_peak=True))
-        result = solve_model(model, time_limit_s, warm_start=warm_start, stall=MIN_PEAK_STALL)
+        result = solve_model(model, time_limit_s, warm_start=warm_start)
     except (CapInfeasible, SolverError):
         return None
     sim = simulate(graph, result.choices)

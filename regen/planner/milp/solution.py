@@ -17,7 +17,7 @@ import pulp
 from regen.errors import SolverError
 from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP
 from regen.planner.copy_order import latest_copy_in_steps
-from regen.planner.milp.highs import SOLVER_THREADS, StallRule, run_highs, size_message, value_of
+from regen.planner.milp.highs import SOLVER_THREADS, run_highs, size_message, value_of
 from regen.planner.milp.memory_rows import CapInfeasible
 from regen.planner.milp.model import DEFAULT_REL_GAP, Model
 from regen.planner.recipes import rebuilt_with_recipe
@@ -44,12 +44,12 @@ class MilpResult:
 def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_GAP,
                 warm_start: dict[int, Choice] | None = None,
                 progress: Callable[[str], None] | None = None,
-                warm_values: dict[str, float] | None = None, stall: StallRule | None = None) -> MilpResult:
+                warm_values: dict[str, float] | None = None) -> MilpResult:
     """Solve a built model; CapInfeasible when it has no solution, SolverError when it stops without a
     feasible plan.
 
     The warm start is a plan (`warm_start`) or the values of discrete variables by name (`warm_values`,
-    e.g. from the block search), which take precedence. `stall`: stop early once the search stalls."""
+    e.g. from the block search), which take precedence."""
     if progress:
         progress(size_message(model.prob))
     warm = warm_start_values(model, warm_start) if warm_start is not None else None
@@ -58,7 +58,7 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
     if progress:
         progress(f"solver highs started (time limit {time_limit_s:g} s, stops at a {100 * rel_gap:g}% gap, "
                  f"{SOLVER_THREADS} threads)")
-    run = run_highs(model.prob, time_limit_s, rel_gap, warm_values=warm, progress=progress, stall=stall)
+    run = run_highs(model.prob, time_limit_s, rel_gap, warm_values=warm, progress=progress)
     if run.infeasible:
         raise CapInfeasible()
     if not run.has_solution:
@@ -72,8 +72,7 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
         obj_s = objective * tu
         bound_s = run.bound * tu if run.bound is not None and math.isfinite(run.bound) else None
     if progress:
-        ended = "optimal" if run.optimal else "stalled" if run.stalled else "time limit"
-        progress(f"solver done in {run.elapsed_s:.2f} s: {ended}, objective "
+        progress(f"solver done in {run.elapsed_s:.2f} s: {'optimal' if run.optimal else 'time limit'}, objective "
                  f"{format_duration(obj_s, model.graph.time_unit)} (profiled op times)"
                  + (f", gap {100 * run.gap:.2f}%" if run.gap is not None else ""))
     result = MilpResult(choices=read_choices(model), objective_s=obj_s, bound_s=bound_s, gap=run.gap,
