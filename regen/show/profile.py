@@ -50,8 +50,8 @@ def profile_summary(profile: Profile) -> str:
         f"({sum(1 for s in profile.saved_tensors if s.is_random)} random, "
         f"{sum(1 for s in profile.saved_tensors if s.is_inplace)} in-place); "
         f"{len(profile.saved_entries)} saved entries, excluded: {excl}",
-        f"static memory: parameters {format_bytes(sm.parameter_bytes)}, gradients {format_bytes(sm.gradient_bytes)}, "
-        f"optimizer state {format_bytes(sm.optimizer_state_bytes)}",
+        f"static memory: parameters {format_bytes(sm.parameter_bytes)}, gradients {format_bytes(sm.gradient_bytes)}"
+        + _gradients_made(profile) + f", optimizer state {format_bytes(sm.optimizer_state_bytes)}",
         f"memory: {format_bytes(profile.memory_at_start_bytes)} at start, unplanned peak "
         f"{format_bytes(profile.peak_bytes)} (+{format_bytes(profile.peak_bytes - profile.memory_at_start_bytes)})"
         + (f" at op {peak_op.index} {peak_op.name} ({peak_op.phase})" if peak_op else ""),
@@ -135,3 +135,10 @@ def _runtime_costs_line(rc) -> str:
              figure("replay_op_s", "replay", "us/op"), figure("recipe_s", "recipe", "us"), figure("swap_s", "swap", "us")]
     return f"runtime costs: {', '.join(parts)} [{rc.method}]" + "".join(f"; {n}" for n in rc.notes)
 
+
+def _gradients_made(profile: Profile) -> str:
+    """When the step made its gradients (the ops after which autograd stored the first and the last)."""
+    made = profile.gradients_made
+    if not made:
+        return ""
+    return f" (made after ops {min(g.after_op for g in made)}..{max(g.after_op for g in made)})"

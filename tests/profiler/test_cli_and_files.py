@@ -37,6 +37,8 @@ def test_profile_then_show(tmp_path, capsys):
     assert f"ops: {len(profile.ops)}" in text
     assert f"{len(profile.saved_tensors)} candidates" in text
     assert f"at op {peak_op.index} {peak_op.name}" in text
+    made = [g.after_op for g in profile.gradients_made]
+    assert f"(made after ops {min(made)}..{max(made)})" in text
     assert "largest saved tensors" in text
 
     assert main(["show", str(out), "--json"]) == 0
