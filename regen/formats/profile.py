@@ -499,10 +499,9 @@ def _check_consistency(profile: Profile, where: str) -> None:
             raise FormatError(f"{where}: saved tensor {s.id} is held until an op outside 0..{n - 1}")
         if s.bytes < 0:
             raise FormatError(f"{where}: saved tensor {s.id} has negative bytes")
-    for i, g in enumerate(profile.gradients_made or []):
-        if not 0 <= g.after_op < n or g.bytes < 0:
-            raise FormatError(f"{where}: gradients_made[{i}] refers to an op outside 0..{n - 1} or has negative "
-                              f"bytes")
+    for i, g in enumerate(profile.gradients_made or []):  # (negative bytes are refused by build_dataclass)
+        if not 0 <= g.after_op < n:
+            raise FormatError(f"{where}: gradients_made[{i}] refers to an op outside 0..{n - 1}")
     num_entries = len(profile.saved_entries)
     for c in profile.module_calls:
         if not (0 <= c.first_op <= c.last_op < n) or c.num_entries < 0 or c.first_entry + c.num_entries > max(

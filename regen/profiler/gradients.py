@@ -2,7 +2,7 @@
 
 A post-accumulate-grad hook on every parameter that requires grad and has none yet: the first time autograd
 stores its gradient, the hook notes the last op recorded before it and the gradient's storage bytes (each
-storage once, so tied parameters and views of one flat storage count once). A loop that holds its gradients
+storage once, as `static_memory.gradient_bytes` counts them: a DTensor's by its local shard). A loop that holds its gradients
 from step to step holds, at op t, those made after t (regen.planner.held_gradients).
 """
 
@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from regen.formats.profile import GradientMade
+from regen.opinfo import storage_key_and_bytes
 
 
 class GradientWatch:
@@ -27,15 +28,12 @@ class GradientWatch:
         self._handles = []
 
     def _stored(self, parameter: torch.Tensor) -> None:
-        grad = parameter.grad
-        if type(grad) is not torch.Tensor or grad.layout != torch.strided:  # a subclass (a DTensor's shard): unseen
+        # the storage as static_memory.gradient_bytes counts it (regen.opinfo.unique_storage_bytes)
+        found = storage_key_and_bytes(parameter.grad) if isinstance(parameter.grad, torch.Tensor) else None
+        if found is None or not found[0] or found[0] in self._seen:
             return
-        storage = grad.untyped_storage()
-        key = storage.data_ptr() or id(storage)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        self.made.append(GradientMade(after_op=max(self._last_op(), 0), bytes=storage.nbytes()))
+        self._seen.add(found[0])
+        self.made.append(GradientMade(after_op=max(self._last_op(), 0), bytes=found[1]))
 
     def __enter__(self) -> GradientWatch:
         self._handles = [p.register_post_accumulate_grad_hook(self._stored) for p in self._parameters]
