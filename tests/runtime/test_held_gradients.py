@@ -22,12 +22,13 @@ MICRO_BATCHES = 2
 
 class _Wide(nn.Module):
     """Weights large beside the activations of a small batch: its gradients are most of a step's increase; a
-    BatchNorm whose running statistics the planned loop must leave as the unplanned one does."""
+    BatchNorm whose running statistics the planned loop must leave as the unplanned one does. `depth` layers,
+    the first from `in_features` to `width`."""
 
-    def __init__(self):
+    def __init__(self, in_features: int = 128, width: int = 128, depth: int = 8):
         super().__init__()
-        self.norm = nn.BatchNorm1d(128)
-        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(8))
+        self.norm = nn.BatchNorm1d(in_features)
+        self.layers = nn.ModuleList(nn.Linear(in_features if k == 0 else width, width) for k in range(depth))
 
     def forward(self, x):
         x = self.norm(x)
@@ -116,28 +117,14 @@ def test_a_plan_that_does_not_count_them_is_said_once_at_the_first_step_that_hol
     assert peaks[MICRO_BATCHES] <= (1 + CAP_TOLERANCE) * plan.memory_cap_bytes < peaks[MICRO_BATCHES + 1]
 
 
-class _WideInput(nn.Module):
-    """A first layer whose gradient is large beside the activations: a loop that holds its gradients peaks at
-    the end of backward, where the new gradient of the first layer meets all the held ones."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(1024, 256)
-        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 @functools.lru_cache(maxsize=None)
 def _wide_input():
     from regen.profiler import profile_workload
 
     torch.manual_seed(0)
-    w = Workload("wide input", _WideInput(), (torch.randn(64, 1024),), _loss)
+    # a first layer whose gradient is large beside the activations: a loop that holds its gradients peaks at the
+    # end of backward, where the first layer's new gradient meets all the held ones
+    w = Workload("wide input", _Wide(in_features=1024, width=256, depth=5), (torch.randn(64, 1024),), _loss)
     return w, profile_workload(w, "cpu", repeats=1, warmup_steps=1, progress=None)
 
 
