@@ -46,8 +46,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 from regen.errors import PlanMismatchError
-from regen.opinfo import storage_key
 from regen.runtime.model_access import module_device
+from regen.opinfo import storage_key
 from regen.runtime.plan_index import PlanIndex, RegionInfo
 from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
