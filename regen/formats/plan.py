@@ -117,7 +117,7 @@ class RegionDecision:
     # one per saved entry packed inside the call, in order: the SavedTensor id the replay's pack at that
     # position rebuilds, or None (not rebuilt by this region: a parameter, an input, a tensor kept)
     packs: list[int | None] = field(default_factory=list)
-    inputs: list[int] = field(default_factory=list)  # SavedTensor ids among its arguments (kept or swapped for it)
+    inputs: list[int] = field(default_factory=list)  # SavedTensor ids among its arguments (kept for it)
     is_random: bool = False  # draws from the RNG: replayed with the RNG state of the original call
     time_s: float = 0.0  # the replay's predicted time
 

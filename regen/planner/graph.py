@@ -28,7 +28,7 @@ from regen.formats.profile import KIND_PARAMETER, Profile, SavedTensor
 from regen.opnames import copies_first_arg
 from regen.planner.costs import RuntimeCharges, copy_in_time_s, copy_out_time_s, op_times_s
 from regen.planner.recipes import Recipe, add_rebuilt_with_options, add_recipes, storage_writes
-from regen.planner.region_candidates import Region, add_regions, bring_inputs_back_for_replays
+from regen.planner.region_candidates import Region, add_regions
 from regen.planner.residency import op_capture_bytes
 from regen.planner.tracking_windows import WindowStarts
 
@@ -281,9 +281,6 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
                                                                for e in profile.saved_entries
                                                                if e.unpack_order is not None
                                                                and e.unpack_before_op is not None)])
-    if module_replays:  # first: a region's swappable inputs are needed again by its replay
-        add_regions(graph)
-        bring_inputs_back_for_replays(graph)
     written_after_pack = _written_after_first_pack(profile)
     max_steps, transfer_factor = window_steps_cap(len(candidates)), window_transfer_factor(len(candidates))
     for c in candidates:
@@ -292,6 +289,8 @@ def build_graph(profile: Profile, d2h_bytes_per_s: float | None = None, h2d_byte
         _set_windows(graph, c, max_steps, transfer_factor)
     add_recipes(graph)
     add_rebuilt_with_options(graph)
+    if module_replays:
+        add_regions(graph)
     return graph
 
 

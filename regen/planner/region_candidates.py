@@ -24,11 +24,10 @@ A call is a region only if its replay is exact and its memory is what the planne
 * every op in it is a forward op, and every activation an op in it reads that was produced before the
   call is (a view of) one of its arguments;
 * the runtime holds the arguments from the call to the replay: a chosen region requires its argument
-  candidates (`inputs`) kept or, for those no region rebuilds (`swappable_inputs`), swapped and copied back in
-  by its replay (Note [ A replay's arguments from the host ]), and an activation argument no backward saves (an
-  attention mask, a position index shared by every block) is held past its last forward read until the latest
-  replay of the chosen regions that take it (`held`: its bytes are charged from the op after that read,
-  regen.planner.residency and docs/milp.md "Captures");
+  candidates (`inputs`) kept, and an activation argument no backward saves (an attention mask, a position
+  index shared by every block) is held past its last forward read until the latest replay of the chosen
+  regions that take it (`held`: its bytes are charged from the op after that read, regen.planner.residency
+  and docs/milp.md "Captures");
 * no op in it writes in place a storage made before the call, except module buffers (BatchNorm's
   running stats), which the runtime restores after the replay (their bytes are part of the transient);
 * no op in it is a collective or FSDP's gathering (one rank alone cannot replay those), and every
@@ -73,35 +72,17 @@ class Region:
     replay_step: int  # b_R
     replay_at_unpack: int | None
     members: list[int]  # candidate indices it may rebuild
-    inputs: list[int]  # candidate indices among its arguments (kept while it is chosen, or swapped if swappable)
+    inputs: list[int]  # candidate indices among its arguments (kept while it is chosen)
     held: list[HeldArgument]  # its activation arguments that are no candidate (held until the replay)
     packs: list[int | None]  # per entry packed inside the call: a member's candidate index, else None
     time_s: float  # the replay up to its stop: its ops' profiled times and the Python between them (RuntimeCharges)
     transient_bytes: int  # the replay's peak less its rebuilt members (see the module doc), and the buffers' snapshot
     is_random: bool = False
     notes: list[str] = field(default_factory=list)
-    # inputs it may take swapped: copied back in by its replay step (Note [ A replay's arguments from the host ])
-    swappable_inputs: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return f"{self.call.module}#{self.call.call}"
-
-
-# NOTE [ A replay's arguments from the host ]
-# Per-block checkpointing holds every block's input from its call to its replay, its peak included; offloading
-# them (activation offloading beside checkpointing, as torchtune pairs them) frees those bytes for the price of
-# their copies, which the link hides behind the blocks' compute. So a region's argument candidate may be swapped
-# while the region is chosen, on three rules:
-#   1. the replay comes no later than its own first backward use (the runtime lets a restored storage go after
-#      its last use), and no region that may rebuild it replays after the earliest replay that takes it swapped
-#      (a member is gone until its region's replay);
-#   2. its first backward use moves to the earliest replay step of the regions that take it, unconditionally, so
-#      its copy-in windows, its residency and the plan's `swap_in_before_op` all say it is resident again by then
-#      (`bring_inputs_back_for_replays`, before the graph's windows and recipes are set); a plan that does not
-#      replay that region pays the earlier copy-in (or recompute) in memory only;
-#   3. the runtime holds such an argument by its planned storage, not by the tensor, from the moment its swap
-#      starts, and the replay reads it from the restored storage (regen.runtime.region_replays).
 
 
 # NOTE [ A replay's memory as the forward measured it ]
@@ -136,28 +117,6 @@ def add_regions(graph: PlanningGraph) -> None:
             graph.regions.append(region)
             for t in region.members:
                 graph.candidates[t].regions.append(region.index)
-
-
-def bring_inputs_back_for_replays(graph: PlanningGraph) -> None:
-    """Each region's `swappable_inputs`, and their first backward use moved to the earliest replay that takes them
-    (Note [ A replay's arguments from the host ]). Runs before the graph's windows and recipes are set."""
-    latest_rebuild: dict[int, int] = {}  # member -> the latest replay step of a region that may rebuild it
-    for region in graph.regions:
-        for t in region.members:
-            latest_rebuild[t] = max(latest_rebuild.get(t, -1), region.replay_step)
-    takers: dict[int, list[Region]] = {}  # argument candidate -> the regions that may take it swapped
-    for region in graph.regions:
-        for a in region.inputs:
-            c = graph.candidates[a]
-            if not c.trivial and c.bytes > 0 and c.last_forward + 1 < region.replay_step <= c.first_backward:
-                takers.setdefault(a, []).append(region)
-    for a, regions in takers.items():
-        b = min(region.replay_step for region in regions)
-        if latest_rebuild.get(a, -1) > b:
-            continue
-        graph.candidates[a].first_backward = b
-        for region in regions:
-            region.swappable_inputs.append(a)
 
 
 def _last_forward_reads(profile, tensors: dict) -> dict[int, int]:

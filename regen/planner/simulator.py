@@ -269,16 +269,13 @@ def _rebuilt_with_error(graph: PlanningGraph, choices: dict[int, Choice], c: Can
 
 def _region_error(graph: PlanningGraph, choices: dict[int, Choice], c: Candidate, r: int) -> str | None:
     """Why `c` cannot be rebuilt by region `r` in this plan, or None: it must be one of the region's
-    members, and the region's argument candidates must be kept (the runtime holds them), or swapped where the
-    region may take them swapped (copied back in by its replay step)."""
+    members, and the region's argument candidates must be kept (the runtime holds them)."""
     if not 0 <= r < len(graph.regions) or c.index not in graph.regions[r].members:
         return f"rebuilt by region {r}, which cannot rebuild it"
     region = graph.regions[r]
     for a in region.inputs:
         ach = choices.get(a)
-        if ach is None or (ach.action == ACTION_SWAP and a in region.swappable_inputs):
-            continue
-        if ach.action != ACTION_KEEP:
+        if ach is not None and ach.action != ACTION_KEEP:
             return (f"rebuilt by region {region.name}, whose argument {graph.candidates[a].id} is not kept "
                     f"({ach.action})")
     return None

@@ -68,9 +68,6 @@ class PlanIndex:
     regions: dict[int, RegionInfo] = field(default_factory=dict)  # by RegionDecision.id
     region_by_call: dict[tuple[str, int], int] = field(default_factory=dict)  # (module, call) -> region id
     region_replay_order: tuple[tuple[int, int], ...] = ()  # (unpack position, region id): the replays, in order
-    # swapped decisions that are some region's argument: held by their planned storage, not by the tensor, and
-    # read from the restored storage at the replay (region_replays.py)
-    swapped_region_inputs: frozenset = frozenset()
 
 
 def index_plan(plan: Plan) -> PlanIndex:
@@ -141,16 +138,12 @@ def index_plan(plan: Plan) -> PlanIndex:
     swap_bytes = sum(i.decision.bytes for i in decisions.values() if i.action == ACTION_SWAP)
     has_recipes = any(i.action == ACTION_RECOMPUTE and i.region is None for i in decisions.values())
     regions = _index_regions(plan, by_saved, where)
-    region_inputs = {sid for r in plan.regions for sid in r.inputs}
-    swapped_region_inputs = frozenset(key for key, i in decisions.items()
-                                      if i.action == ACTION_SWAP and i.decision.saved_tensor in region_inputs)
     return PlanIndex(plan=plan, decisions=decisions, recipe_op_names=names, recipe_op_random=randoms,
                      recipe_input_keys=frozenset(recipe_inputs), num_forward_ops=n_fwd,
                      has_recipes=has_recipes, swap_bytes=swap_bytes, regions=regions,
                      region_by_call={(r.region.module, r.region.call): rid for rid, r in regions.items()},
                      region_replay_order=tuple(sorted((r.region.replay_at_unpack, rid) for rid, r in regions.items()
-                                                      if r.region.replay_at_unpack is not None)),
-                     swapped_region_inputs=swapped_region_inputs)
+                                                      if r.region.replay_at_unpack is not None)))
 
 
 def _index_regions(plan: Plan, by_saved: dict[int, Decision], where: str) -> dict[int, RegionInfo]:

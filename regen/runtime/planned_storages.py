@@ -182,8 +182,6 @@ class PlannedStorages:
                 self.swaps.start(ps, x)
                 ps.mode = ACTION_SWAP
                 ps.storage_key = storage_key(x)
-                if key in self.index.swapped_region_inputs:
-                    self.regions.swap_started(ps, x)
             elif self._start_drop(ps):
                 ps.mode = ACTION_RECOMPUTE
                 if self.dropped is not None:
@@ -326,7 +324,7 @@ class PlannedStorages:
         # a step that left its plan in the call dropped only those before, and the call's later packs, replayed,
         # follow its new path (another shape than the plan's)
         dropped = [key if key in waiting else None for key in self.index.regions[rid].pack_keys]
-        rebuilt = self.regions.replay(rid, stop=replay_stop_pack(dropped) + 1, restore=self.materialize)
+        rebuilt = self.regions.replay(rid, stop=replay_stop_pack(dropped) + 1)
         if not rebuilt:
             return
         self.stats.region_replays += 1

@@ -10,12 +10,6 @@ whether it draws is seen on the handle's first call of the region, `RegionInfo.d
 both states costs about 40 us, too much for every call of every step), the autocast state and the grad
 mode, and the number of tensors autograd packed during it (the plan's `packs` must match).
 
-An argument the plan swaps (`PlanIndex.swapped_region_inputs`: the planner lets a region take an argument swapped
-when it is copied back in by the replay, regen.planner.region_candidates) is held by its planned storage from the
-moment its swap starts (`swap_started`; at the call when it started before), as a `SwappedArgument`, so the
-call's capture does not keep the device storage the swap frees; the replay reads it from the restored storage,
-detached, with the argument's geometry and `requires_grad`.
-
 In backward, `replay` runs the module's forward again once, as torch.utils.checkpoint (non-reentrant)
 does, with the RNG state, autocast state and grad mode of the original call, under saved-tensor hooks
 that take the k-th tensor the replay packs for the plan's k-th pack of the call: a tensor over the
@@ -42,14 +36,11 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from regen.errors import PlanMismatchError
 from regen.runtime.model_access import module_device
-from regen.opinfo import storage_key
 from regen.runtime.plan_index import PlanIndex, RegionInfo
-from regen.runtime.storage_views import Geometry, view_of
 from regen.runtime.tracker import regen_ops
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -76,19 +67,6 @@ class RegionCall:
     weak_inputs: tuple | None = None  # after the replay: (args, kwargs) with weak references to tensors
 
 
-@dataclass
-class SwappedArgument:
-    """A region call's argument the plan swaps, held by its planned storage instead of the tensor."""
-
-    storage: object  # the PlannedStorage (planned_storages.py) whose swap holds its bytes
-    geometry: Geometry
-    requires_grad: bool
-
-    def tensor(self, restore: Callable) -> torch.Tensor:
-        """The argument again, over the storage `restore(planned storage)` gives back, as a detached leaf."""
-        return view_of(restore(self.storage), self.geometry).detach().requires_grad_(self.requires_grad)
-
-
 class RegionReplays:
     """One step's region calls: captured in forward, replayed in backward."""
 
@@ -103,9 +81,6 @@ class RegionReplays:
         self.call_counts: dict[str, int] = {}
         self.calls: dict[int, RegionCall] = {}  # region id -> its captured call
         self._open: list[RegionCall] = []
-        # storage key -> (PlannedStorage, the storage weakly), for swapped region arguments: a key is a data pointer,
-        # which a later storage may reuse once this one is freed
-        self._swapped: dict[int, tuple[object, StorageWeakRef]] = {}
 
     # ---- forward ----------------------------------------------------------------------------------
     def called(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -116,8 +91,6 @@ class RegionReplays:
         if rid is None:
             return
         info = self.index.regions[rid]
-        if self._swapped:
-            args, kwargs = self._held_by_storage((args, kwargs))
         rc = RegionCall(info=info, module=module, args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                         autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                                        for d in _AUTOCAST_DEVICES),
@@ -130,23 +103,6 @@ class RegionReplays:
                 rc.cuda_rng_state = (device, torch.cuda.get_rng_state(device))
         self.calls[rid] = rc
         self._open.append(rc)
-
-    def swap_started(self, ps, x: torch.Tensor) -> None:
-        """The swap of a region argument's planned storage `ps` started (its tensor `x` packed): the captured calls
-        hold it by that planned storage from now on, and so do calls made later."""
-        self._swapped[storage_key(x)] = (ps, StorageWeakRef(x.untyped_storage()))
-        for rc in self.calls.values():
-            if rc.args is not None:
-                rc.args, rc.kwargs = self._held_by_storage((rc.args, rc.kwargs))
-
-    def _held_by_storage(self, tree):
-        def hold(a):
-            if isinstance(a, torch.Tensor) and (held := self._swapped.get(storage_key(a))) is not None \
-                    and not held[1].expired():
-                return SwappedArgument(held[0], Geometry.of(a), a.requires_grad)
-            return a
-
-        return tree_map(hold, tree)
 
     def returned(self, module: nn.Module) -> None:
         """A region module's call returned: check the packs of a captured call against the plan."""
@@ -181,9 +137,9 @@ class RegionReplays:
         return rid in self.calls
 
     # ---- backward ---------------------------------------------------------------------------------
-    def replay(self, rid: int, stop: int, restore: Callable) -> dict[tuple[int, int], torch.Tensor]:
+    def replay(self, rid: int, stop: int) -> dict[tuple[int, int], torch.Tensor]:
         """Run the region's module again, up to its `stop`-th pack; the rebuilt storages by member key. Once per
-        step. `restore(planned storage)`: a swapped argument's storage, resident (waiting for its copy-in)."""
+        step."""
         rc = self.calls.get(rid)
         if rc is None:
             return {}
@@ -216,19 +172,11 @@ class RegionReplays:
         def unpack(_):
             raise PlanMismatchError("regen.apply: a region replay's graph was run backward")
 
-        held = (rc.args, rc.kwargs)
+        args, kwargs = rc.args, rc.kwargs
         # after the replay the call holds its arguments weakly: no memory, yet there for a second backward
-        # over a retained graph as long as something else (that graph) holds them (a swapped one: its planned
-        # storage, which a second backward restores again)
+        # over a retained graph as long as something else (that graph) holds them
         rc.args = rc.kwargs = None
-        rc.weak_inputs = tree_map(lambda a: weakref.ref(a) if isinstance(a, torch.Tensor) else a, held)
-        if any(a.storage.released for a in _swapped_arguments(held)):
-            raise PlanMismatchError(f"regen.apply: module {rc.info.region.module!r} is replayed after the last use "
-                                    f"of an argument the plan swaps (its host copy is gone); the plan does not fit "
-                                    f"this run")
-        args, kwargs = tree_map(lambda a: a.tensor(restore) if isinstance(a, SwappedArgument) else a, held,
-                                is_leaf=lambda a: isinstance(a, SwappedArgument))
-        del held
+        rc.weak_inputs = tree_map(lambda a: weakref.ref(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         with self._pause(), _state_of(rc), _buffers_copied(rc.module), \
                 torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             try:
@@ -256,7 +204,6 @@ class RegionReplays:
         """Let go of every captured call (arguments, RNG states)."""
         self.calls.clear()
         self._open.clear()
-        self._swapped.clear()
 
 
 def _geometry(x: torch.Tensor) -> tuple:
@@ -274,11 +221,6 @@ def _check_geometry(rc: RegionCall, k: int, x: torch.Tensor) -> None:
     raise PlanMismatchError(f"regen.apply: replaying module {rc.info.region.module!r} in backward rebuilt a saved "
                             f"tensor with {', '.join(differs)}; its forward does not run again as it ran (state it "
                             f"keeps between calls?), so the plan does not fit this model")
-
-
-def _swapped_arguments(tree) -> list[SwappedArgument]:
-    leaves, _ = tree_flatten(tree, is_leaf=lambda a: isinstance(a, SwappedArgument))
-    return [a for a in leaves if isinstance(a, SwappedArgument)]
 
 
 class _ReplayDone(Exception):

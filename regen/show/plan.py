@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from regen.errors import RegenError
 from regen.units import BYTES_PER_GB, BYTES_PER_GIB, format_bytes, format_duration
-from regen.formats.plan import ACTION_RECOMPUTE, ACTION_SWAP, ACTIONS, Plan
+from regen.formats.plan import ACTION_RECOMPUTE, ACTIONS, Plan
 
 PLOT_DPI = 120
 PLOT_SIZE_IN = (10, 4.5)
 MAX_LISTED_WINDOWS = 6  # tracking-window starts named in the summary, at most
-
-
-def _swapped_inputs(plan: Plan) -> int:
-    """How many of the replayed module calls' argument tensors the plan swaps."""
-    inputs = {sid for r in plan.regions for sid in r.inputs}
-    return sum(1 for d in plan.decisions if d.action == ACTION_SWAP and d.saved_tensor in inputs)
 
 
 def _ratio(a: float, b: float) -> str:
@@ -78,9 +72,6 @@ def plan_summary(plan: Plan) -> str:
     if plan.gradients_held_bytes:
         lines.append(f"  gradients held    {format_bytes(plan.gradients_held_bytes)} from step to step, counted for "
                      f"the whole step (--gradients-held)")
-    if plan.regions:
-        lines.append(f"  module replays    {len(plan.regions)} calls, {_swapped_inputs(plan)} of their input tensors "
-                     f"swapped until the replay")
     if plan.tracking_starts:
         lines.append(f"  tracking windows  {len(plan.tracking_starts)}, opened at "
                      + ", ".join(_call_name(s.module, s.call) for s in plan.tracking_starts[:MAX_LISTED_WINDOWS])

@@ -164,33 +164,6 @@ def test_a_region_whose_argument_is_not_kept_is_an_inconsistent_plan(real_gpt_pr
     assert any("not kept" in e for e in simulate(graph, choices).errors)
 
 
-def test_a_region_may_take_its_argument_swapped_and_needs_it_back_by_its_replay(real_gpt_profile):
-    """Note [ A replay's arguments from the host ]: block 1's argument (block 0's output, saved by its first layer
-    norm) is rebuilt by no region, so block 1 may replay with it swapped; its copy-in is then due by that replay."""
-    from regen.formats.plan import ACTION_SWAP
-    from regen.planner.result import Choice
-
-    graph = build_graph(real_gpt_profile)
-    region = next(r for r in block_regions(graph) if r.call.module == "blocks.1")
-    arg = graph.candidates[region.inputs[0]]
-    assert region.swappable_inputs == region.inputs
-    assert arg.saved.first_backward_use > region.replay_step == arg.first_backward  # needed back at the replay
-    assert arg.in_window and max(arg.in_window) < region.replay_step
-    choices = {t: _choice(region.index) for t in region.members}
-    choices[arg.index] = Choice(ACTION_SWAP, swap_in_step=arg.in_window[0])
-    swapped = simulate(graph, choices)
-    assert swapped.valid, swapped.errors
-    del choices[arg.index]
-    assert swapped.peak_timeline_bytes[region.replay_step] == simulate(graph, choices).peak_timeline_bytes[
-        region.replay_step]  # resident again at the replay, as when kept
-    # in the MILP, the region rules out the argument's recipes, not its swap
-    model = Model(graph, graph.unplanned_peak_bytes, MilpOptions(allow_swap=True))
-    v = model.vars[arg.index]
-    row = {x.name for x in model.prob.constraints[f"reg_input_{region.index}_{arg.index}"].keys()}
-    assert v.rec and row == {model.regions[region.index].z.name} | {x.name for x in v.rec}
-    assert v.swap is not None and v.swap.name not in row
-
-
 def test_region_plans_round_trip_through_the_file(real_gpt_profile, tmp_path):
     profile = real_gpt_profile
     plan = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")

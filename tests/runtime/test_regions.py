@@ -6,10 +6,7 @@ solved with regions as the only way to recompute (per-tensor recipes switched of
 per-block checkpointing's peak and the unplanned one, so some regions rebuild only part of what they
 saved. Gradients and module buffers (BatchNorm running stats) are bitwise those of the unplanned run,
 on the verified step and on the fast path; the measured peak is within the cap + 5% and within 10% of
-the simulator; mismatches, exceptions, gradient accumulation and 50 steps behave as for other plans. A hybrid
-plan may swap a block's input while the block is replayed (regen.planner.region_candidates: Note [ A replay's
-arguments from the host ]): the call's capture then holds it by its planned storage, and the replay reads it
-back from the restored storage.
+the simulator; mismatches, exceptions, gradient accumulation and 50 steps behave as for other plans.
 """
 
 import functools
@@ -322,45 +319,6 @@ def test_later_steps_run_the_forward_without_a_dispatch_mode():
     finally:
         hook.remove()
     assert seen[0] == 1 and seen[1] == 0  # the verified step is tracked op by op, the next is not
-
-
-@functools.lru_cache(maxsize=None)
-def _swapped_inputs_plan():
-    """(workload, profile, plan): the masked blocks' hybrid plan with regions as the only way to recompute (op times
-    fixed from the graph, tests/plans.py; link ratio 2), at 97% of per-block checkpointing's peak, where the plan
-    swaps the inputs of some of the blocks it replays."""
-    from plans import fixed_times
-    from regen.planner import solve
-    from regen.profiler import profile_workload
-
-    w = _masked_workload()
-    profile = fixed_times(profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None))
-    blocks = solve(profile, memory_cap_bytes=profile.peak_bytes, strategy="checkpoint-blocks")
-    start = profile.memory_at_start_bytes
-    cap = int(start + 0.97 * (blocks.simulated.peak_bytes - start))
-    with mock.patch("regen.planner.graph.add_recipes", lambda graph: None):
-        plan = solve(profile, memory_cap_bytes=cap, strategy="hybrid", time_limit_s=60, link_ratio=2.0)
-    return w, profile, plan
-
-
-def test_a_block_input_swapped_until_its_replay_is_freed_and_read_back_exactly():
-    w, profile, plan = _swapped_inputs_plan()
-    inputs = {sid for r in plan.regions for sid in r.inputs}
-    replayed = {d.region for d in plan.decisions if d.region is not None}
-    swapped = [d for d in plan.decisions if d.action == "swap" and d.saved_tensor in inputs]
-    assert swapped and replayed == set(range(len(plan.regions)))
-    reference = [run_and_grads(w) for _ in range(2)]
-    with regen.apply(w.model, plan, emulate_link=True) as handle:
-        for ref in reference:  # the verified step, then the pack-order fast path
-            assert_same(ref, run_and_grads(w))
-        step(w)
-        w.model.zero_grad(set_to_none=True)
-        measured = measure_memory(lambda: step(w))
-    assert handle.stats.region_replays == 4 * len(plan.regions) and handle.stats.synchronous_copy_ins == 0
-    assert_nothing_left(handle, w.model)
-    # held by the calls' captures, the swapped inputs stay on the device: 3% over the cap here
-    cap_increase = plan.memory_cap_bytes - profile.memory_at_start_bytes
-    assert measured.peak_increase_bytes <= 1.01 * cap_increase, (measured.peak_increase_bytes, cap_increase)
 
 
 def test_a_replay_stops_at_the_pack_of_its_last_member():

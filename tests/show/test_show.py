@@ -56,22 +56,6 @@ def test_the_summary_shows_module_replays_apart_only_where_the_plan_charged_them
     assert loaded.charges.region_scale is None and "module replays" not in plan_summary(loaded)
 
 
-def test_the_summary_counts_the_replayed_calls_and_their_swapped_inputs(files):
-    from dataclasses import replace
-
-    from regen.formats.plan import ACTION_SWAP, RegionDecision
-    from regen.show import plan_summary
-
-    plan = load_profile_or_plan(files[1])
-    swapped = [d.saved_tensor for d in plan.decisions if d.action == ACTION_SWAP]
-    kept = [d.saved_tensor for d in plan.decisions if d.action != ACTION_SWAP]
-    assert swapped and kept and not plan.regions
-    region = RegionDecision(id=0, module="blocks.0", call=0, first_op=0, last_op=1, replay_before_op=2,
-                            replay_at_unpack=0, inputs=[swapped[0], kept[0]])
-    assert "module replays    1 calls, 1 of their input tensors swapped" in plan_summary(replace(plan, regions=[region]))
-    assert "module replays    " not in plan_summary(plan)
-
-
 def test_profile_or_plan_by_its_format(files, tmp_path):
     profile_path, plan_path = files
     assert isinstance(load_profile_or_plan(profile_path), Profile)

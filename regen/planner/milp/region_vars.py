@@ -8,8 +8,7 @@ For every region R (regen.planner.region_candidates) with a member that has vari
   rebuilds something: `z_R <= sum_t reg_{t,R}` (a replay rebuilding nothing only costs, and the plan
   would not run it);
 * R's arguments are held from the call to the replay: `z_R + (actions of a) <= 1` for each argument
-  candidate a (kept while R is chosen), its swap left out of the sum where R may take a swapped (copied back in
-  by b_R: regen.planner.region_candidates, Note [ A replay's arguments from the host ]);
+  candidate a (kept while R is chosen);
 * at b_R the replay's transient: its intermediates and buffer snapshot (`z_R x transient_bytes`), and
   at most the bytes of every member that R does not rebuild (`m_u (z_R - reg_{u,R})`).
 
@@ -59,18 +58,12 @@ def add_region_vars(model: Model) -> None:
 
 
 def add_region_input_constraints(model: Model) -> None:
-    """A chosen region's argument candidates are kept (the runtime holds them until the replay), or swapped where
-    the region may take them swapped (regen.planner.region_candidates, Note [ A replay's arguments from the
-    host ])."""
+    """A chosen region's argument candidates are kept (the runtime holds them until the replay)."""
     for r, rv in model.regions.items():
-        swappable = set(rv.region.swappable_inputs)
         for a in rv.region.inputs:
             av = model.vars.get(a)
-            if av is None:
-                continue
-            ruled_out = [x for x in av.actions() if a not in swappable or x is not av.swap]
-            if ruled_out:
-                model.prob += rv.z + pulp.lpSum(ruled_out) <= 1, f"reg_input_{r}_{a}"
+            if av is not None and av.actions():
+                model.prob += rv.z + pulp.lpSum(av.actions()) <= 1, f"reg_input_{r}_{a}"
 
 
 def region_time_terms(model: Model) -> dict[int, list]:
