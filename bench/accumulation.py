@@ -5,8 +5,8 @@
 Each decoder of regen.zoo (defaults as shipped) is profiled as `regen profile` takes a step (gradients made in
 backward) and solved with recompute at --cap-fraction of its peak increase, twice: as the profiled loop runs
 (gradients made by each step) and with `gradients_held=True` (`regen solve --gradients-held`: at each op the
-gradients the profiled step had not made before it, regen.planner.held_gradients). Each plan then runs two optimizer steps (AdamW) of
---micro-batches micro-batches accumulating into the same gradients, against the unplanned loop from the same
+gradients the profiled step had not made before it, regen.planner.held_gradients). Each plan then runs two
+optimizer steps (AdamW) of --micro-batches micro-batches accumulating into the same gradients, against the unplanned loop from the same
 state: per plan, the largest allocator peak of a micro-batch that began without gradients and of one that began
 with them, as a fraction of the plan's cap (what the step held at its start, parameters, gradients, optimizer
 state and batch, plus the allocator's peak increase), whether the final parameters and module buffers equal the

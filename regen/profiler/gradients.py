@@ -2,8 +2,8 @@
 
 A post-accumulate-grad hook on every parameter that requires grad and has none yet: the first time autograd
 stores its gradient, the hook notes the last op recorded before it and the gradient's storage bytes (each
-storage once, as `static_memory.gradient_bytes` counts them: a DTensor's by its local shard). A loop that holds its gradients
-from step to step holds, at op t, those made after t (regen.planner.held_gradients).
+storage once, as `static_memory.gradient_bytes` counts them: a DTensor's by its local shard). A loop that holds its
+gradients from step to step holds, at op t, those made after t (regen.planner.held_gradients).
 """
 
 from __future__ import annotations
