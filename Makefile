@@ -22,7 +22,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/regen demo

@@ -8,7 +8,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # plan_choices.py and plans.py, shared by the packages' tests
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# at most 2 intra-op threads, shared among the test processes when pytest-xdist runs several
+_processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _processes))
+# Inductor's CPU kernels unvectorized: what the compiled tests check is the graph regen's plan shapes, not the
+# kernels' instructions, and scalar kernels are generated and built in about two thirds of the time
+torch._inductor.config.cpp.simdlen = 1
 
 
 @pytest.fixture
