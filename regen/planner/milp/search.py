@@ -379,8 +379,10 @@ def no_plan_error(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recomp
 
 def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
                      say: Say, lower: int) -> None:
-    say("the cap is infeasible; searching for the smallest feasible cap")
-    smallest, choices = least_peak_plan(graph, allow_swap, allow_recompute, min(time_limit_s, MIN_CAP_TIME_LIMIT_S))
+    search_s = min(time_limit_s, MIN_CAP_TIME_LIMIT_S)
+    say(f"the cap is infeasible; searching for the smallest feasible cap (up to {search_s:g} s: the search improves "
+        f"its cap until then)")
+    smallest, choices = least_peak_plan(graph, allow_swap, allow_recompute, search_s)
     found = (f"the smallest feasible cap found is {format_bytes(smallest)} ({smallest} bytes)" if smallest is not None
              else "no feasible plan was found at any cap")
     raise InfeasibleCapError(
