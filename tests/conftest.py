@@ -14,6 +14,8 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _processes))
 # Inductor's CPU kernels unvectorized: what the compiled tests check is the graph regen's plan shapes, not the
 # kernels' instructions, and scalar kernels are generated and built in about two thirds of the time
 torch._inductor.config.cpp.simdlen = 1
+if _processes > 1:  # every core runs a test file: Inductor compiles in the test's process, no pool of its own
+    torch._inductor.config.compile_threads = 1
 
 
 @pytest.fixture
