@@ -28,7 +28,7 @@ LINK_RATIO = 0.9  # PCIe next to a fast GPU
 CAP_FRACTION = 0.8  # of the unplanned peak
 STEPS = 3
 VERY_SLOW_BYTES_PER_S = 6e6  # the handmade swap plan's copies take over a second each way
-SLOW_BYTES_PER_S = 2e7  # ... and a tenth of that: still far longer than the tiny model's forward
+SLOW_BYTES_PER_S = 2e7  # ... and under a third of that: still far longer than the tiny model's forward
 
 
 class _Recorder:
