@@ -521,6 +521,84 @@ def test_a_search_that_ends_without_any_plan_names_a_cap_that_has_one(monkeypatc
     assert plan.simulated.peak_bytes <= named
 
 
+def _over_the_cap_then_out_of_time(choices_of, rounds, over_cap_rounds=1):
+    """A solve_model whose first `over_cap_rounds` rounds return the plan `choices_of(model)` (over the cap) and
+    whose next round stops without a plan."""
+    from regen.errors import SolverError
+    from regen.planner.milp.solution import result_from_values
+
+    def solve_model(model, *args, **kwargs):
+        rounds.append(model)
+        if len(rounds) <= over_cap_rounds:
+            return result_from_values(model, choices_of(model), 0.0, None, DEFAULT_REL_GAP, 0.0)
+        raise SolverError("the solver (highs) stopped after 0.0 s without a feasible plan (time limit 0.001 s)")
+
+    return solve_model
+
+
+def test_a_repair_round_that_ends_without_a_plan_keeps_the_feasibility_starts_plan(monkeypatch):
+    """The first round's plan simulates over the cap (as the copy-outs' order can make it), and the repair
+    round's solve ends without a plan in the time left: the feasibility start's plan, which the simulator
+    passes, is the result, though it solved the first round's model, not a SolverError."""
+    from regen.planner import solve
+    from regen.planner.milp import search
+    from regen.planner.result import Choice
+
+    rounds = []
+    keep_everything = lambda model: {c.index: Choice() for c in model.graph.candidates}  # noqa: E731
+    monkeypatch.setattr(search, "warm_start", lambda *args, **kwargs: None)  # so the feasibility start runs
+    monkeypatch.setattr(search, "solve_model", _over_the_cap_then_out_of_time(keep_everything, rounds))
+    profile = transformer_profile(n_layers=3)
+    cap = int(profile.peak_bytes * 0.7)
+    plan = solve(profile, cap, "hybrid", time_limit_s=30)
+    assert len(rounds) == 2 and rounds[0] is not rounds[1]  # a repair round ran on a model of its own
+    assert plan.simulated.peak_bytes <= cap
+    assert plan.action_counts()["swap"] + plan.action_counts()["recompute"] > 0
+
+
+def test_when_every_repair_round_is_over_the_cap_the_feasibility_starts_plan_stands(monkeypatch):
+    """Every round's plan simulates over the cap, up to the last repair round: the feasibility start's plan, which
+    the simulator passes, is the result, not a SolverError."""
+    from regen.planner import solve
+    from regen.planner.milp import search
+    from regen.planner.result import Choice
+
+    rounds = []
+    keep_everything = lambda model: {c.index: Choice() for c in model.graph.candidates}  # noqa: E731
+    monkeypatch.setattr(search, "warm_start", lambda *args, **kwargs: None)
+    monkeypatch.setattr(search, "solve_model", _over_the_cap_then_out_of_time(keep_everything, rounds, 1000))
+    profile = transformer_profile(n_layers=3)
+    cap = int(profile.peak_bytes * 0.7)
+    plan = solve(profile, cap, "hybrid", time_limit_s=30)
+    assert len(rounds) == search.MAX_REPAIR_ROUNDS + 1
+    assert plan.simulated.peak_bytes <= cap
+    assert plan.action_counts()["swap"] + plan.action_counts()["recompute"] > 0
+
+
+def test_a_search_without_a_plan_names_the_least_peak_of_its_own_plans_over_the_cap(monkeypatch):
+    """The solver's plan simulated over the cap, and the repair round and the feasibility start found none: the
+    error names that plan's simulated peak, a cap it fits, where it is below the greedy plans' least."""
+    import re
+
+    from regen.errors import SolverError
+    from regen.planner import solve
+    from regen.planner.milp import search
+
+    profile = transformer_profile(n_layers=3)
+    graph = build_graph(profile)
+    least = search.min_peak_plan(graph, False, True, 10)[0]  # recompute only, about 0.53 of the peak
+    rounds = []
+    monkeypatch.setattr(search, "warm_start", lambda *args, **kwargs: None)
+    monkeypatch.setattr(search, "feasible_solution", lambda *args, **kwargs: None)
+    monkeypatch.setattr(search, "solve_model", _over_the_cap_then_out_of_time(lambda model: least, rounds))
+    cap = int(profile.peak_bytes * 0.5)
+    with pytest.raises(SolverError, match="within the time limit of 20 s") as raised:
+        solve(profile, cap, "hybrid", time_limit_s=20)
+    named = int(re.search(r"a plan fits a cap of [^(]+\((\d+) bytes\)", str(raised.value)).group(1))
+    assert len(rounds) == 2
+    assert cap < named == simulate(graph, least).peak_bytes < search.greedy_least_peak(graph, True, True)[0]
+
+
 def test_a_milp_plan_that_simulates_slower_than_the_warm_start_gives_way_to_it(small_transformer, monkeypatch):
     """The simulator judges time as it judges the peak (Note [ The faster of the MILP's plan and the warm start ]):
     a MILP plan under the cap but slower than the warm start, here a recompute plan solved for a lower cap, is

@@ -104,6 +104,7 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
     if lower > cap:
         raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
     options = MilpOptions(allow_swap=allow_swap, allow_recompute=allow_recompute, rel_gap=rel_gap)
+    over_cap_peaks: list[int] = []  # simulated peaks of the MILP's plans over the cap (each fits its own peak)
     notes = [f"the solver stops at a {100 * rel_gap:g}% relative gap or the time limit"]
     try:
         first = _FirstModel.build(graph, cap, options, deadline, time_limit_s)
@@ -116,7 +117,8 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
             raise_infeasible(graph, cap, allow_swap, allow_recompute, time_limit_s, say, lower)
         result, fallback = None, MILP_ROWS_INFEASIBLE
     else:
-        result, sim, fallback = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower)
+        result, sim, fallback = _solve_and_repair(first, options, warm, deadline, time_limit_s, say, notes, lower,
+                                                  over_cap_peaks)
         if result is not None and start is not None:
             fallback = _slower_than_warm(graph, sim, start.sim)
             result = None if fallback else result
@@ -129,7 +131,7 @@ def plan_with_milp(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recom
     if start is None:  # a loaded machine can leave the MILP without a plan that passes, and no heuristic fits
         raise no_plan_error(graph, cap, allow_swap, allow_recompute,
                             f"no plan under the cap within the time limit of {time_limit_s:g} s ({fallback}, and "
-                            f"no heuristic plan fits it)")
+                            f"no heuristic plan fits it)", over_cap_peaks)
     notes.append(fallback + "; the warm-start plan is used instead")
     say(notes[-1])
     report = SolverReport(name="heuristic", status="heuristic", objective_s=start.sim.step_time_s, bound_s=None,
@@ -169,13 +171,16 @@ class _FirstModel:
 
 
 def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, Choice] | None,
-                      deadline: float, time_limit_s: float, say: Say, notes: list[str],
-                      lower: int) -> tuple[MilpResult | None, SimulationResult | None, str | None]:
+                      deadline: float, time_limit_s: float, say: Say, notes: list[str], lower: int,
+                      over_cap_peaks: list[int]) -> tuple[MilpResult | None, SimulationResult | None, str | None]:
     """The first MILP plan that passes the simulator, with repair rounds, its simulation and None; (None,
-    None, why) when none does and the warm start stands in (why: one of the fallback reasons above)."""
+    None, why) when none does and the warm start stands in (why: one of the fallback reasons above). When a
+    round's solve ends without a plan, or the last round's plan is over the cap, the feasibility start's plan
+    stands if the simulator passes it, whichever round's model it solved. The simulated peaks of the plans over
+    the cap go to `over_cap_peaks`."""
     graph, cap = first.model.graph, first.model.cap_bytes
     warm_values, start = None, warm  # the full MILP's start: on small graphs the LP neighbourhood's plan
-    feasible = None  # without a warm start: the feasibility start's solution of this round's model
+    feasible = None  # without a warm start: the feasibility start's solution (of the round that ran it)
     block_plan, block_sim = None, None  # large graphs: the block search's plan, kept if the full MILP ends worse
     large = is_large(graph, options.allow_swap)
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
@@ -209,13 +214,12 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         except SolverError as exc:
             if block_plan is not None:
                 return block_plan, block_sim, None
-            if feasible is not None and feasible.model is model and \
-                    (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
+            if feasible is not None and (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
                 return kept
             if warm is None:  # the time limit asked for, not what was left of it for this last solve
                 raise no_plan_error(graph, cap, options.allow_swap, options.allow_recompute,
                                     f"the solver (highs) stopped without a feasible plan within the time limit of "
-                                    f"{time_limit_s:g} s") from exc
+                                    f"{time_limit_s:g} s", over_cap_peaks) from exc
             return None, None, MILP_TIMED_OUT
         if block_plan is not None:
             result = better_of(block_plan, result, options.rel_gap)
@@ -223,9 +227,13 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         sim = block_sim if kept_block_plan else simulate(graph, result.choices)
         if sim.fits(cap):
             return result, sim, None
+        if sim.valid and within_host_cap(graph, result.choices):
+            over_cap_peaks.append(sim.peak_bytes)
         say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)
+    if feasible is not None and (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
+        return kept
     return None, None, MILP_PLANS_OVER_CAP
 
 
@@ -258,15 +266,16 @@ def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> FeasibleS
 
 def _feasible_plan(feasible: FeasibleSolution, rel_gap: float,
                    say: Say) -> tuple[MilpResult, SimulationResult, None] | None:
-    """The feasibility start's own plan, when the solve from it ran out of time without a better one and the
-    simulator passes it under the cap (None otherwise): the time spent finding it is not thrown away."""
+    """The feasibility start's own plan, when the solve from it ended without a better one that the simulator
+    passes (out of time, or its plans over the cap) and the simulator passes it under the cap (None otherwise):
+    the time spent finding it is not thrown away."""
     model = feasible.model
     feasible.load()
     choices = read_choices(model)
     sim = simulate(model.graph, choices)
     if not sim.fits(model.cap_bytes):
         return None
-    say("the solve from the feasibility start found nothing better in the time left: its plan stands")
+    say("the solve from the feasibility start found no better plan under the cap in its time: its plan stands")
     objective = pulp.value(model.prob.objective) or 0.0
     return result_from_values(model, choices, objective, None, rel_gap, 0.0), sim, None
 
@@ -367,12 +376,14 @@ def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: Simulatio
                 options.step_margin_bytes[s] = options.step_margin_bytes.get(s, 0) + over
 
 
-def no_plan_error(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, why: str) -> SolverError:
-    """The error for a search that ended without any plan under `cap`, `why` first, naming the least cap the
-    greedy plans reach (a cap where a plan exists for certain; a cap between the two may have one the solver
-    finds with more time)."""
-    least = min(greedy_least_peak(graph, swap, allow_recompute)[0]
-                for swap in ({allow_swap, False} if allow_recompute else {allow_swap}))
+def no_plan_error(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, why: str,
+                  plan_peaks: list[int] = ()) -> SolverError:
+    """The error for a search that ended without any plan under `cap`, `why` first, naming the least cap a plan
+    is known to fit: the greedy plans' least, or the lowest of `plan_peaks` (the simulated peaks of the search's
+    own plans over the cap) where lower (a cap between it and `cap` may have a plan the solver finds with more
+    time)."""
+    least = min([*plan_peaks, *(greedy_least_peak(graph, swap, allow_recompute)[0]
+                                for swap in ({allow_swap, False} if allow_recompute else {allow_swap}))])
     return SolverError(f"{why}: no plan under the cap of {format_bytes(cap)} ({cap} bytes); a plan fits a cap of "
                        f"{format_bytes(least)} ({least} bytes), so raise the cap (to there at most) or time_limit_s")
 
@@ -392,7 +403,8 @@ def raise_infeasible(graph: PlanningGraph, cap: int, allow_swap: bool, allow_rec
 
 
 def min_peak_plan(graph: PlanningGraph, allow_swap: bool, allow_recompute: bool, time_limit_s: float,
-                  warm_start: dict[int, Choice] | None = None) -> tuple[dict[int, Choice], SimulationResult, int] | None:
+                  warm_start: dict[int, Choice] | None = None
+                  ) -> tuple[dict[int, Choice], SimulationResult, int] | None:
     """The min-peak MILP's plan, its simulation and the least cap both the MILP and the simulator give it
     (None when the MILP finds none in time, or its plan is not valid)."""
     try:
