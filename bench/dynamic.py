@@ -74,8 +74,6 @@ from regen.zoo import FAMILIES, ZOO
 CAUSAL_LMS = [f.__name__ for f in FAMILIES["decoder"] + FAMILIES["mixture of experts"]]
 
 IGNORE = -100
-
-
 UNCAPPED = 100  # dynamic-uncapped's cap, in multiples of the others': a cap no step reaches
 
 

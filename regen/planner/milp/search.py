@@ -214,7 +214,7 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         except SolverError as exc:
             if block_plan is not None:
                 return block_plan, block_sim, None
-            if feasible is not None and (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
+            if (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
                 return kept
             if warm is None:  # the time limit asked for, not what was left of it for this last solve
                 raise no_plan_error(graph, cap, options.allow_swap, options.allow_recompute,
@@ -232,7 +232,7 @@ def _solve_and_repair(first: _FirstModel, options: MilpOptions, warm: dict[int, 
         say(f"simulated peak {format_bytes(sim.peak_bytes)} is over the cap (copy-out order); adding FIFO constraints")
         notes.append(f"repair round {round_ + 1}: simulated peak {sim.peak_bytes} over the cap, re-solved")
         add_repairs(graph, result.choices, sim, cap, options)
-    if feasible is not None and (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
+    if (kept := _feasible_plan(feasible, options.rel_gap, say)) is not None:
         return kept
     return None, None, MILP_PLANS_OVER_CAP
 
@@ -264,11 +264,13 @@ def _feasibility_start(model: Model, lp, deadline: float, say: Say) -> FeasibleS
     return feasible
 
 
-def _feasible_plan(feasible: FeasibleSolution, rel_gap: float,
+def _feasible_plan(feasible: FeasibleSolution | None, rel_gap: float,
                    say: Say) -> tuple[MilpResult, SimulationResult, None] | None:
     """The feasibility start's own plan, when the solve from it ended without a better one that the simulator
-    passes (out of time, or its plans over the cap) and the simulator passes it under the cap (None otherwise):
-    the time spent finding it is not thrown away."""
+    passes (out of time, or its plans over the cap) and the simulator passes it under the cap (None otherwise,
+    and without a feasibility start): the time spent finding it is not thrown away."""
+    if feasible is None:
+        return None
     model = feasible.model
     feasible.load()
     choices = read_choices(model)
@@ -377,7 +379,7 @@ def add_repairs(graph: PlanningGraph, choices: dict[int, Choice], sim: Simulatio
 
 
 def no_plan_error(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute: bool, why: str,
-                  plan_peaks: list[int] = ()) -> SolverError:
+                  plan_peaks: tuple[int, ...] | list[int] = ()) -> SolverError:
     """The error for a search that ended without any plan under `cap`, `why` first, naming the least cap a plan
     is known to fit: the greedy plans' least, or the lowest of `plan_peaks` (the simulated peaks of the search's
     own plans over the cap) where lower (a cap between it and `cap` may have a plan the solver finds with more
