@@ -13,6 +13,11 @@ go. So:
   (`packs_no_more()`: its saved set is final), whichever handle it belongs to;
 * a mode its owner lets go while it is not on top is `orphan`ed, and `pop_finished` pops orphaned modes
   once they are on top;
+* a torch function mode of regen's (a pass-through watcher: dynamic mode's backward gate, a recorder's
+  watcher, a tracker's closer) its owner lets go is `take_out`: removed from the stack wherever it is,
+  the modes above it pushed back in their order. Two handles' steps in turn keep each other's watchers
+  off the top, so orphans of that kind were never popped: one more on the stack per step, every torch
+  call of the program passing through each in Python;
 * a dispatch mode pushed with `push_mode(mode, done)` (dynamic mode's: it must see its step's backward,
   which runs after the model returned) is popped by `pop_finished` once it is on top and `done()`: its
   owner needs it no more until it pushes it again. Left pushed, every op of the program between two of
@@ -97,6 +102,19 @@ def orphan(mode) -> None:
                 or any(m is mode for m in _get_current_function_mode_stack()))
     if on_stack and not any(m is mode for m in _orphans):
         _orphans.append(mode)
+
+
+def take_out(mode) -> None:
+    """`mode`, a torch function mode that only watches calls, is no longer wanted: removed from this thread's
+    function-mode stack wherever it is (nothing to do when it is not on it)."""
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        return
+    above = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    _orphans[:] = [m for m in _orphans if m is not mode]
 
 
 def pop_finished() -> None:

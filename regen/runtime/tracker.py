@@ -87,8 +87,8 @@ class ForwardTracker(TorchDispatchMode):
         if _get_current_function_mode() is self.closer:
             self.closer.__exit__(None, None, None)
             self.closer_pushed = False
-        elif force:  # let go: popped once it is on top (regen.runtime.stacks)
-            stacks.orphan(self.closer)
+        elif force:  # let go, wherever it is on the stack
+            stacks.take_out(self.closer)
             self.closer_pushed = False
 
 

@@ -229,7 +229,7 @@ def _hook_stack_depth() -> int:
 def test_two_handles_trained_in_turn_leave_no_hooks_behind(mode):
     """Two models trained in turn (a teacher and a student, two networks of a loop), each under its own
     handle: each step leaves its hooks pushed until the next step (they cannot be popped inside backward),
-    and the next step of either handle pops them, whichever is on top, so the stack does not grow, no
+    and the next step of either handle pops them, whichever is on top, so the stacks do not grow, no
     warning is raised, and after remove() nothing is left; both models' steps stay exact."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -256,6 +256,10 @@ def test_two_handles_trained_in_turn_leave_no_hooks_behind(mode):
             for w, want in zip(models, expected):
                 assert_same(run_and_grads(w), want)
             assert _hook_stack_depth() <= 1  # the last step's, popped when the next step begins
+            # each handle's watchers of its last step at most (a dynamic step's backward gate, a recording step's
+            # watcher), taken out of the stack under the other's when its next step begins: no growth
+            assert len(_get_current_function_mode_stack()) <= 2 * len(handles)
+        assert len(_get_current_function_mode_stack()) <= len(handles)  # no step records any more
     for h in handles:
         h.remove()
     assert _hook_stack_depth() == 0

@@ -267,7 +267,7 @@ class DynamicStep:
         gate, self.gate = self.gate, None
         if gate is not None:
             gate.disarm()
-            stacks.orphan(gate)  # nothing when it never went up
+            stacks.take_out(gate)  # nothing when it never went up
 
     def _figures_at_unpack(self) -> None:
         """Unpack k of a backward without the mode: the recorded live bytes counted, the recorded rise kept free."""

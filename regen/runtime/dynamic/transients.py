@@ -16,7 +16,8 @@ Note [ Recording a step's backward ]
    started or stopped inside a backward is undone there (and one left half on makes a later profiler fail).
    A step that never runs its backward stops recording when the next step starts or the handle goes. The
    mode is popped at the model's next call (regen.runtime.stacks: an orphan from the start), planned,
-   profiled or dynamic: left on, every torch call of the steps after would pass through it.
+   profiled or dynamic, and taken out of the stack wherever it is when the step is over: left on, every torch
+   call of the steps after would pass through it.
 2. Nothing is recorded while another profiler runs (torch.profiler does not nest): a later step tries again.
 3. One step is recorded per call (every op an event: the built-in GPT's first step took 113 ms recorded, 92 ms
    unrecorded, its later steps 72): the engine's first, then a call's second (engine.py, Note [ Temporaries per
@@ -32,7 +33,7 @@ from itertools import accumulate
 from typing import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch.overrides import TorchFunctionMode
 
 from regen.cpu_allocator_events import cpu_allocator_events, every_cpu_allocator_event
 from regen.runtime import stacks
@@ -86,10 +87,7 @@ class TransientRecorder:
         watcher, self._watcher = self._watcher, None
         if watcher is None:
             return
-        if _get_current_function_mode() is watcher:
-            watcher.__exit__(None, None, None)
-        else:  # popped once on top (regen.runtime.stacks)
-            stacks.orphan(watcher)
+        stacks.take_out(watcher)
 
     def _finish(self) -> None:
         if self._prof is not None:
