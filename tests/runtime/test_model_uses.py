@@ -267,6 +267,32 @@ def test_two_handles_trained_in_turn_leave_no_hooks_behind(mode):
     assert not _get_current_dispatch_mode_stack() and not _get_current_function_mode_stack()
 
 
+def test_a_watcher_taken_out_from_under_a_users_function_mode_leaves_the_users_in_place():
+    """regen's pass-through torch function modes are taken out of the stack wherever they are when their step closes
+    (regen.runtime.stacks.take_out): a user's mode above one (`with torch.device(...)`) stays, in its place, and its
+    own exit pops it."""
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    from regen.runtime import stacks
+
+    class Watcher(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    below, mine = Watcher(), Watcher()
+    below.__enter__()
+    mine.__enter__()
+    with torch.device("cpu"):
+        users = _get_current_function_mode_stack()[-1]
+        stacks.take_out(mine)
+        assert _get_current_function_mode_stack() == [below, users]
+        assert torch.empty(1).device.type == "cpu"  # the user's mode still applies
+        stacks.take_out(mine)  # not on the stack any more: nothing to do
+    assert _get_current_function_mode_stack() == [below]
+    stacks.take_out(below)
+    assert _get_current_function_mode_stack() == []
+
+
 def test_a_dynamic_step_over_leaves_no_mode_under_the_next_models_step():
     """Dynamic mode's dispatch mode stays pushed after a step's forward (its backward's ops count against the
     cap), and goes once no step of its handle is alive: another model's step in the same thread, and the
