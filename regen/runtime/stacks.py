@@ -16,8 +16,8 @@ go. So:
 * a torch function mode of regen's (a pass-through watcher: dynamic mode's backward gate, a recorder's
   watcher, a tracker's closer) its owner lets go is `take_out`: removed from the stack wherever it is,
   the modes above it pushed back in their order. Two handles' steps in turn keep each other's watchers
-  off the top, so orphans of that kind were never popped: one more on the stack per step, every torch
-  call of the program passing through each in Python;
+  off the top: popped only once on top, they would stay, one more per step, and every torch call of the
+  program would pass through each in Python;
 * a dispatch mode pushed with `push_mode(mode, done)` (dynamic mode's: it must see its step's backward,
   which runs after the model returned) is popped by `pop_finished` once it is on top and `done()`: its
   owner needs it no more until it pushes it again. Left pushed, every op of the program between two of

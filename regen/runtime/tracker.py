@@ -81,13 +81,9 @@ class ForwardTracker(TorchDispatchMode):
 
     def pop_closer(self, force: bool) -> None:
         """Pop the closer when it is on top of the torch function modes (it is set aside while it handles
-        a call, and stays until the next chance); with force, also forget one no longer on the stack."""
-        if not self.closer_pushed:
-            return
-        if _get_current_function_mode() is self.closer:
-            self.closer.__exit__(None, None, None)
-            self.closer_pushed = False
-        elif force:  # let go, wherever it is on the stack
+        a call, and stays until the next chance); with force, take it out wherever it is on the stack (or
+        forget one no longer on it)."""
+        if self.closer_pushed and (force or _get_current_function_mode() is self.closer):
             stacks.take_out(self.closer)
             self.closer_pushed = False
 
