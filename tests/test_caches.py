@@ -63,3 +63,51 @@ def test_a_handle_turns_the_cache_off_with_one_notice_and_restores_it(dynamic):
     assert len(notices) == 1 and "use_cache=False" in str(notices[0].message)
     assert notices[0].filename == __file__  # points at the caller's line
     assert w.model.config.use_cache is True
+
+
+def _mamba2():
+    """A tiny Mamba2 at its defaults (`use_cache=True`; the slow path: no CUDA kernels on a CPU), dropout-free."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    from regen.workloads import Workload
+
+    torch.manual_seed(0)
+    config = Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                          state_size=8, n_groups=1, chunk_size=8)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return Workload(name="mamba2", model=Mamba2ForCausalLM(config), batch={"input_ids": ids, "labels": ids.clone()},
+                    loss_fn=None)
+
+
+def _loss_and_grads(w) -> tuple:
+    loss = training_step(w).detach()
+    grads = {n: p.grad.clone() for n, p in w.model.named_parameters()}
+    w.model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+def test_a_model_whose_cache_changes_its_numerics_trains_as_with_the_cache_off():
+    """Mamba2's scan also computes the final recurrent state when it has a cache to put it in, and that changes
+    its backward's reductions: with the cache on its gradients differ from the cache-off ones in the last bits.
+    regen's steps run with the cache off, so they equal the unplanned cache-off steps (what Hugging Face's
+    Trainer and checkpointing run) bit for bit, under a plan that recomputes."""
+    from regen.planner import solve
+    from regen.profiler import profile_workload
+
+    w = _mamba2()
+    with training_caches_off(w.model):
+        reference = _loss_and_grads(w)
+    cache_on = _loss_and_grads(w)
+    assert any(not torch.equal(reference[1][k], cache_on[1][k]) for k in reference[1])  # why this test exists
+    profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
+    increase = profile.peak_bytes - profile.memory_at_start_bytes
+    plan = solve(profile, profile.memory_at_start_bytes + increase * 3 // 4, "recompute")
+    assert plan.action_counts()["recompute"] > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrainingCacheNotice)
+        with regen.apply(w.model, plan, on_mismatch="raise") as handle:
+            got = [_loss_and_grads(w) for _ in range(2)]
+    assert handle.stats.planned_steps == 2
+    for loss, grads in got:
+        assert torch.equal(loss, reference[0])
+        assert all(torch.equal(grads[k], reference[1][k]) for k in reference[1])
