@@ -378,7 +378,7 @@ class _SweepProgress:
 def _new_search(model: Model, incumbent: dict[int, Choice], rel_gap: float, lp) -> _Search:
     import numpy as np
 
-    variables = model.prob.variables()
+    variables = model.columns()
     full = RowwiseModel.of(lp if lp is not None else to_highs_lp(model.prob, variables))
     shared = np.ones(len(variables), dtype=bool)
     owned, copies, window_steps, by_step = {}, {}, {}, {}

@@ -33,11 +33,11 @@ class FeasibleSolution:
 
     model: Model
     discrete: dict[str, float]  # the discrete variables' values, by name: the real solve's warm start
-    columns: list[float]  # every variable's value, in `model.prob.variables()` order
+    columns: list[float]  # every variable's value, in `model.columns()` order
 
     def load(self) -> None:
         """Set the model's variables to this solution (to read its plan back when no better one comes)."""
-        for var, value in zip(self.model.prob.variables(), self.columns):
+        for var, value in zip(self.model.columns(), self.columns):
             var.varValue = value
 
 
@@ -46,7 +46,7 @@ def feasible_solution(model: Model, time_limit_s: float, lp=None) -> FeasibleSol
     there is none. `lp`: the model as to_highs_lp built it, when the caller has it (left as it is: the objective
     is dropped in HiGHS's copy)."""
     highspy = require_highspy()
-    variables = model.prob.variables()
+    variables = model.columns()
     lp = lp if lp is not None else to_highs_lp(model.prob, variables)
     h = new_highs(time_limit_s=max(time_limit_s, 1e-3))
     with solver_output_to_stderr():

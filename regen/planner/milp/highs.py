@@ -70,9 +70,9 @@ def size_message(prob: pulp.LpProblem, lp=None) -> str:
         binaries = sum(1 for t in lp.integrality_ if t == require_highspy().HighsVarType.kInteger)
         return (f"MILP: {lp.num_col_} variables ({binaries} binary), {lp.num_row_} constraints, "
                 f"{len(lp.a_matrix_.value_)} nonzeros")
-    cons = constraints_of(prob)
-    binaries = sum(1 for v in prob.variables() if v.cat == pulp.LpInteger)
-    return (f"MILP: {len(prob.variables())} variables ({binaries} binary), {len(cons)} constraints, "
+    cons, variables = constraints_of(prob), prob.variables()
+    binaries = sum(1 for v in variables if v.cat == pulp.LpInteger)
+    return (f"MILP: {len(variables)} variables ({binaries} binary), {len(cons)} constraints, "
             f"{sum(len(c) for c in cons)} nonzeros")
 
 

@@ -150,7 +150,16 @@ class Model:
         # the cap rows (milp/memory_rows.py), by name: the LP relaxation adds them only when violated
         self.cap_rows: list[str] = []
         self.cap_var = None
+        self._columns: list | None = None
         self._build()
+
+    def columns(self) -> list:
+        """Every variable, in the order of the model's HiGHS columns (PuLP's: by name). PuLP finds them by walking
+        every row, a second or more on thousands of candidates, so the list is made once: no row or variable is
+        added after the build."""
+        if self._columns is None:
+            self._columns = self.prob.variables()
+        return self._columns
 
     def _build(self) -> None:
         g, opt, prob = self.graph, self.options, self.prob

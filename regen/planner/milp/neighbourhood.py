@@ -54,5 +54,5 @@ def improve_where_lp_disagrees(model: Model, warm: dict[int, Choice], time_limit
         return warm, None
     say(f"LP neighbourhood: {len(priority) - len(fixed)} candidates free, objective "
         f"{format_duration(result.objective_s, model.graph.time_unit)} (profiled op times)")
-    values = {v.name: float(round(v.varValue or 0.0)) for v in sub.prob.variables() if v.cat == pulp.LpInteger}
+    values = {v.name: float(round(v.varValue or 0.0)) for v in sub.columns() if v.cat == pulp.LpInteger}
     return result.choices, values

@@ -89,7 +89,7 @@ class Relaxation:
 
     def __init__(self, model: Model, time_limit_s: float, lp=None, every_cap_row: bool = False):
         self._highspy = require_highspy()
-        lp = lp if lp is not None else to_highs_lp(model.prob, model.prob.variables())
+        lp = lp if lp is not None else to_highs_lp(model.prob, model.columns())
         integrality = lp.integrality_
         lp.integrality_ = []
         with solver_output_to_stderr():  # the first Highs() of a process prints a banner

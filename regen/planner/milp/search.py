@@ -165,7 +165,7 @@ class _FirstModel:
         model = Model(graph, cap, options)
         if not is_large(graph, options.allow_swap):
             return cls(model, None, None)
-        lp = to_highs_lp(model.prob, model.prob.variables())
+        lp = to_highs_lp(model.prob, model.columns())
         reserve_s = final_check_reserve_s(model, time_limit_s)
         return cls(model, Relaxation(model, deadline - time.perf_counter() - reserve_s, lp), lp)
 
