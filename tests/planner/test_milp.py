@@ -428,6 +428,37 @@ def test_recompute_only_warm_starts_share_work_no_worse_than_without(small_trans
     assert any(ch.rebuilt_with is not None for ch in plans["recompute-only MILP"].values())
 
 
+def test_recompute_only_warm_starts_out_of_time_keep_the_greedy_plan_they_start_from(small_transformer, monkeypatch):
+    """Under a short time limit (or beside the LP relaxation's thread on 2 cores) the recompute-only MILP can stop
+    before a plan of its own (the 32-layer Llama's at 2.5 s); started from the greedy recompute-only plan, it has
+    that one at least, and the hybrid search's warm start can take it."""
+    from regen.errors import SolverError
+    from regen.planner import heuristics
+    from regen.planner.milp import search
+
+    starts = []
+
+    def out_of_time_unless_started(model, time_limit_s, warm_start=None, **kwargs):
+        starts.append(warm_start)
+        if warm_start is None:
+            raise SolverError("the solver (highs) stopped after 1.0 s without a feasible plan (time limit 1 s)")
+        return solve_model(model, 0.05, warm_start=warm_start)  # HiGHS has the start at least
+
+    monkeypatch.setattr(search, "solve_model", out_of_time_unless_started)
+    graph = build_graph(small_transformer)
+    cap = int(small_transformer.peak_bytes * 0.7)
+    assert search.recompute_only_milp_plans(graph, cap, 2) == []
+    greedy = heuristics.greedy(graph, cap, False, True)
+    assert greedy is not None
+    starts.clear()
+    warm = search.warm_start(graph, cap, True, True, 2, lambda _m: None)
+    assert starts and starts[0] == greedy  # the MILP without sharing starts from the greedy plan ...
+    plans = dict(search.recompute_only_milp_plans(graph, cap, 2, greedy))
+    assert set(plans) == {"recompute-only MILP without sharing", "recompute-only MILP"}  # ... and has a plan
+    assert all(simulate(graph, plan).fits(cap) for plan in plans.values())
+    assert warm is not None
+
+
 def test_a_feasibility_start_that_timed_out_is_tried_again_with_the_time_left(monkeypatch):
     """On a loaded machine the first try (a quarter of the time) can end without a plan; the objective's
     search would then take far longer to its first plan, so the feasibility search gets the time left."""
