@@ -46,6 +46,7 @@ BLOCK_IMPROVE_MIN_CANDIDATES = 200  # graphs with more decidable candidates are 
 SWAP_BLOCK_IMPROVE_MIN_CANDIDATES = 60  # with swaps, from this many (Note [ Block search with swaps ])
 # hybrid's recompute-only MILP warm start, up to this many decidable candidates (Note [ Recompute-only warm start ])
 RECOMPUTE_WARM_START_MAX_CANDIDATES = 2000
+MIN_WARM_MILP_S = 1.0  # the least a recompute-only warm-start MILP is given (HiGHS's presolve and its start)
 
 # why the warm start stands in for the MILP's plan
 MILP_TIMED_OUT = "the MILP found no plan within the time limit"
@@ -85,7 +86,10 @@ MILP_SLOWER = "the MILP's plan simulates slower than the warm start ({milp} agai
 # recompute-only MILP does: on 3,000 candidates it takes 6.7 s of a 30 s limit, and the sweeps started from
 # its plan end 1.65% from the LP bound, against 1.03% from the greedy plan.
 # Below it, hybrid should not end worse than recompute alone, so the recompute-only solves get up to half
-# the time limit (they stop sooner at their gap). A 12-layer GPT-2 (273 candidates, link ratio 1.08) solves
+# the time limit together (they stop sooner at their gap), the first as much of it as it takes: split in two
+# halves, a 10-s hybrid solve of a 32-layer Llama (553 candidates) gave each 2.5 s beside the LP thread, neither
+# improved on its start and the plan was the greedy hybrid one (827.2 ms simulated, +15.9%); with the first
+# free to take all 5 s, 786.1 ms (+10.1%), and the same plans as before at 16, 30 and 60 s. A 12-layer GPT-2 (273 candidates, link ratio 1.08) solves
 # recompute-only in 1.8-3.4 s. With a fifth of a 12 s limit (1.2 s a solve) hybrid ended 8.2% slower than the
 # recompute plan once (a 22% cap, a fresh profile) and 0.6-4.9% faster on a stored profile at 18/22/30%; at
 # 6 s, 0.6-2.0% slower. With half: 3.1-7.0% faster at 12 s, and at 6 s from 1.3% slower to 0.6% faster (one
@@ -343,13 +347,17 @@ def recompute_only_milp_plans(graph: PlanningGraph, cap: int, time_limit_s: floa
     """The recompute-only MILP's plans (few binaries: seconds), labelled: first without the rebuilt-with
     options (a plan fast at any size), started from `start` (the greedy recompute-only plan), then with them
     (sharing rebuilt work is often most of what recompute-only plans gain), started from the first plan: each
-    ends no worse than its start even when its share of the time runs out (above ~2,000 candidates it would
-    find no plan of its own in that time; on a 32-layer Llama, none in 2.5 s beside the LP relaxation)."""
+    ends no worse than its start even when its time runs out (above ~2,000 candidates it would find no plan of
+    its own in that time). The first may use all of `time_limit_s`, the second what is left (at least
+    MIN_WARM_MILP_S): on a 32-layer Llama beside the LP relaxation the first needs 3-8 s, and halves of a
+    10-s solve's share (2.5 s each) left both on their start."""
     plans = []
+    share_end = time.perf_counter() + time_limit_s
     for label, rebuilt_with in (("recompute-only MILP without sharing", False), ("recompute-only MILP", True)):
         options = MilpOptions(allow_swap=False, allow_recompute=True, allow_rebuilt_with=rebuilt_with)
-        try:
-            result = solve_model(Model(graph, cap, options), max(1.0, time_limit_s / 2), warm_start=start)
+        try:  # the first may take the whole share (it usually stops at its gap well before), the second the rest
+            result = solve_model(Model(graph, cap, options), max(MIN_WARM_MILP_S, share_end - time.perf_counter()),
+                                 warm_start=start)
         except SolverError:
             continue
         except CapInfeasible:
