@@ -85,15 +85,15 @@ MILP_SLOWER = "the MILP's plan simulates slower than the warm start ({milp} agai
 # Above RECOMPUTE_WARM_START_MAX_CANDIDATES the block sweeps improve on the greedy plans faster than the
 # recompute-only MILP does: on 3,000 candidates it takes 6.7 s of a 30 s limit, and the sweeps started from
 # its plan end 1.65% from the LP bound, against 1.03% from the greedy plan.
-# Below it, hybrid should not end worse than recompute alone, so the recompute-only solves get up to half
-# the time limit together (they stop sooner at their gap), the first as much of it as it takes: split in two
-# halves, a 10-s hybrid solve of a 32-layer Llama (553 candidates) gave each 2.5 s beside the LP thread, neither
-# improved on its start and the plan was the greedy hybrid one (827.2 ms simulated, +15.9%); with the first
-# free to take all 5 s, 786.1 ms (+10.1%); at 16, 30 and 60 s within 0.1% of the halves' plans. A 12-layer GPT-2 (273 candidates, link ratio 1.08) solves
-# recompute-only in 1.8-3.4 s. With a fifth of a 12 s limit (1.2 s a solve) hybrid ended 8.2% slower than the
-# recompute plan once (a 22% cap, a fresh profile) and 0.6-4.9% faster on a stored profile at 18/22/30%; at
-# 6 s, 0.6-2.0% slower. With half: 3.1-7.0% faster at 12 s, and at 6 s from 1.3% slower to 0.6% faster (one
-# run each). On an H200 (GPT-2 at checkpointing's peak, near recompute's smallest cap) hybrid's plan was
+# Below it, hybrid should not end worse than recompute alone, so the recompute-only solves get up to half the time
+# limit together (they stop sooner at their gap), the first as much of it as it takes: split in two halves, a 10-s
+# hybrid solve of a 32-layer Llama (553 candidates) gave each 2.5 s beside the LP thread, neither improved on its
+# start and the plan was the greedy hybrid one (827.2 ms simulated, +15.9%); with the first free to take all 5 s,
+# 786.1 ms (+10.1%); at 16, 30 and 60 s within 0.1% of the halves' plans. A 12-layer GPT-2 (273 candidates, link
+# ratio 1.08) solves recompute-only in 1.8-3.4 s. With a fifth of a 12 s limit (1.2 s a solve) hybrid ended 8.2%
+# slower than the recompute plan once (a 22% cap, a fresh profile) and 0.6-4.9% faster on a stored profile at
+# 18/22/30%; at 6 s, 0.6-2.0% slower. With half: 3.1-7.0% faster at 12 s, and at 6 s from 1.3% slower to 0.6% faster
+# (one run each). On an H200 (GPT-2 at checkpointing's peak, near recompute's smallest cap) hybrid's plan was
 # predicted 1.8x the recompute plan's step, with a fifth.
 
 Say = Callable[[str], None]
