@@ -64,13 +64,14 @@ def value_of(x) -> float:
     return float(x.varValue or 0.0)
 
 
-def size_message(prob: pulp.LpProblem, lp=None) -> str:
-    """The model's size in one line (`lp`: the model as to_highs_lp built it, which has the counts)."""
+def size_message(prob: pulp.LpProblem, lp=None, variables: list | None = None) -> str:
+    """The model's size in one line (`lp`: the model as to_highs_lp built it, which has the counts; `variables`:
+    the problem's, when the caller has them)."""
     if lp is not None:
         binaries = sum(1 for t in lp.integrality_ if t == require_highspy().HighsVarType.kInteger)
         return (f"MILP: {lp.num_col_} variables ({binaries} binary), {lp.num_row_} constraints, "
                 f"{len(lp.a_matrix_.value_)} nonzeros")
-    cons, variables = constraints_of(prob), prob.variables()
+    cons, variables = constraints_of(prob), variables if variables is not None else prob.variables()
     binaries = sum(1 for v in variables if v.cat == pulp.LpInteger)
     return (f"MILP: {len(variables)} variables ({binaries} binary), {len(cons)} constraints, "
             f"{sum(len(c) for c in cons)} nonzeros")
@@ -135,9 +136,10 @@ class BulkHighs(pulp.HiGHS):
     """PuLP's HiGHS interface, with the model passed in one call, a warm start and progress."""
 
     def __init__(self, warm_values: dict[str, float] | None = None,
-                 progress: Callable[[str], None] | None = None, **kwargs):
+                 progress: Callable[[str], None] | None = None, variables: list | None = None, **kwargs):
         super().__init__(**kwargs)
         self.warm_values = warm_values or {}
+        self.variables = variables  # the problem's, in column order, when the caller has them (Model.columns)
         self.progress = progress
         self.info = None
         self.model_status = None
@@ -145,7 +147,8 @@ class BulkHighs(pulp.HiGHS):
     def buildSolverModel(self, lp):  # noqa: N802 (PuLP's name)
         import numpy as np
 
-        variables = lp.variables()
+        # PuLP's dummy column (a constant objective gets one for the solve) is not among the caller's
+        variables = self.variables if self.variables is not None and lp.dummyVar is None else lp.variables()
         lp.solverModel.passModel(to_highs_lp(lp, variables))
         if self.warm_values:
             idx = [v.index for v in variables if v.name in self.warm_values]
@@ -193,11 +196,12 @@ class HighsRun:
 
 
 def run_highs(prob: pulp.LpProblem, time_limit_s: float, rel_gap: float, warm_values: dict[str, float] | None = None,
-              progress: Callable[[str], None] | None = None) -> HighsRun:
-    """Solve `prob` on HiGHS; the values land in its variables."""
+              progress: Callable[[str], None] | None = None, variables: list | None = None) -> HighsRun:
+    """Solve `prob` on HiGHS; the values land in its variables (`variables`: the problem's in PuLP's order, when
+    the caller has them, so PuLP need not walk every row for them once more)."""
     highspy = require_highspy()
-    solver = BulkHighs(warm_values=warm_values, progress=progress, msg=False, timeLimit=time_limit_s,
-                       gapRel=rel_gap, threads=SOLVER_THREADS)
+    solver = BulkHighs(warm_values=warm_values, progress=progress, variables=variables, msg=False,
+                       timeLimit=time_limit_s, gapRel=rel_gap, threads=SOLVER_THREADS)
     t0 = time.perf_counter()
     with solver_output_to_stderr():
         status = prob.solve(solver)

@@ -315,6 +315,7 @@ def warm_start(graph: PlanningGraph, cap: int, allow_swap: bool, allow_recompute
     greedy = heuristics.greedy(graph, cap, allow_swap, allow_recompute)
     if greedy is not None:
         candidates.append(("greedy", greedy))
+    greedy_recompute = None
     if allow_swap and allow_recompute:  # the swapping greedy can stall past the cap where recompute fits
         greedy_recompute = heuristics.greedy(graph, cap, False, True)
         if greedy_recompute is not None:

@@ -51,14 +51,14 @@ def solve_model(model: Model, time_limit_s: float, rel_gap: float = DEFAULT_REL_
     The warm start is a plan (`warm_start`) or the values of discrete variables by name (`warm_values`,
     e.g. from the block search), which take precedence."""
     if progress:
-        progress(size_message(model.prob))
+        progress(size_message(model.prob, variables=model.columns()))
     warm = warm_start_values(model, warm_start) if warm_start is not None else None
     if warm_values is not None:
         warm = dict(warm or {}, **warm_values)
     if progress:
         progress(f"solver highs started (time limit {time_limit_s:g} s, stops at a {100 * rel_gap:g}% gap, "
                  f"{SOLVER_THREADS} threads)")
-    run = run_highs(model.prob, time_limit_s, rel_gap, warm_values=warm, progress=progress)
+    run = run_highs(model.prob, time_limit_s, rel_gap, warm_values=warm, progress=progress, variables=model.columns())
     if run.infeasible:
         raise CapInfeasible()
     if not run.has_solution:
