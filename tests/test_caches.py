@@ -79,11 +79,11 @@ def _mamba2():
                     loss_fn=None)
 
 
-def _loss_and_grads(w) -> tuple:
+def _loss_grads_and_buffers(w) -> tuple:
     loss = training_step(w).detach()
     grads = {n: p.grad.clone() for n, p in w.model.named_parameters()}
     w.model.zero_grad(set_to_none=True)
-    return loss, grads
+    return loss, grads, {n: b.clone() for n, b in w.model.named_buffers()}
 
 
 def test_a_model_whose_cache_changes_its_numerics_trains_as_with_the_cache_off():
@@ -96,8 +96,8 @@ def test_a_model_whose_cache_changes_its_numerics_trains_as_with_the_cache_off()
 
     w = _mamba2()
     with training_caches_off(w.model):
-        reference = _loss_and_grads(w)
-    cache_on = _loss_and_grads(w)
+        reference = _loss_grads_and_buffers(w)
+    cache_on = _loss_grads_and_buffers(w)
     assert any(not torch.equal(reference[1][k], cache_on[1][k]) for k in reference[1])  # why this test exists
     profile = profile_workload(w, device="cpu", repeats=1, warmup_steps=1, progress=None)
     increase = profile.peak_bytes - profile.memory_at_start_bytes
@@ -106,8 +106,10 @@ def test_a_model_whose_cache_changes_its_numerics_trains_as_with_the_cache_off()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TrainingCacheNotice)
         with regen.apply(w.model, plan, on_mismatch="raise") as handle:
-            got = [_loss_and_grads(w) for _ in range(2)]
+            got = [_loss_grads_and_buffers(w) for _ in range(2)]
     assert handle.stats.planned_steps == 2
-    for loss, grads in got:
+    for loss, grads, buffers in got:
         assert torch.equal(loss, reference[0])
         assert all(torch.equal(grads[k], reference[1][k]) for k in reference[1])
+        assert buffers.keys() == reference[2].keys()
+        assert all(torch.equal(buffers[k], reference[2][k]) for k in reference[2])
